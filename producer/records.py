@@ -1,0 +1,120 @@
+"""Builders of ledger records from what a rank observed.
+
+Shared by the vLLM probes and the synthetic engine, so both emit exactly the
+same shapes. Inputs are numpy arrays or lists; outputs are dicts ready for
+the Avro writer (`kvledger.schemas`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from kvledger.schemas import pack_i32, pack_i64, pack_u64
+from kvledger.schemas.packing import length_term, mix_blocks, position_weights
+from kvledger.schemas.registry import HEALTH, RANK_INFO, SNAPSHOT, STEP
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    engine_id: str
+    dp_rank: int = 0
+    tp_rank: int = 0
+    pp_rank: int = 0
+    incarnation: int = 0
+
+
+def envelope(rank: RankIdentity, seq: int, emitted_at_us: int, body_name: str, body: dict) -> dict:
+    return {
+        "engine_id": rank.engine_id,
+        "dp_rank": rank.dp_rank,
+        "tp_rank": rank.tp_rank,
+        "pp_rank": rank.pp_rank,
+        "incarnation": rank.incarnation,
+        "seq": seq,
+        "emitted_at_us": emitted_at_us,
+        "body": (body_name, body),
+    }
+
+
+def kv_group(group_id: int, kind: str, block_size: int, num_blocks: int, sliding_window: int | None = None) -> dict:
+    return {"group_id": group_id, "kind": kind, "block_size": block_size, "num_blocks": num_blocks,
+            "sliding_window": sliding_window}
+
+
+def rank_info(*, dp_size: int, tp_size: int, pp_size: int, kv_groups: list[dict], vllm_version: str,
+              runner: str, pd_role: str = "NONE", capabilities: Sequence[tuple[str, bool, str | None]] = (),
+              full_rows: bool = False, snapshot_interval: int = 0) -> tuple[str, dict]:
+    return RANK_INFO, {
+        "dp_size": dp_size, "tp_size": tp_size, "pp_size": pp_size, "pd_role": pd_role,
+        "vllm_version": vllm_version, "runner": runner, "kv_groups": kv_groups,
+        "capabilities": [{"name": n, "available": a, "reason": r} for n, a, r in capabilities],
+        "full_rows": full_rows, "snapshot_interval": snapshot_interval,
+    }
+
+
+def slot_runs(slot_mapping: np.ndarray) -> bytes:
+    """Compress a slot mapping into packed (start, length) runs (see the schema)."""
+    slots = np.asarray(slot_mapping, dtype=np.int64)
+    if slots.size == 0:
+        return b""
+    prev, cur = slots[:-1], slots[1:]
+    continues = ((prev >= 0) & (cur == prev + 1)) | ((prev < 0) & (cur < 0))
+    starts = np.flatnonzero(np.concatenate([[True], ~continues]))
+    lengths = np.diff(np.append(starts, slots.size))
+    run_starts = np.where(slots[starts] < 0, -1, slots[starts])
+    return pack_i64(np.column_stack([run_starts, lengths]).ravel())
+
+
+def row_digests(rows: Sequence[np.ndarray]) -> np.ndarray:
+    """Digests (kvledger.schemas.row_digest) of several rows at once."""
+    lens = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    if lens.sum() == 0:
+        return np.full(len(rows), length_term(0), np.uint64)
+    flat = np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])
+    starts = np.cumsum(lens) - lens
+    pos = np.arange(flat.size) - np.repeat(starts, lens)
+    with np.errstate(over="ignore"):
+        terms = mix_blocks(flat) * position_weights(0, int(lens.max()))[pos]
+        sums = np.add.reduceat(terms, np.minimum(starts, flat.size - 1), dtype=np.uint64)
+        sums[lens == 0] = 0
+        return sums + lens.astype(np.uint64) * np.uint64(length_term(1))
+
+
+def group_plan(group_id: int, slot_mapping: np.ndarray, num_real: int, rows: Sequence[np.ndarray],
+               full_rows: bool = False) -> dict:
+    lens = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
+    return {
+        "group_id": group_id,
+        "slot_runs": slot_runs(slot_mapping),
+        "num_real": int(num_real),
+        "num_padding": int(len(slot_mapping) - num_real),
+        "row_lens": lens.tobytes(),
+        "row_digests": pack_u64(row_digests(rows)),
+        "rows": pack_i32(np.concatenate(rows)) if full_rows and len(rows) else (b"" if full_rows else None),
+    }
+
+
+def step_plan(req_indices, num_tokens, first_positions, groups: list[dict]) -> dict:
+    return {
+        "req_indices": pack_i32(req_indices),
+        "num_tokens": pack_i32(num_tokens),
+        "first_positions": pack_i32(first_positions),
+        "groups": groups,
+    }
+
+
+def step(step: int, kind: str, inp: dict | None, plan: dict | None) -> tuple[str, dict]:
+    return STEP, {"step": step, "kind": kind, "input": inp, "plan": plan}
+
+
+def snapshot(step: int, requests: list[tuple[int, str, int, list[np.ndarray]]]) -> tuple[str, dict]:
+    return SNAPSHOT, {"step": step, "requests": [
+        {"req_index": i, "req_id": r, "num_computed_tokens": c, "block_ids": [pack_i32(b) for b in blocks]}
+        for i, r, c, blocks in requests]}
+
+
+def health(step: int, captured: int, dropped: int, probe_ns: int, capacity: int, high_water: int) -> tuple[str, dict]:
+    return HEALTH, {"step": step, "events_captured": captured, "events_dropped": dropped, "probe_ns": probe_ns,
+                    "buffer_capacity": capacity, "buffer_high_water": high_water}

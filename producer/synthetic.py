@@ -1,0 +1,631 @@
+"""A synthetic engine: realistic ledger streams without vLLM, with injectable faults.
+
+A small model of vLLM's v1 scheduler (block pool with prefix caching, chunked
+prefill, preemption and resume, sliding-window groups that free blocks the
+workers are never told about) drives a model of the worker (persistent block
+tables, slot mappings, padded batches). Every TP/PP rank records the same
+step, as real ranks do. Faults are injected where a real bug would sit: in
+the scheduler's allocation or in the plan one rank builds.
+
+Used by the tests (property-based: clean streams are silent, each fault is
+caught), the benchmarks and the demo.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+from kvledger.producer import records
+from kvledger.producer.records import RankIdentity
+from kvledger.schemas import pack_i32
+
+FAULTS = (
+    "slot_shift",  # one request's slots are off by one: write_target_mismatch
+    "stale_position",  # a request's positions ignore its computed tokens: write_target_mismatch
+    "block_swap",  # two blocks of the row attention reads are swapped: read_target_mismatch
+    "foreign_write",  # a token is written into another live request's block: foreign_block_write
+    "padding_write",  # a padding slot writes into a live block: unowned_write
+    "recycled_block",  # the allocator hands out a block another request holds: foreign_block_write
+    "block_out_of_range",  # the allocator hands out a block id past the pool: block_out_of_range
+    "rank_divergence",  # one TP rank builds a different plan: rank_divergence
+    "rank_missing",  # one rank never records a step: rank_missing
+    "sequence_gap",  # one rank's event is lost: sequence_gap
+    "duplicate_event",  # one rank's event is appended twice: duplicate_event
+)
+
+# Violation kinds each fault may produce; the first is the one it must produce.
+FAULT_KINDS = {
+    "slot_shift": ("write_target_mismatch", "foreign_block_write", "block_out_of_range", "rank_divergence"),
+    "stale_position": ("write_target_mismatch", "foreign_block_write", "block_out_of_range", "rank_divergence"),
+    "block_swap": ("read_target_mismatch", "rank_divergence"),
+    "foreign_write": ("foreign_block_write", "write_target_mismatch", "rank_divergence"),
+    "padding_write": ("unowned_write", "rank_divergence"),
+    "recycled_block": ("foreign_block_write",),
+    "block_out_of_range": ("block_out_of_range",),
+    "rank_divergence": ("rank_divergence", "write_target_mismatch", "foreign_block_write", "block_out_of_range"),
+    "rank_missing": ("rank_missing",),
+    "sequence_gap": ("sequence_gap", "rank_missing"),
+    "duplicate_event": ("duplicate_event",),
+}
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    kind: str = "FULL_ATTENTION"
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: str
+    step: int  # the first step at or after which a target is found
+    tp_rank: int = 0
+    pp_rank: int = 0
+    group: int = 0
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    seed: int = 0
+    engine_id: str = "sim-engine"
+    steps: int = 200
+    dp_rank: int = 0
+    tp_size: int = 1
+    pp_size: int = 1
+    groups: tuple[GroupSpec, ...] = (GroupSpec(),)
+    block_size: int = 16
+    num_blocks: int = 256  # one pool shared by all groups, block 0 is the null block
+    max_num_seqs: int = 16
+    max_batched_tokens: int = 256
+    arrival_rate: float = 0.5  # expected new requests per step
+    max_requests: int | None = None
+    prompt_len: tuple[int, int] = (8, 200)
+    output_len: tuple[int, int] = (1, 64)
+    shared_prefixes: int = 3  # distinct shared prompt prefixes
+    shared_prefix_prob: float = 0.4
+    prefix_caching: bool = True  # ignored when a sliding-window group exists
+    pad_to: int = 8
+    snapshot_interval: int = 50
+    health_interval: int = 50
+    dummy_every: int = 0
+    full_rows: bool = False
+    faults: tuple[FaultSpec, ...] = ()
+    incarnation: int = 1
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A violation an injected fault must produce."""
+
+    fault: str
+    kind: str
+    engine_id: str
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    step: int | None
+    req_id: str | None
+    group: int | None
+
+
+@dataclass
+class _Request:
+    req_id: str
+    index: int
+    tokens: list[int]
+    num_prompt: int
+    max_output: int
+    computed: int = 0
+    blocks: list[list[int]] = field(default_factory=list)  # scheduler view, per group
+    seen: bool = False  # the worker knows it
+    resumed: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) - self.num_prompt >= self.max_output
+
+
+class _BlockPool:
+    """Free queue with prefix-cache hashes, like vLLM's BlockPool (simplified)."""
+
+    def __init__(self, num_blocks: int):
+        self.free: deque[int] = deque(range(1, num_blocks))
+        self.ref = [0] * num_blocks
+        self.hash_of: dict[int, int] = {}
+        self.block_of: dict[int, int] = {}
+
+    def take(self, n: int) -> list[int] | None:
+        if len(self.free) < n:
+            return None
+        out = [self.free.popleft() for _ in range(n)]
+        for b in out:
+            self.ref[b] = 1
+            h = self.hash_of.pop(b, None)
+            if h is not None:
+                del self.block_of[h]
+        return out
+
+    def share(self, block: int) -> None:
+        if self.ref[block] == 0:
+            self.free.remove(block)
+        self.ref[block] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for b in reversed(blocks):
+            if not 0 < b < len(self.ref):
+                continue
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free.append(b)
+
+    def cache(self, block_hash: int, block: int) -> None:
+        if block_hash not in self.block_of and block not in self.hash_of:
+            self.block_of[block_hash] = block
+            self.hash_of[block] = block_hash
+
+
+class SyntheticEngine:
+    """Generates the ledger events of every rank of one engine, step by step."""
+
+    def __init__(self, config: SimConfig):
+        self.cfg = c = config
+        self.rng = random.Random(c.seed)
+        self.bs = c.block_size
+        self.pool = _BlockPool(c.num_blocks)
+        self.has_window = any(g.kind == "SLIDING_WINDOW" for g in c.groups)
+        self.prefix_caching = c.prefix_caching and not self.has_window
+        self.prefixes = [[self.rng.randrange(1000) for _ in range(self.rng.randrange(16, 80))]
+                         for _ in range(c.shared_prefixes)]
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.finished_ids: list[str] = []
+        self.preempted_ids: list[str] = []
+        self.next_index = 0
+        self.worker_rows: dict[int, list[list[int]]] = {}  # req_index -> per group (worker view)
+        self.worker_ids: dict[int, str] = {}
+        self.ranks = [RankIdentity(c.engine_id, c.dp_rank, tp, pp, c.incarnation)
+                      for pp in range(c.pp_size) for tp in range(c.tp_size)]
+        self.seq = dict.fromkeys(self.ranks, 0)
+        self.expected: list[Expected] = []
+        # What the stream exercised, so tests can insist on realistic coverage.
+        self.stats = Counter()
+        self._pending_faults = sorted(c.faults, key=lambda f: f.step)
+        self.clock_us = 1_700_000_000_000_000
+
+    # -- public --------------------------------------------------------------------------------
+    def events(self) -> Iterator[dict]:
+        """All events of all ranks, ranks interleaved step by step."""
+        yield from self._emit_all(self._rank_info())
+        for step in range(self.cfg.steps):
+            if self.cfg.dummy_every and step % self.cfg.dummy_every == self.cfg.dummy_every - 1:
+                yield from self._emit_all(records.step(step, "DUMMY", None, self._dummy_plan()))
+                continue
+            yield from self._real_step(step)
+            if self.cfg.snapshot_interval and step % self.cfg.snapshot_interval == self.cfg.snapshot_interval - 1:
+                yield from self._emit_all(self._snapshot(step))
+            if self.cfg.health_interval and step % self.cfg.health_interval == self.cfg.health_interval - 1:
+                yield from self._emit_all(records.health(step, step + 1, 0, 0, 4096, 1))
+
+    # -- emission -----------------------------------------------------------------------------
+    def _emit(self, rank: RankIdentity, body: tuple[str, dict]) -> dict:
+        seq = self.seq[rank]
+        self.seq[rank] += 1
+        self.clock_us += 1000
+        return records.envelope(rank, seq, self.clock_us, *body)
+
+    def _emit_all(self, body: tuple[str, dict]) -> Iterator[dict]:
+        for rank in self.ranks:
+            yield self._emit(rank, body)
+
+    def _rank_info(self) -> tuple[str, dict]:
+        c = self.cfg
+        groups = [records.kv_group(i, g.kind, self.bs, c.num_blocks, g.sliding_window) for i, g in enumerate(c.groups)]
+        return records.rank_info(dp_size=1, tp_size=c.tp_size, pp_size=c.pp_size, kv_groups=groups,
+                                 vllm_version="synthetic", runner="synthetic",
+                                 capabilities=[("step_input", True, None), ("step_plan", True, None)],
+                                 full_rows=c.full_rows, snapshot_interval=c.snapshot_interval)
+
+    def _snapshot(self, step: int) -> tuple[str, dict]:
+        reqs = []
+        for r in self.running:
+            if r.index in self.worker_rows:
+                reqs.append((r.index, r.req_id, r.computed, [np.array(b) for b in self.worker_rows[r.index]]))
+        return records.snapshot(step, reqs)
+
+    def _dummy_plan(self) -> dict:
+        groups = [records.group_plan(g, np.full(self.cfg.pad_to, -1), 0, []) for g in range(len(self.cfg.groups))]
+        return records.step_plan([], [], [], groups)
+
+    # -- faults --------------------------------------------------------------------------------
+    def _faults_due(self, step: int) -> list[FaultSpec]:
+        return [f for f in self._pending_faults if f.step <= step]
+
+    def _expect(self, fault: FaultSpec, kind: str, step: int | None, req_id=None, group=None, rank=None) -> None:
+        rank = rank or self.ranks[0]
+        self.expected.append(Expected(fault.kind, kind, rank.engine_id, rank.dp_rank, rank.tp_rank, rank.pp_rank,
+                                      step, req_id, group))
+        if fault in self._pending_faults:
+            self._pending_faults.remove(fault)
+
+    def _expect_on_all_ranks(self, fault: FaultSpec, kind: str, step: int, req_id: str, group: int) -> None:
+        for rank in self.ranks:  # every rank executes the scheduler's bad decision
+            self._expect(fault, kind, step, req_id, group, rank)
+
+    def _take_event_fault(self, step: int, rank: RankIdentity) -> FaultSpec | None:
+        for fault in self._faults_due(step):
+            if fault.kind in _EVENT_FAULTS and (fault.tp_rank, fault.pp_rank) == (rank.tp_rank, rank.pp_rank):
+                self._pending_faults.remove(fault)
+                return fault
+        return None
+
+    # -- scheduler -----------------------------------------------------------------------------
+    def _arrivals(self) -> None:
+        c = self.cfg
+        if c.max_requests is not None and self.next_index >= c.max_requests:
+            return
+        n = sum(self.rng.random() < c.arrival_rate / 4 for _ in range(4))
+        for _ in range(n):
+            length = self.rng.randint(*c.prompt_len)
+            prompt = [self.rng.randrange(1000) for _ in range(length)]
+            if self.prefixes and self.rng.random() < c.shared_prefix_prob:
+                prefix = self.rng.choice(self.prefixes)
+                prompt = (prefix + prompt)[: max(length, len(prefix) + 1)]
+            self.waiting.append(_Request(f"req-{self.next_index}", self.next_index, prompt, len(prompt),
+                                         self.rng.randint(*c.output_len)))
+            self.next_index += 1
+
+    def _block_hashes(self, req: _Request, n_blocks: int) -> list[int]:
+        out, h = [], 0
+        for i in range(n_blocks):
+            h = hash((h, tuple(req.tokens[i * self.bs : (i + 1) * self.bs])))
+            out.append(h)
+        return out
+
+    def _free_out_of_window(self, req: _Request) -> None:
+        for g, spec in enumerate(self.cfg.groups):
+            if spec.kind != "SLIDING_WINDOW":
+                continue
+            skipped = max(req.computed - spec.sliding_window + 1, 0) // self.bs
+            row = req.blocks[g]
+            freed = [b for b in row[:skipped] if b != 0]
+            row[:skipped] = [0] * min(skipped, len(row))
+            self.pool.release(freed)
+            self.stats["window_freed_blocks"] += len(freed)
+
+    def _allocate(self, req: _Request, upto_tokens: int, step: int) -> list[list[int]] | None:
+        """Blocks appended per group to cover `upto_tokens`, or None when the pool is short."""
+        need = -(-upto_tokens // self.bs)
+        counts = [max(need - len(row), 0) for row in req.blocks]
+        got = self.pool.take(sum(counts))
+        if got is None:
+            return None
+        appended, at = [], 0
+        for g, n in enumerate(counts):
+            new = got[at : at + n]
+            at += n
+            new = self._maybe_corrupt_allocation(req, g, new, step)
+            req.blocks[g].extend(new)
+            appended.append(new)
+        return appended
+
+    def _maybe_corrupt_allocation(self, req: _Request, g: int, new: list[int], step: int) -> list[int]:
+        for fault in self._faults_due(step):
+            if fault.group != g or not new or fault.kind not in ("recycled_block", "block_out_of_range"):
+                continue
+            if fault.kind == "block_out_of_range":
+                self._pending_faults.remove(fault)
+                self._expect_on_all_ranks(fault, "block_out_of_range", step, req.req_id, g)
+                self.pool.release(new[-1:])
+                return [*new[:-1], self.cfg.num_blocks + 7]
+            # recycled_block: a block another running request holds at another position.
+            pos = len(req.blocks[g])
+            for other in self.running:
+                if other is req or len(other.blocks[g]) == 0:
+                    continue
+                cands = [(j, b) for j, b in enumerate(other.blocks[g]) if b != 0 and j != pos and b not in req.blocks[g]]
+                if cands:
+                    _, victim = cands[-1]
+                    self.pool.release([new[0]])
+                    self.pool.share(victim)
+                    new = [victim, *new[1:]]
+                    self._pending_faults.remove(fault)
+                    self._expect_on_all_ranks(fault, "foreign_block_write", step, req.req_id, g)
+                    return new
+        return new
+
+    def _release(self, req: _Request) -> None:
+        for row in req.blocks:
+            self.pool.release(row)
+        req.blocks = [[] for _ in self.cfg.groups]
+
+    def _preempt(self, victim: _Request) -> None:
+        self.running.remove(victim)
+        self._release(victim)
+        victim.computed = 0
+        victim.resumed = victim.seen
+        self.waiting.appendleft(victim)
+        self.preempted_ids.append(victim.req_id)
+        self.stats["preemptions"] += 1
+
+    def _schedule(self, step: int):
+        """One scheduler step: (scheduled [(req, n_new, appended, kind)], finished, preempted)."""
+        budget = self.cfg.max_batched_tokens
+        scheduled = []
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # preempted by an earlier request this step
+            n_new = min(req.num_tokens - req.computed, budget)
+            if n_new <= 0:
+                continue
+            self._free_out_of_window(req)
+            while (appended := self._allocate(req, req.computed + n_new, step)) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                scheduled = [s for s in scheduled if s[0] is not victim]
+                if victim is req:
+                    break
+            if appended is None:
+                continue
+            scheduled.append((req, n_new, appended, "cached"))
+            budget -= n_new
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            req.blocks = [[] for _ in self.cfg.groups]
+            self._prefix_hits(req)
+            n_new = min(req.num_tokens - req.computed, budget)
+            appended = self._allocate(req, req.computed + n_new, step)
+            if appended is None:
+                self._release(req)
+                req.computed = 0
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            scheduled.append((req, n_new, appended, "resumed" if req.resumed else "new"))
+            self.stats["resumes" if req.resumed else "admissions"] += 1
+            if req.computed + n_new < req.num_prompt:
+                self.stats["chunked_prefills"] += 1
+            budget -= n_new
+        return scheduled
+
+    def _prefix_hits(self, req: _Request) -> None:
+        req.computed = 0
+        if not self.prefix_caching:
+            return 0
+        max_blocks = (req.num_tokens - 1) // self.bs  # vLLM recomputes at least the last token
+        for h in self._block_hashes(req, max_blocks):
+            block = self.pool.block_of.get(h)
+            if block is None:
+                break
+            self.pool.share(block)
+            req.blocks[0].append(block)
+            self.stats["prefix_hit_blocks"] += 1
+        req.computed = len(req.blocks[0]) * self.bs
+
+    def _after_execute(self, scheduled) -> None:
+        for req, n_new, _, _ in scheduled:
+            req.computed += n_new
+            if self.prefix_caching:
+                full = min(req.computed, req.num_prompt) // self.bs
+                for i, h in enumerate(self._block_hashes(req, full)):
+                    self.pool.cache(h, req.blocks[0][i])
+            if req.computed == req.num_tokens:
+                req.tokens.append(self.rng.randrange(1000))
+                if req.done:
+                    self.running.remove(req)
+                    self._release(req)
+                    self.finished_ids.append(req.req_id)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _real_step(self, step: int) -> Iterator[dict]:
+        self._arrivals()
+        finished, self.finished_ids = self.finished_ids, []
+        preempted_before = len(self.preempted_ids)
+        scheduled = self._schedule(step)
+        preempted = self.preempted_ids[preempted_before:]
+        self.preempted_ids = []
+        inp = self._step_input(scheduled, finished, preempted)
+        base_plan = self._plan(scheduled)
+        self._after_execute(scheduled)
+        for rank in self.ranks:
+            body = records.step(step, "REAL", inp, self._faulty_plan(step, rank, base_plan))
+            fault = self._take_event_fault(step, rank)
+            if fault is None:
+                yield self._emit(rank, body)
+            elif fault.kind == "rank_missing":  # never recorded: no hole in its sequence
+                self._expect(fault, "rank_missing", step, rank=rank)
+            elif fault.kind == "sequence_gap":  # recorded, then lost
+                self.seq[rank] += 1
+                self._expect(fault, "sequence_gap", None, rank=rank)
+            else:  # duplicate_event
+                event = self._emit(rank, body)
+                self._expect(fault, "duplicate_event", None, rank=rank)
+                yield event
+                yield event
+
+    def _step_input(self, scheduled, finished, preempted) -> dict:
+        new_reqs, cached, appends, resumed = [], [], [], []
+        for req, n_new, appended, kind in scheduled:
+            if kind == "new":
+                req.seen = True
+                new_reqs.append({"req_index": req.index, "req_id": req.req_id,
+                                 "block_ids": [pack_i32(row) for row in req.blocks],
+                                 "num_computed_tokens": req.computed, "num_prompt_tokens": req.num_prompt,
+                                 "num_scheduled_tokens": n_new})
+                self.worker_rows[req.index] = [list(row) for row in req.blocks]
+                self.worker_ids[req.index] = req.req_id
+                continue
+            cached.append((req.index, req.computed, n_new))
+            rows = self.worker_rows[req.index]
+            if kind == "resumed":
+                resumed.append(req.index)
+                req.resumed = False
+                for g, row in enumerate(req.blocks):
+                    appends.append({"req_index": req.index, "group_id": g, "block_ids": pack_i32(row)})
+                    rows[g] = list(row)
+            else:
+                for g, new in enumerate(appended):
+                    if new:
+                        appends.append({"req_index": req.index, "group_id": g, "block_ids": pack_i32(new)})
+                        rows[g].extend(new)
+        for req_id in finished:
+            index = int(req_id.split("-")[1])
+            self.worker_rows.pop(index, None)
+        cols = np.array(cached, dtype=np.int64).reshape(-1, 3)
+        return {
+            "new_reqs": new_reqs,
+            "cached_req_indices": pack_i32(cols[:, 0]),
+            "cached_num_computed_tokens": pack_i32(cols[:, 1]),
+            "cached_num_scheduled_tokens": pack_i32(cols[:, 2]),
+            "resumed_req_indices": pack_i32(resumed),
+            "new_block_ids": appends,
+            "finished_req_ids": finished,
+            "preempted_req_ids": preempted,
+            "block_ids_to_zero": b"",
+            "block_copies": b"",
+        }
+
+    def _plan(self, scheduled) -> dict:
+        """The plan a correct worker builds; a dict of numpy arrays, encoded per rank."""
+        order = [s for s in scheduled if s[3] == "cached"] + [s for s in scheduled if s[3] != "cached"]
+        indices = [req.index for req, *_ in order]
+        num_tokens = np.array([n for _, n, *_ in order], dtype=np.int64)
+        first = np.array([req.computed for req, *_ in order], dtype=np.int64)
+        total = int(num_tokens.sum())
+        tok_req = np.repeat(np.arange(len(order)), num_tokens)
+        pos = (first[tok_req] + np.arange(total) - np.repeat(np.cumsum(num_tokens) - num_tokens, num_tokens)
+               if total else np.empty(0, np.int64))
+        padded = -(-total // self.cfg.pad_to) * self.cfg.pad_to if total else 0
+        groups = []
+        for g in range(len(self.cfg.groups)):
+            rows = [np.array(self.worker_rows[i][g], dtype=np.int64) for i in indices]
+            slots = np.full(padded, -1, dtype=np.int64)
+            for t in range(total):
+                row = rows[tok_req[t]]
+                slots[t] = row[pos[t] // self.bs] * self.bs + pos[t] % self.bs
+            groups.append({"slots": slots, "rows": rows})
+        return {"indices": indices, "num_tokens": num_tokens, "first": first, "total": total, "groups": groups,
+                "tok_req": tok_req, "pos": pos}
+
+    def _encode_plan(self, p: dict) -> dict:
+        groups = [records.group_plan(g, gp["slots"], p["total"], gp["rows"], self.cfg.full_rows)
+                  for g, gp in enumerate(p["groups"])]
+        return records.step_plan(p["indices"], p["num_tokens"], p["first"], groups)
+
+    def _faulty_plan(self, step: int, rank: RankIdentity, base: dict) -> dict:
+        for fault in self._faults_due(step):
+            if (fault.tp_rank, fault.pp_rank) != (rank.tp_rank, rank.pp_rank):
+                continue
+            mutated = _PLAN_FAULTS.get(fault.kind)
+            if mutated is None:
+                continue
+            result = mutated(self, base, fault)
+            if result is not None:
+                plan, req_id, kind = result
+                self._expect(fault, kind, step, req_id, fault.group if kind != "rank_divergence" else None,
+                             rank=rank)
+                return self._encode_plan(plan)
+        return self._encode_plan(base)
+
+    # -- plan mutations (return (plan, req_id, expected kind) or None when no target yet) --------------
+    def _copy_plan(self, base: dict, g: int) -> dict:
+        plan = dict(base)
+        plan["groups"] = [dict(gp) for gp in base["groups"]]
+        plan["groups"][g]["slots"] = base["groups"][g]["slots"].copy()
+        plan["groups"][g]["rows"] = list(base["groups"][g]["rows"])
+        return plan
+
+    def _slot_shift(self, base, fault, kind="write_target_mismatch"):
+        if not base["indices"]:
+            return None
+        plan = self._copy_plan(base, fault.group)
+        r = 0
+        toks = np.flatnonzero(base["tok_req"] == r)
+        plan["groups"][fault.group]["slots"][toks] += 1
+        return plan, self.worker_ids[base["indices"][r]], kind
+
+    def _stale_position(self, base, fault):
+        if not base["indices"]:
+            return None
+        plan = dict(base)
+        plan["first"] = base["first"].copy()
+        plan["first"][0] += 1
+        return plan, self.worker_ids[base["indices"][0]], "write_target_mismatch"
+
+    def _block_swap(self, base, fault):
+        g = fault.group
+        for r, row in enumerate(base["groups"][g]["rows"]):
+            if len(row) >= 2 and row[0] != row[1]:
+                plan = self._copy_plan(base, g)
+                swapped = row.copy()
+                swapped[[0, 1]] = swapped[[1, 0]]
+                plan["groups"][g]["rows"][r] = swapped
+                return plan, self.worker_ids[base["indices"][r]], "read_target_mismatch"
+        return None
+
+    def _foreign_write(self, base, fault):
+        g = fault.group
+        if not base["indices"]:
+            return None
+        writer = base["indices"][0]
+        mine = set(self.worker_rows[writer][g])
+        for req in self.running:
+            if req.index == writer or req.index not in self.worker_rows:
+                continue
+            theirs = [b for b in req.blocks[g] if b != 0 and b not in mine]
+            if theirs:
+                plan = self._copy_plan(base, g)
+                tok = int(np.flatnonzero(base["tok_req"] == 0)[0])
+                plan["groups"][g]["slots"][tok] = theirs[0] * self.bs
+                return plan, self.worker_ids[writer], "foreign_block_write"
+        return None
+
+    def _padding_write(self, base, fault):
+        g = fault.group
+        live = [b for req in self.running for b in req.blocks[g] if b != 0]
+        if not live or not base["indices"]:
+            return None
+        plan = self._copy_plan(base, g)
+        slots = plan["groups"][g]["slots"]
+        if slots.size == base["total"]:
+            slots = np.append(slots, -1)
+        slots[-1] = live[0] * self.bs + 3
+        plan["groups"][g]["slots"] = slots
+        return plan, None, "unowned_write"
+
+    def _rank_divergence(self, base, fault):
+        result = self._slot_shift(base, fault)
+        return None if result is None else (result[0], None, "rank_divergence")
+
+
+_EVENT_FAULTS = ("rank_missing", "sequence_gap", "duplicate_event")
+_PLAN_FAULTS = {
+    "slot_shift": SyntheticEngine._slot_shift,
+    "stale_position": SyntheticEngine._stale_position,
+    "block_swap": SyntheticEngine._block_swap,
+    "foreign_write": SyntheticEngine._foreign_write,
+    "padding_write": SyntheticEngine._padding_write,
+    "rank_divergence": SyntheticEngine._rank_divergence,
+}
+
+
+@dataclass
+class Simulation:
+    events: list[dict]
+    expected: list[Expected]
+    stats: Counter
+    unplaced_faults: list[FaultSpec]
+
+
+def simulate(config: SimConfig) -> Simulation:
+    """Generate a whole stream with the violations its faults must produce."""
+    engine = SyntheticEngine(config)
+    events = list(engine.events())
+    return Simulation(events, engine.expected, engine.stats, list(engine._pending_faults))

@@ -1,0 +1,39 @@
+"""The kvledger contract: Avro schemas, their codecs and the file ledger format.
+
+Everything another team needs to read or write the ledger lives here, and
+nothing here imports the rest of kvledger.
+"""
+
+from kvledger.schemas.codec import (
+    ConfluentCodec,
+    DecodeError,
+    SingleObjectCodec,
+    UnknownSchemaError,
+)
+from kvledger.schemas.packing import (
+    pack_i32,
+    pack_i64,
+    pack_u64,
+    row_digest,
+    unpack_i32,
+    unpack_i64,
+    unpack_u64,
+)
+from kvledger.schemas.registry import LEDGER_EVENT, VIOLATION, load_schema
+
+__all__ = [
+    "LEDGER_EVENT",
+    "VIOLATION",
+    "ConfluentCodec",
+    "DecodeError",
+    "SingleObjectCodec",
+    "UnknownSchemaError",
+    "load_schema",
+    "pack_i32",
+    "pack_i64",
+    "pack_u64",
+    "row_digest",
+    "unpack_i32",
+    "unpack_i64",
+    "unpack_u64",
+]

@@ -1,0 +1,155 @@
+"""The file ledger: a directory of Avro Object Container Files.
+
+Layout, one stream per rank, rotated by size::
+
+    ROOT/<engine_id>/dp<D>-tp<T>-pp<P>/<incarnation>-<segment:06d>.avro
+
+Any Avro tool reads a segment (the writer schema is in its header). Readers
+report what they could not read instead of failing: a truncated last block
+(a writer killed mid-write) or a corrupt file becomes a `ReadProblem`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+import fastavro
+from fastavro.write import Writer
+from kvledger.schemas.registry import LEDGER_EVENT
+
+SEGMENT_SUFFIX = ".avro"
+_RANK_DIR = re.compile(r"^dp(\d+)-tp(\d+)-pp(\d+)$")
+_SEGMENT = re.compile(r"^(\d+)-(\d+)\.avro$")
+
+
+def rank_dir(root: Path, engine_id: str, dp: int, tp: int, pp: int) -> Path:
+    return root / quote(engine_id, safe="") / f"dp{dp}-tp{tp}-pp{pp}"
+
+
+class SegmentWriter:
+    """Appends events of one rank incarnation, rotating segments by size."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        engine_id: str,
+        dp: int,
+        tp: int,
+        pp: int,
+        incarnation: int,
+        *,
+        max_segment_bytes: int = 64 << 20,
+        codec: str = "deflate",
+    ):
+        self.dir = rank_dir(Path(root), engine_id, dp, tp, pp)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.incarnation = incarnation
+        self.max_segment_bytes = max_segment_bytes
+        self.codec = codec
+        self.segment = 0
+        self._file = None
+        self._writer: Writer | None = None
+        self._open_next()
+
+    def _open_next(self) -> None:
+        self.close()
+        self.segment += 1
+        path = self.dir / f"{self.incarnation}-{self.segment:06d}{SEGMENT_SUFFIX}"
+        self._file = open(path, "wb")  # noqa: SIM115 - closed on rotation/close
+        self._writer = Writer(self._file, LEDGER_EVENT, codec=self.codec)
+
+    def write(self, events: list[dict[str, Any]]) -> None:
+        """Append events and make them durable as one Avro block."""
+        assert self._writer is not None, "writer is closed"
+        for event in events:
+            self._writer.write(event)
+        self._writer.flush()
+        if self._file.tell() >= self.max_segment_bytes:
+            self._open_next()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            self._file.close()
+            self._writer = self._file = None
+
+
+@dataclass(frozen=True)
+class ReadProblem:
+    path: str
+    reason: str  # short machine-readable reason, e.g. 'truncated', 'not_avro'
+    detail: str
+    events_read: int
+
+
+@dataclass
+class RankStream:
+    """All segments of one rank of one engine, in write order."""
+
+    engine_id: str
+    dp: int
+    tp: int
+    pp: int
+    segments: list[Path] = field(default_factory=list)
+
+
+class LedgerPathError(ValueError):
+    """The path is not a usable file ledger."""
+
+
+def discover(root: str | Path) -> list[RankStream]:
+    """Find the rank streams under a ledger root (or a single segment file)."""
+    root = Path(root)
+    if not root.exists():
+        raise LedgerPathError(f"no such file or directory: {root}")
+    if root.is_file():
+        return [RankStream("?", -1, -1, -1, [root])]
+    streams = []
+    for engine_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        for rdir in sorted(p for p in engine_dir.iterdir() if p.is_dir()):
+            match = _RANK_DIR.match(rdir.name)
+            if not match:
+                continue
+            segments = sorted(
+                (p for p in rdir.iterdir() if _SEGMENT.match(p.name)),
+                key=lambda p: tuple(int(x) for x in _SEGMENT.match(p.name).groups()),
+            )
+            if segments:
+                dp, tp, pp = (int(x) for x in match.groups())
+                streams.append(RankStream(unquote(engine_dir.name), dp, tp, pp, segments))
+    stray = [p for p in root.rglob(f"*{SEGMENT_SUFFIX}") if not _RANK_DIR.match(p.parent.name)]
+    if not streams and stray:
+        # A flat directory of segments: read them as they are, one stream each.
+        streams = [RankStream("?", -1, -1, -1, [p]) for p in sorted(stray)]
+    return streams
+
+
+def read_segment(path: Path, problems: list[ReadProblem]) -> Iterator[dict[str, Any]]:
+    """Yield the events of one segment; append a ReadProblem for what is unreadable."""
+    count = 0
+    try:
+        if os.path.getsize(path) == 0:
+            problems.append(ReadProblem(str(path), "empty_file", "file is empty", 0))
+            return
+        with open(path, "rb") as fo:
+            try:
+                reader = fastavro.reader(
+                    fo, reader_schema=LEDGER_EVENT, return_record_name=True, return_record_name_override=True
+                )
+            except Exception as exc:
+                problems.append(ReadProblem(str(path), "not_avro", f"not an Avro container file: {exc}", 0))
+                return
+            for event in reader:
+                count += 1
+                yield event
+    except (EOFError, ValueError, OSError, StopIteration, fastavro.read.SchemaResolutionError) as exc:
+        reason = "truncated" if isinstance(exc, EOFError) else "corrupt"
+        problems.append(ReadProblem(str(path), reason, f"{type(exc).__name__}: {exc}", count))
+    except Exception as exc:  # zlib and codec errors surface as assorted types
+        problems.append(ReadProblem(str(path), "corrupt", f"{type(exc).__name__}: {exc}", count))

@@ -1,0 +1,36 @@
+"""Loading the `.avsc` files shipped with the package."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import fastavro
+
+Schema = dict[str, Any]
+
+
+@cache
+def load_schema(name: str) -> Schema:
+    """Parse `schemas/avro/<name>.avsc` (e.g. 'ledger_event', 'violation')."""
+    text = resources.files("kvledger.schemas").joinpath("avro", f"{name}.avsc").read_text()
+    return fastavro.parse_schema(json.loads(text))
+
+
+def raw_schema(name: str) -> dict[str, Any]:
+    """The schema as written in the file, for registries and tooling."""
+    text = resources.files("kvledger.schemas").joinpath("avro", f"{name}.avsc").read_text()
+    return json.loads(text)
+
+
+LEDGER_EVENT = load_schema("ledger_event")
+VIOLATION = load_schema("violation")
+
+# Names of the body union's branches, as decoders return them.
+RANK_INFO = "kvledger.RankInfo"
+STEP = "kvledger.Step"
+CONNECTOR_EVENT = "kvledger.ConnectorEvent"
+SNAPSHOT = "kvledger.Snapshot"
+HEALTH = "kvledger.Health"

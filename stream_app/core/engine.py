@@ -1,0 +1,257 @@
+"""The ledger: a deterministic state machine over ledger events.
+
+`Ledger.apply(event)` returns the violations the event reveals; nothing here
+does I/O or reads a clock, so the offline checker, the stream app and the
+in-engine raise mode get the same answers from the same events.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass, field
+
+from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH, RANK_INFO, SNAPSHOT, STEP
+from kvledger.stream_app.core.rank import RankState
+from kvledger.stream_app.core.violations import (
+    DUPLICATE_EVENT,
+    RANK_DIVERGENCE,
+    RANK_MISSING,
+    SEQUENCE_GAP,
+    Coverage,
+    RankKey,
+    Violation,
+)
+
+
+@dataclass
+class RankSlot:
+    """What the ledger knows about one rank stream."""
+
+    incarnation: int
+    next_seq: int
+    info: dict | None = None
+    state: RankState | None = None
+    desynced: bool = False  # events were lost: checks wait for a snapshot
+    last_step: int = -1
+    events_dropped: int = 0
+
+
+@dataclass
+class StepGroup:
+    """The ranks of one engine and DP rank that must agree step by step."""
+
+    expected: frozenset[tuple[int, int]]  # (tp, pp) ranks
+    # step -> rank -> (input fingerprint, plan fingerprint, whether the rank's own checks passed)
+    pending: dict[int, dict[tuple[int, int], tuple[bytes, bytes, bool]]] = field(default_factory=dict)
+    last_step: dict[tuple[int, int], int] = field(default_factory=dict)
+    missing_since: dict[tuple[int, int], int] = field(default_factory=dict)  # open runs of missed steps
+
+
+def _fingerprint(parts) -> bytes:
+    h = hashlib.blake2b(digest_size=12)
+    for part in parts:
+        h.update(part if isinstance(part, bytes) else repr(part).encode())
+    return h.digest()
+
+
+def input_fingerprint(inp: dict | None) -> bytes:
+    if inp is None:
+        return b""
+    parts = [inp["cached_req_indices"], inp["cached_num_computed_tokens"], inp["cached_num_scheduled_tokens"],
+             inp["resumed_req_indices"], inp["block_ids_to_zero"], inp["block_copies"],
+             inp["finished_req_ids"], inp["preempted_req_ids"]]
+    for r in inp["new_reqs"]:
+        parts += [r["req_index"], r["req_id"], r["num_computed_tokens"], r["num_scheduled_tokens"], *r["block_ids"]]
+    for e in inp["new_block_ids"]:
+        parts += [e["req_index"], e["group_id"], e["block_ids"]]
+    return _fingerprint(parts)
+
+
+def plan_fingerprint(plan: dict | None) -> bytes:
+    if plan is None:
+        return b""
+    parts = [plan["req_indices"], plan["num_tokens"], plan["first_positions"]]
+    for g in plan["groups"]:
+        parts += [g["group_id"], g["slot_runs"], g["num_real"], g["num_padding"], g["row_lens"], g["row_digests"]]
+    return _fingerprint(parts)
+
+
+class Ledger:
+    """Replays ledger events of any number of engines and ranks."""
+
+    def __init__(self, *, rank_window: int = 256):
+        # Steps a rank may lag behind its peers before it is declared missing.
+        self.rank_window = rank_window
+        self.ranks: dict[RankKey, RankSlot] = {}
+        self.step_groups: dict[tuple[str, int], StepGroup] = {}
+        self.coverage = Coverage()
+        self.events = 0
+        self.steps = 0
+
+    # -- entry points -------------------------------------------------------------------
+    def apply(self, event: dict) -> list[Violation]:
+        out: list[Violation] = []
+        key = RankKey(event["engine_id"], event["dp_rank"], event["tp_rank"], event["pp_rank"])
+        self.events += 1
+        slot = self._sequence(key, event, out)
+        if slot is None:
+            return out
+        name, body = event["body"]
+        if name == STEP:
+            self._step(key, slot, body, out)
+        elif name == RANK_INFO:
+            self._rank_info(key, slot, body)
+        elif name == SNAPSHOT:
+            self._snapshot(key, slot, body)
+        elif name == CONNECTOR_EVENT:
+            if slot.state is not None and not slot.desynced:
+                slot.state.apply_connector(body)
+        elif name == HEALTH:
+            slot.events_dropped = body["events_dropped"]
+        return out
+
+    def finish(self) -> list[Violation]:
+        """End of input: settle every step still waiting for ranks."""
+        out: list[Violation] = []
+        for gkey, group in self.step_groups.items():
+            for step in sorted(group.pending):
+                self._settle(gkey, group, step, out)
+            group.missing_since.clear()
+        return out
+
+    def snapshot(self) -> dict:
+        """The whole state, for checkpoints (restore with `Ledger.restore`)."""
+        return copy.deepcopy(self.__dict__)
+
+    @classmethod
+    def restore(cls, state: dict) -> Ledger:
+        ledger = cls.__new__(cls)
+        ledger.__dict__.update(copy.deepcopy(state))
+        return ledger
+
+    @property
+    def producer_dropped(self) -> int:
+        return sum(s.events_dropped for s in self.ranks.values())
+
+    # -- sequence -------------------------------------------------------------------------
+    def _sequence(self, key: RankKey, event: dict, out: list[Violation]) -> RankSlot | None:
+        seq = event["seq"]
+        slot = self.ranks.get(key)
+        if slot is None or slot.incarnation != event["incarnation"]:
+            if slot is not None:
+                self.coverage.unchecked["rank_restarted"] += 1
+            slot = self.ranks[key] = RankSlot(event["incarnation"], seq + 1)
+            if seq != 0:
+                slot.desynced = True
+                self.coverage.unchecked["joined_mid_stream"] += 1
+            return slot
+        self.coverage.checks["sequence"] += 1
+        if seq < slot.next_seq:
+            out.append(Violation.at(DUPLICATE_EVENT, key, None, f"event seq {seq} seen again (next expected "
+                                    f"{slot.next_seq})"))
+            return None
+        if seq > slot.next_seq:
+            out.append(Violation.at(SEQUENCE_GAP, key, slot.last_step if slot.last_step >= 0 else None,
+                                    f"events {slot.next_seq}..{seq - 1} missing ({seq - slot.next_seq} lost); "
+                                    "checks of this rank wait for the next snapshot"))
+            slot.desynced = True
+        slot.next_seq = seq + 1
+        return slot
+
+    # -- bodies ------------------------------------------------------------------------------
+    def _rank_info(self, key: RankKey, slot: RankSlot, info: dict) -> None:
+        if slot.info is None or slot.info["kv_groups"] != info["kv_groups"]:
+            slot.state = None if slot.desynced else RankState(key, info)
+        slot.info = info
+        gkey = (key.engine_id, key.dp)
+        expected = frozenset((t, p) for t in range(info["tp_size"]) for p in range(info["pp_size"]))
+        group = self.step_groups.get(gkey)
+        if group is None or group.expected != expected:
+            self.step_groups[gkey] = StepGroup(expected)
+
+    def _snapshot(self, key: RankKey, slot: RankSlot, snap: dict) -> None:
+        if slot.info is None:
+            self.coverage.unchecked["snapshot_without_rank_info"] += 1
+            return
+        if slot.desynced or slot.state is None:
+            slot.state = RankState(key, slot.info)
+            slot.state.load_snapshot(snap, slot.info)
+            slot.desynced = False
+            slot.last_step = snap["step"]
+            self.coverage.checks["resync"] += 1
+
+    def _step(self, key: RankKey, slot: RankSlot, step: dict, out: list[Violation]) -> None:
+        self.steps += 1
+        n = step["step"]
+        if 0 <= slot.last_step < n - 1 and not slot.desynced:
+            # The rank skipped steps without losing events: it never recorded
+            # them, so its tables may have missed their inputs.
+            slot.desynced = True
+            self.coverage.unchecked["steps_not_recorded"] += n - 1 - slot.last_step
+        slot.last_step = n
+        found = len(out)
+        if slot.state is None or slot.desynced:
+            self.coverage.unchecked["after_gap" if slot.desynced else "no_rank_info"] += 1
+        else:
+            state = slot.state
+            state.key = key
+            if step["input"] is not None:
+                state.apply_input(n, step["input"], out, self.coverage)
+            if step["plan"] is not None:
+                state.check_plan(n, step["plan"], out, self.coverage)
+            elif step["kind"] == "REAL" and step["input"] is not None and _has_tokens(step["input"]):
+                self.coverage.unchecked["no_plan"] += 1
+        self._cross_rank(key, step, clean=len(out) == found, out=out)
+
+    # -- cross-rank agreement ---------------------------------------------------------------------
+    def _cross_rank(self, key: RankKey, step: dict, *, clean: bool, out: list[Violation]) -> None:
+        group = self.step_groups.get((key.engine_id, key.dp))
+        if group is None or len(group.expected) < 2:
+            return
+        rank, n = (key.tp, key.pp), step["step"]
+        last = group.last_step.get(rank, -1)
+        group.last_step[rank] = n
+        if rank in group.missing_since and n > last:
+            del group.missing_since[rank]
+        entry = group.pending.setdefault(n, {})
+        entry[rank] = (input_fingerprint(step["input"]), plan_fingerprint(step["plan"]), clean)
+        gkey = (key.engine_id, key.dp)
+        if len(entry) == len(group.expected):
+            self._settle(gkey, group, n, out)
+        # Steps this rank skipped, and steps a lagging rank is now too far behind on.
+        horizon = n - self.rank_window
+        for t in [t for t in group.pending if (last < t < n and rank not in group.pending[t]) or t < horizon]:
+            self._settle(gkey, group, t, out)
+
+    def _settle(self, gkey, group: StepGroup, step: int, out: list[Violation]) -> None:
+        entry = group.pending.pop(step)
+        engine_id, dp = gkey
+        self.coverage.checks["rank_compare"] += 1
+        for rank in sorted(group.expected - entry.keys()):
+            self.coverage.unchecked["rank_missing_steps"] += 1
+            if group.missing_since.get(rank) is None:
+                group.missing_since[rank] = step
+                out.append(Violation(RANK_MISSING, engine_id, dp, rank[0], rank[1], step, None, None,
+                                     f"rank never reported step {step}, which {len(entry)} other rank(s) did"))
+        for part, what in ((0, "step input"), (1, "step plan")):
+            holders: dict[bytes, list[tuple[int, int]]] = {}
+            for rank in sorted(entry):
+                holders.setdefault(entry[rank][part], []).append(rank)
+            if len(holders) < 2:
+                continue
+            # The majority is right; on a tie, the ranks whose own checks passed,
+            # then the lowest rank (max keeps the first best).
+            majority = max(holders.values(), key=lambda ranks: (len(ranks), sum(entry[r][2] for r in ranks)))
+            ref = majority[0]
+            for value_ranks in holders.values():
+                if value_ranks is majority:
+                    continue
+                for rank in value_ranks:
+                    out.append(Violation(RANK_DIVERGENCE, engine_id, dp, rank[0], rank[1], step, None, None,
+                                         f"{what} differs from tp{ref[0]}-pp{ref[1]}'s "
+                                         f"({len(majority)} of {len(entry)} ranks agree on it)"))
+
+
+def _has_tokens(inp: dict) -> bool:
+    return bool(inp["new_reqs"]) or len(inp["cached_req_indices"]) > 0

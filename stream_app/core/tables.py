@@ -1,0 +1,121 @@
+"""Block tables of one rank, one KV cache group: rows, digests and block holders.
+
+Rows are dense numpy arrays indexed by a row number the rank state assigns to
+each live request. Per block we keep how many live rows hold it and the sum
+and sum of squares of the row positions it is held at: all holders sit at the
+same position (a shared prefix) exactly when the variance of those positions
+is zero, which is how exclusivity is checked without per-block Python sets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from kvledger.schemas.packing import length_term, mix_blocks, position_weights
+
+NULL_BLOCK = 0
+
+
+class GroupTable:
+    def __init__(self, group_id: int, kind: str, block_size: int, num_blocks: int, window: int | None):
+        self.group_id = group_id
+        self.kind = kind
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.window = window if kind == "SLIDING_WINDOW" else None
+        self.table = np.zeros((8, 16), dtype=np.int32)
+        self.lens = np.zeros(8, dtype=np.int32)
+        self.digests = np.full(8, length_term(0), dtype=np.uint64)
+        # Leading positions of a sliding-window row that the scheduler has freed.
+        self.released = np.zeros(8, dtype=np.int32)
+        self.hold_count = np.zeros(num_blocks, dtype=np.int64)
+        self.hold_sum = np.zeros(num_blocks, dtype=np.int64)
+        self.hold_sumsq = np.zeros(num_blocks, dtype=np.int64)
+        # Pending sends (KV connector) holding blocks after their request left.
+        self.send_hold = np.zeros(num_blocks, dtype=np.int64)
+
+    # -- capacity -----------------------------------------------------------------
+    def ensure_rows(self, n: int) -> None:
+        if n <= self.table.shape[0]:
+            return
+        cap = max(n, 2 * self.table.shape[0])
+        grow = cap - self.table.shape[0]
+        self.table = np.vstack([self.table, np.zeros((grow, self.table.shape[1]), np.int32)])
+        self.lens = np.concatenate([self.lens, np.zeros(grow, np.int32)])
+        self.digests = np.concatenate([self.digests, np.full(grow, length_term(0), np.uint64)])
+        self.released = np.concatenate([self.released, np.zeros(grow, np.int32)])
+
+    def _ensure_cols(self, n: int) -> None:
+        if n > self.table.shape[1]:
+            cap = max(n, 2 * self.table.shape[1])
+            self.table = np.hstack([self.table, np.zeros((self.table.shape[0], cap - self.table.shape[1]), np.int32)])
+
+    # -- holders --------------------------------------------------------------------
+    def _hold(self, blocks: np.ndarray, positions: np.ndarray, sign: int) -> None:
+        keep = (blocks > NULL_BLOCK) & (blocks < self.num_blocks)
+        if not keep.all():
+            blocks, positions = blocks[keep], positions[keep]
+        pos = positions.astype(np.int64)
+        np.add.at(self.hold_count, blocks, sign)
+        np.add.at(self.hold_sum, blocks, sign * pos)
+        np.add.at(self.hold_sumsq, blocks, sign * pos * pos)
+
+    def out_of_range(self, blocks: np.ndarray) -> np.ndarray:
+        return blocks[(blocks < 0) | (blocks >= self.num_blocks)]
+
+    # -- row edits ------------------------------------------------------------------
+    def append(self, row: int, blocks: np.ndarray) -> None:
+        n0 = int(self.lens[row])
+        n1 = n0 + blocks.size
+        self._ensure_cols(n1)
+        self.table[row, n0:n1] = blocks
+        self.lens[row] = n1
+        with np.errstate(over="ignore"):
+            added = (mix_blocks(blocks) * position_weights(n0, n1)).sum(dtype=np.uint64)
+            self.digests[row] += added + np.uint64(length_term(blocks.size))
+        self._hold(blocks, np.arange(n0, n1), +1)
+
+    def clear(self, row: int) -> None:
+        n = int(self.lens[row])
+        start = int(self.released[row])
+        if n > start:
+            self._hold(self.table[row, start:n], np.arange(start, n), -1)
+        self.lens[row] = 0
+        self.released[row] = 0
+        self.digests[row] = length_term(0)
+
+    def replace(self, row: int, blocks: np.ndarray) -> None:
+        self.clear(row)
+        self.append(row, blocks)
+
+    def row(self, row: int) -> np.ndarray:
+        return self.table[row, : self.lens[row]]
+
+    def release_out_of_window(self, rows: np.ndarray, tokens_done: np.ndarray) -> None:
+        """Forget holders of blocks a sliding-window scheduler has freed.
+
+        The scheduler frees blocks that slid out of the window but never tells
+        the workers, so rows keep them. Releasing as early as the scheduler
+        could have (from tokens done after this step) keeps a legitimate reuse
+        of such a block from looking foreign.
+        """
+        skipped = np.maximum(tokens_done - self.window + 1, 0) // self.block_size
+        upto = np.minimum(skipped, self.lens[rows])
+        for row, new in zip(rows[upto > self.released[rows]].tolist(), upto[upto > self.released[rows]].tolist()):
+            old = int(self.released[row])
+            self._hold(self.table[row, old:new], np.arange(old, new), -1)
+            self.released[row] = new
+
+    # -- pending sends ----------------------------------------------------------------
+    def hold_for_send(self, blocks: np.ndarray, sign: int) -> None:
+        blocks = blocks[(blocks > NULL_BLOCK) & (blocks < self.num_blocks)]
+        np.add.at(self.send_hold, blocks, sign)
+
+    # -- snapshot -----------------------------------------------------------------------
+    def state(self) -> dict:
+        return {k: getattr(self, k).copy() for k in self._ARRAYS}
+
+    def load(self, state: dict) -> None:
+        for k in self._ARRAYS:
+            setattr(self, k, state[k].copy())
+
+    _ARRAYS = ("table", "lens", "digests", "released", "hold_count", "hold_sum", "hold_sumsq", "send_hold")

@@ -1,0 +1,78 @@
+"""A real single-node Kafka broker for the integration tests, one per session.
+
+`infra/local-kafka` does the work (jar fetch on first use, format, start,
+readiness); here it only gets a private state dir and free ports, so tests
+never collide with a developer's broker on 9092 or with a parallel session.
+"""
+
+import os
+import re
+import socket
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+LOCAL_KAFKA = Path(__file__).resolve().parents[2] / "infra" / "local-kafka"
+# A cold first `up` downloads ~45 MB of jars through Maven.
+UP_TIMEOUT = 900
+
+
+def _free_ports(n: int) -> list[int]:
+    # Hold all sockets open until every port is picked, so the n are distinct.
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"(cannot read {path}: {e})"
+
+
+@pytest.fixture(scope="session")
+def local_kafka(tmp_path_factory) -> Callable[..., subprocess.CompletedProcess]:
+    """Run `infra/local-kafka CMD` against this session's private broker."""
+    port, controller_port = _free_ports(2)
+    env = {
+        **os.environ,
+        "KVLEDGER_KAFKA_DIR": str(tmp_path_factory.mktemp("kafka")),
+        "KVLEDGER_KAFKA_PORT": str(port),
+        "KVLEDGER_KAFKA_CONTROLLER_PORT": str(controller_port),
+    }
+
+    def run(cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(LOCAL_KAFKA), cmd], env=env, capture_output=True, text=True, timeout=timeout
+        )
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(local_kafka) -> str:
+    """`127.0.0.1:PORT` of a running broker; fails (never skips) if it can't start."""
+    try:
+        up = local_kafka("up", timeout=UP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        local_kafka("down")
+        pytest.fail(f"infra/local-kafka up took longer than {UP_TIMEOUT}s", pytrace=False)
+    if up.returncode != 0:
+        local_kafka("down")
+        message = f"local Kafka broker did not start:\n{up.stderr.strip()}"
+        # The script's error ends with "see <log>": show that log's tail too.
+        if m := re.search(r"see (\S+)$", up.stderr.strip()):
+            message += f"\n--- tail of {m[1]} ---\n{_tail(Path(m[1]))}"
+        pytest.fail(message, pytrace=False)
+    try:
+        yield up.stdout.strip().removeprefix("bootstrap=")
+    finally:
+        local_kafka("down")
