@@ -38,19 +38,42 @@ def envelope(rank: RankIdentity, seq: int, emitted_at_us: int, body_name: str, b
     }
 
 
-def kv_group(group_id: int, kind: str, block_size: int, num_blocks: int, sliding_window: int | None = None) -> dict:
-    return {"group_id": group_id, "kind": kind, "block_size": block_size, "num_blocks": num_blocks,
-            "sliding_window": sliding_window}
+def kv_group(
+    group_id: int, kind: str, block_size: int, num_blocks: int, sliding_window: int | None = None
+) -> dict:
+    return {
+        "group_id": group_id,
+        "kind": kind,
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "sliding_window": sliding_window,
+    }
 
 
-def rank_info(*, dp_size: int, tp_size: int, pp_size: int, kv_groups: list[dict], vllm_version: str,
-              runner: str, pd_role: str = "NONE", capabilities: Sequence[tuple[str, bool, str | None]] = (),
-              full_rows: bool = False, snapshot_interval: int = 0) -> tuple[str, dict]:
+def rank_info(
+    *,
+    dp_size: int,
+    tp_size: int,
+    pp_size: int,
+    kv_groups: list[dict],
+    vllm_version: str,
+    runner: str,
+    pd_role: str = "NONE",
+    capabilities: Sequence[tuple[str, bool, str | None]] = (),
+    full_rows: bool = False,
+    snapshot_interval: int = 0,
+) -> tuple[str, dict]:
     return RANK_INFO, {
-        "dp_size": dp_size, "tp_size": tp_size, "pp_size": pp_size, "pd_role": pd_role,
-        "vllm_version": vllm_version, "runner": runner, "kv_groups": kv_groups,
+        "dp_size": dp_size,
+        "tp_size": tp_size,
+        "pp_size": pp_size,
+        "pd_role": pd_role,
+        "vllm_version": vllm_version,
+        "runner": runner,
+        "kv_groups": kv_groups,
         "capabilities": [{"name": n, "available": a, "reason": r} for n, a, r in capabilities],
-        "full_rows": full_rows, "snapshot_interval": snapshot_interval,
+        "full_rows": full_rows,
+        "snapshot_interval": snapshot_interval,
     }
 
 
@@ -82,8 +105,13 @@ def row_digests(rows: Sequence[np.ndarray]) -> np.ndarray:
         return sums + lens.astype(np.uint64) * np.uint64(length_term(1))
 
 
-def group_plan(group_id: int, slot_mapping: np.ndarray, num_real: int, rows: Sequence[np.ndarray],
-               full_rows: bool = False) -> dict:
+def group_plan(
+    group_id: int,
+    slot_mapping: np.ndarray,
+    num_real: int,
+    rows: Sequence[np.ndarray],
+    full_rows: bool = False,
+) -> dict:
     lens = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
     return {
         "group_id": group_id,
@@ -110,11 +138,28 @@ def step(step: int, kind: str, inp: dict | None, plan: dict | None) -> tuple[str
 
 
 def snapshot(step: int, requests: list[tuple[int, str, int, list[np.ndarray]]]) -> tuple[str, dict]:
-    return SNAPSHOT, {"step": step, "requests": [
-        {"req_index": i, "req_id": r, "num_computed_tokens": c, "block_ids": [pack_i32(b) for b in blocks]}
-        for i, r, c, blocks in requests]}
+    return SNAPSHOT, {
+        "step": step,
+        "requests": [
+            {
+                "req_index": i,
+                "req_id": r,
+                "num_computed_tokens": c,
+                "block_ids": [pack_i32(b) for b in blocks],
+            }
+            for i, r, c, blocks in requests
+        ],
+    }
 
 
-def health(step: int, captured: int, dropped: int, probe_ns: int, capacity: int, high_water: int) -> tuple[str, dict]:
-    return HEALTH, {"step": step, "events_captured": captured, "events_dropped": dropped, "probe_ns": probe_ns,
-                    "buffer_capacity": capacity, "buffer_high_water": high_water}
+def health(
+    step: int, captured: int, dropped: int, probe_ns: int, capacity: int, high_water: int
+) -> tuple[str, dict]:
+    return HEALTH, {
+        "step": step,
+        "events_captured": captured,
+        "events_dropped": dropped,
+        "probe_ns": probe_ns,
+        "buffer_capacity": capacity,
+        "buffer_high_water": high_water,
+    }

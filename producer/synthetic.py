@@ -40,13 +40,23 @@ FAULTS = (
 # Violation kinds each fault may produce; the first is the one it must produce.
 FAULT_KINDS = {
     "slot_shift": ("write_target_mismatch", "foreign_block_write", "block_out_of_range", "rank_divergence"),
-    "stale_position": ("write_target_mismatch", "foreign_block_write", "block_out_of_range", "rank_divergence"),
+    "stale_position": (
+        "write_target_mismatch",
+        "foreign_block_write",
+        "block_out_of_range",
+        "rank_divergence",
+    ),
     "block_swap": ("read_target_mismatch", "rank_divergence"),
     "foreign_write": ("foreign_block_write", "write_target_mismatch", "rank_divergence"),
     "padding_write": ("unowned_write", "rank_divergence"),
     "recycled_block": ("foreign_block_write",),
     "block_out_of_range": ("block_out_of_range",),
-    "rank_divergence": ("rank_divergence", "write_target_mismatch", "foreign_block_write", "block_out_of_range"),
+    "rank_divergence": (
+        "rank_divergence",
+        "write_target_mismatch",
+        "foreign_block_write",
+        "block_out_of_range",
+    ),
     "rank_missing": ("rank_missing",),
     "sequence_gap": ("sequence_gap", "rank_missing"),
     "duplicate_event": ("duplicate_event",),
@@ -182,8 +192,10 @@ class SyntheticEngine:
         self.pool = _BlockPool(c.num_blocks)
         self.has_window = any(g.kind == "SLIDING_WINDOW" for g in c.groups)
         self.prefix_caching = c.prefix_caching and not self.has_window
-        self.prefixes = [[self.rng.randrange(1000) for _ in range(self.rng.randrange(16, 80))]
-                         for _ in range(c.shared_prefixes)]
+        self.prefixes = [
+            [self.rng.randrange(1000) for _ in range(self.rng.randrange(16, 80))]
+            for _ in range(c.shared_prefixes)
+        ]
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.finished_ids: list[str] = []
@@ -191,8 +203,11 @@ class SyntheticEngine:
         self.next_index = 0
         self.worker_rows: dict[int, list[list[int]]] = {}  # req_index -> per group (worker view)
         self.worker_ids: dict[int, str] = {}
-        self.ranks = [RankIdentity(c.engine_id, c.dp_rank, tp, pp, c.incarnation)
-                      for pp in range(c.pp_size) for tp in range(c.tp_size)]
+        self.ranks = [
+            RankIdentity(c.engine_id, c.dp_rank, tp, pp, c.incarnation)
+            for pp in range(c.pp_size)
+            for tp in range(c.tp_size)
+        ]
         self.seq = dict.fromkeys(self.ranks, 0)
         self.expected: list[Expected] = []
         # What the stream exercised, so tests can insist on realistic coverage.
@@ -205,11 +220,14 @@ class SyntheticEngine:
         """All events of all ranks, ranks interleaved step by step."""
         yield from self._emit_all(self._rank_info())
         for step in range(self.cfg.steps):
-            if self.cfg.dummy_every and step % self.cfg.dummy_every == self.cfg.dummy_every - 1:
+            if self.cfg.dummy_every and step % self.cfg.dummy_every == self.cfg.dummy_every // 2:
                 yield from self._emit_all(records.step(step, "DUMMY", None, self._dummy_plan()))
-                continue
-            yield from self._real_step(step)
-            if self.cfg.snapshot_interval and step % self.cfg.snapshot_interval == self.cfg.snapshot_interval - 1:
+            else:
+                yield from self._real_step(step)
+            if (
+                self.cfg.snapshot_interval
+                and step % self.cfg.snapshot_interval == self.cfg.snapshot_interval - 1
+            ):
                 yield from self._emit_all(self._snapshot(step))
             if self.cfg.health_interval and step % self.cfg.health_interval == self.cfg.health_interval - 1:
                 yield from self._emit_all(records.health(step, step + 1, 0, 0, 4096, 1))
@@ -227,11 +245,21 @@ class SyntheticEngine:
 
     def _rank_info(self) -> tuple[str, dict]:
         c = self.cfg
-        groups = [records.kv_group(i, g.kind, self.bs, c.num_blocks, g.sliding_window) for i, g in enumerate(c.groups)]
-        return records.rank_info(dp_size=1, tp_size=c.tp_size, pp_size=c.pp_size, kv_groups=groups,
-                                 vllm_version="synthetic", runner="synthetic",
-                                 capabilities=[("step_input", True, None), ("step_plan", True, None)],
-                                 full_rows=c.full_rows, snapshot_interval=c.snapshot_interval)
+        groups = [
+            records.kv_group(i, g.kind, self.bs, c.num_blocks, g.sliding_window)
+            for i, g in enumerate(c.groups)
+        ]
+        return records.rank_info(
+            dp_size=1,
+            tp_size=c.tp_size,
+            pp_size=c.pp_size,
+            kv_groups=groups,
+            vllm_version="synthetic",
+            runner="synthetic",
+            capabilities=[("step_input", True, None), ("step_plan", True, None)],
+            full_rows=c.full_rows,
+            snapshot_interval=c.snapshot_interval,
+        )
 
     def _snapshot(self, step: int) -> tuple[str, dict]:
         reqs = []
@@ -241,17 +269,32 @@ class SyntheticEngine:
         return records.snapshot(step, reqs)
 
     def _dummy_plan(self) -> dict:
-        groups = [records.group_plan(g, np.full(self.cfg.pad_to, -1), 0, []) for g in range(len(self.cfg.groups))]
+        groups = [
+            records.group_plan(g, np.full(self.cfg.pad_to, -1), 0, []) for g in range(len(self.cfg.groups))
+        ]
         return records.step_plan([], [], [], groups)
 
     # -- faults --------------------------------------------------------------------------------
     def _faults_due(self, step: int) -> list[FaultSpec]:
         return [f for f in self._pending_faults if f.step <= step]
 
-    def _expect(self, fault: FaultSpec, kind: str, step: int | None, req_id=None, group=None, rank=None) -> None:
+    def _expect(
+        self, fault: FaultSpec, kind: str, step: int | None, req_id=None, group=None, rank=None
+    ) -> None:
         rank = rank or self.ranks[0]
-        self.expected.append(Expected(fault.kind, kind, rank.engine_id, rank.dp_rank, rank.tp_rank, rank.pp_rank,
-                                      step, req_id, group))
+        self.expected.append(
+            Expected(
+                fault.kind,
+                kind,
+                rank.engine_id,
+                rank.dp_rank,
+                rank.tp_rank,
+                rank.pp_rank,
+                step,
+                req_id,
+                group,
+            )
+        )
         if fault in self._pending_faults:
             self._pending_faults.remove(fault)
 
@@ -278,8 +321,15 @@ class SyntheticEngine:
             if self.prefixes and self.rng.random() < c.shared_prefix_prob:
                 prefix = self.rng.choice(self.prefixes)
                 prompt = (prefix + prompt)[: max(length, len(prefix) + 1)]
-            self.waiting.append(_Request(f"req-{self.next_index}", self.next_index, prompt, len(prompt),
-                                         self.rng.randint(*c.output_len)))
+            self.waiting.append(
+                _Request(
+                    f"req-{self.next_index}",
+                    self.next_index,
+                    prompt,
+                    len(prompt),
+                    self.rng.randint(*c.output_len),
+                )
+            )
             self.next_index += 1
 
     def _block_hashes(self, req: _Request, n_blocks: int) -> list[int]:
@@ -330,7 +380,11 @@ class SyntheticEngine:
             for other in self.running:
                 if other is req or len(other.blocks[g]) == 0:
                     continue
-                cands = [(j, b) for j, b in enumerate(other.blocks[g]) if b != 0 and j != pos and b not in req.blocks[g]]
+                cands = [
+                    (j, b)
+                    for j, b in enumerate(other.blocks[g])
+                    if b != 0 and j != pos and b not in req.blocks[g]
+                ]
                 if cands:
                     _, victim = cands[-1]
                     self.pool.release([new[0]])
@@ -455,10 +509,16 @@ class SyntheticEngine:
         for req, n_new, appended, kind in scheduled:
             if kind == "new":
                 req.seen = True
-                new_reqs.append({"req_index": req.index, "req_id": req.req_id,
-                                 "block_ids": [pack_i32(row) for row in req.blocks],
-                                 "num_computed_tokens": req.computed, "num_prompt_tokens": req.num_prompt,
-                                 "num_scheduled_tokens": n_new})
+                new_reqs.append(
+                    {
+                        "req_index": req.index,
+                        "req_id": req.req_id,
+                        "block_ids": [pack_i32(row) for row in req.blocks],
+                        "num_computed_tokens": req.computed,
+                        "num_prompt_tokens": req.num_prompt,
+                        "num_scheduled_tokens": n_new,
+                    }
+                )
                 self.worker_rows[req.index] = [list(row) for row in req.blocks]
                 self.worker_ids[req.index] = req.req_id
                 continue
@@ -500,8 +560,11 @@ class SyntheticEngine:
         first = np.array([req.computed for req, *_ in order], dtype=np.int64)
         total = int(num_tokens.sum())
         tok_req = np.repeat(np.arange(len(order)), num_tokens)
-        pos = (first[tok_req] + np.arange(total) - np.repeat(np.cumsum(num_tokens) - num_tokens, num_tokens)
-               if total else np.empty(0, np.int64))
+        pos = (
+            first[tok_req] + np.arange(total) - np.repeat(np.cumsum(num_tokens) - num_tokens, num_tokens)
+            if total
+            else np.empty(0, np.int64)
+        )
         padded = -(-total // self.cfg.pad_to) * self.cfg.pad_to if total else 0
         groups = []
         for g in range(len(self.cfg.groups)):
@@ -511,12 +574,21 @@ class SyntheticEngine:
                 row = rows[tok_req[t]]
                 slots[t] = row[pos[t] // self.bs] * self.bs + pos[t] % self.bs
             groups.append({"slots": slots, "rows": rows})
-        return {"indices": indices, "num_tokens": num_tokens, "first": first, "total": total, "groups": groups,
-                "tok_req": tok_req, "pos": pos}
+        return {
+            "indices": indices,
+            "num_tokens": num_tokens,
+            "first": first,
+            "total": total,
+            "groups": groups,
+            "tok_req": tok_req,
+            "pos": pos,
+        }
 
     def _encode_plan(self, p: dict) -> dict:
-        groups = [records.group_plan(g, gp["slots"], p["total"], gp["rows"], self.cfg.full_rows)
-                  for g, gp in enumerate(p["groups"])]
+        groups = [
+            records.group_plan(g, gp["slots"], p["total"], gp["rows"], self.cfg.full_rows)
+            for g, gp in enumerate(p["groups"])
+        ]
         return records.step_plan(p["indices"], p["num_tokens"], p["first"], groups)
 
     def _faulty_plan(self, step: int, rank: RankIdentity, base: dict) -> dict:
@@ -529,8 +601,9 @@ class SyntheticEngine:
             result = mutated(self, base, fault)
             if result is not None:
                 plan, req_id, kind = result
-                self._expect(fault, kind, step, req_id, fault.group if kind != "rank_divergence" else None,
-                             rank=rank)
+                self._expect(
+                    fault, kind, step, req_id, fault.group if kind != "rank_divergence" else None, rank=rank
+                )
                 return self._encode_plan(plan)
         return self._encode_plan(base)
 

@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 import fastavro
+from fastavro.schema import to_parsing_canonical_form
 from fastavro.write import Writer
 from kvledger.schemas.registry import LEDGER_EVENT
 
@@ -130,6 +131,10 @@ def discover(root: str | Path) -> list[RankStream]:
     return streams
 
 
+def same_schema(a, b) -> bool:
+    return to_parsing_canonical_form(a) == to_parsing_canonical_form(b)
+
+
 def read_segment(path: Path, problems: list[ReadProblem]) -> Iterator[dict[str, Any]]:
     """Yield the events of one segment; append a ReadProblem for what is unreadable."""
     count = 0
@@ -139,9 +144,16 @@ def read_segment(path: Path, problems: list[ReadProblem]) -> Iterator[dict[str, 
             return
         with open(path, "rb") as fo:
             try:
-                reader = fastavro.reader(
-                    fo, reader_schema=LEDGER_EVENT, return_record_name=True, return_record_name_override=True
-                )
+                reader = fastavro.reader(fo, return_record_name=True, return_record_name_override=True)
+                if not same_schema(reader.writer_schema, LEDGER_EVENT):
+                    # Written by another version of the contract: resolve (slower).
+                    fo.seek(0)
+                    reader = fastavro.reader(
+                        fo,
+                        reader_schema=LEDGER_EVENT,
+                        return_record_name=True,
+                        return_record_name_override=True,
+                    )
             except Exception as exc:
                 problems.append(ReadProblem(str(path), "not_avro", f"not an Avro container file: {exc}", 0))
                 return

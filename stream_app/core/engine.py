@@ -58,11 +58,24 @@ def _fingerprint(parts) -> bytes:
 def input_fingerprint(inp: dict | None) -> bytes:
     if inp is None:
         return b""
-    parts = [inp["cached_req_indices"], inp["cached_num_computed_tokens"], inp["cached_num_scheduled_tokens"],
-             inp["resumed_req_indices"], inp["block_ids_to_zero"], inp["block_copies"],
-             inp["finished_req_ids"], inp["preempted_req_ids"]]
+    parts = [
+        inp["cached_req_indices"],
+        inp["cached_num_computed_tokens"],
+        inp["cached_num_scheduled_tokens"],
+        inp["resumed_req_indices"],
+        inp["block_ids_to_zero"],
+        inp["block_copies"],
+        inp["finished_req_ids"],
+        inp["preempted_req_ids"],
+    ]
     for r in inp["new_reqs"]:
-        parts += [r["req_index"], r["req_id"], r["num_computed_tokens"], r["num_scheduled_tokens"], *r["block_ids"]]
+        parts += [
+            r["req_index"],
+            r["req_id"],
+            r["num_computed_tokens"],
+            r["num_scheduled_tokens"],
+            *r["block_ids"],
+        ]
     for e in inp["new_block_ids"]:
         parts += [e["req_index"], e["group_id"], e["block_ids"]]
     return _fingerprint(parts)
@@ -73,7 +86,14 @@ def plan_fingerprint(plan: dict | None) -> bytes:
         return b""
     parts = [plan["req_indices"], plan["num_tokens"], plan["first_positions"]]
     for g in plan["groups"]:
-        parts += [g["group_id"], g["slot_runs"], g["num_real"], g["num_padding"], g["row_lens"], g["row_digests"]]
+        parts += [
+            g["group_id"],
+            g["slot_runs"],
+            g["num_real"],
+            g["num_padding"],
+            g["row_lens"],
+            g["row_digests"],
+        ]
     return _fingerprint(parts)
 
 
@@ -148,13 +168,22 @@ class Ledger:
             return slot
         self.coverage.checks["sequence"] += 1
         if seq < slot.next_seq:
-            out.append(Violation.at(DUPLICATE_EVENT, key, None, f"event seq {seq} seen again (next expected "
-                                    f"{slot.next_seq})"))
+            out.append(
+                Violation.at(
+                    DUPLICATE_EVENT, key, None, f"event seq {seq} seen again (next expected {slot.next_seq})"
+                )
+            )
             return None
         if seq > slot.next_seq:
-            out.append(Violation.at(SEQUENCE_GAP, key, slot.last_step if slot.last_step >= 0 else None,
-                                    f"events {slot.next_seq}..{seq - 1} missing ({seq - slot.next_seq} lost); "
-                                    "checks of this rank wait for the next snapshot"))
+            out.append(
+                Violation.at(
+                    SEQUENCE_GAP,
+                    key,
+                    slot.last_step if slot.last_step >= 0 else None,
+                    f"events {slot.next_seq}..{seq - 1} missing ({seq - slot.next_seq} lost); "
+                    "checks of this rank wait for the next snapshot",
+                )
+            )
             slot.desynced = True
         slot.next_seq = seq + 1
         return slot
@@ -232,8 +261,19 @@ class Ledger:
             self.coverage.unchecked["rank_missing_steps"] += 1
             if group.missing_since.get(rank) is None:
                 group.missing_since[rank] = step
-                out.append(Violation(RANK_MISSING, engine_id, dp, rank[0], rank[1], step, None, None,
-                                     f"rank never reported step {step}, which {len(entry)} other rank(s) did"))
+                out.append(
+                    Violation(
+                        RANK_MISSING,
+                        engine_id,
+                        dp,
+                        rank[0],
+                        rank[1],
+                        step,
+                        None,
+                        None,
+                        f"rank never reported step {step}, which {len(entry)} other rank(s) did",
+                    )
+                )
         for part, what in ((0, "step input"), (1, "step plan")):
             holders: dict[bytes, list[tuple[int, int]]] = {}
             for rank in sorted(entry):
@@ -248,9 +288,20 @@ class Ledger:
                 if value_ranks is majority:
                     continue
                 for rank in value_ranks:
-                    out.append(Violation(RANK_DIVERGENCE, engine_id, dp, rank[0], rank[1], step, None, None,
-                                         f"{what} differs from tp{ref[0]}-pp{ref[1]}'s "
-                                         f"({len(majority)} of {len(entry)} ranks agree on it)"))
+                    out.append(
+                        Violation(
+                            RANK_DIVERGENCE,
+                            engine_id,
+                            dp,
+                            rank[0],
+                            rank[1],
+                            step,
+                            None,
+                            None,
+                            f"{what} differs from tp{ref[0]}-pp{ref[1]}'s "
+                            f"({len(majority)} of {len(entry)} ranks agree on it)",
+                        )
+                    )
 
 
 def _has_tokens(inp: dict) -> bool:

@@ -51,6 +51,7 @@ class RankState:
         self.computed = np.zeros(8, np.int64)  # per row: num_computed_tokens at the current step
         self.scheduled = np.zeros(8, np.int64)  # per row: tokens scheduled at the current step
         self.pending_sends: dict[str, list[np.ndarray]] = {}
+        self.reported_conflicts: set[tuple[int, int, int]] = set()  # (group, req_index, block)
 
     # -- rows -------------------------------------------------------------------------
     def _rows(self, indices: np.ndarray) -> np.ndarray:
@@ -91,15 +92,6 @@ class RankState:
             g.clear(row)
         self.free_rows.append(row)
 
-    def _set_blocks(self, step, row, req_id, group: GroupTable, data: bytes, replace: bool, out) -> None:
-        blocks = unpack_i32(data)
-        bad = group.out_of_range(blocks)
-        if bad.size:
-            out.append(self._violation(
-                BLOCK_OUT_OF_RANGE, step, f"scheduler handed block ids {bad[:8].tolist()} outside the pool "
-                f"of {group.num_blocks} blocks", req_id, group.group_id))
-        (group.replace if replace else group.append)(row, blocks)
-
     def _violation(self, kind, step, detail, req_id=None, group=None) -> Violation:
         return Violation.at(kind, self.key, step, detail, req_id=req_id, group=group)
 
@@ -116,38 +108,63 @@ class RankState:
             if index is not None:
                 for g in self.groups:
                     g.clear(int(self.row_of[index]))
+        # Blocks handed out this step, per group: (rows, block arrays, request ids).
+        grants: list[tuple[list[int], list[np.ndarray], list[str]]] = [([], [], []) for _ in self.groups]
         for req in inp["new_reqs"]:
             row = self._new_row(req["req_index"], req["req_id"])
-            for g, data in zip(self.groups, req["block_ids"]):
-                self._set_blocks(step, row, req["req_id"], g, data, True, out)
+            for grant, data in zip(grants, req["block_ids"], strict=False):
+                grant[0].append(row)
+                grant[1].append(unpack_i32(data))
+                grant[2].append(req["req_id"])
             self.computed[row] = req["num_computed_tokens"]
             self.scheduled[row] = req["num_scheduled_tokens"]
 
         indices = unpack_i32(inp["cached_req_indices"])
-        if indices.size:
-            rows = self._rows(indices)
-            known = rows >= 0
-            if not known.all():
-                cov.unchecked["unknown_request"] += int((~known).sum())
-                rows = rows[known]
-            self.computed[rows] = unpack_i32(inp["cached_num_computed_tokens"])[known]
-            self.scheduled[rows] = unpack_i32(inp["cached_num_scheduled_tokens"])[known]
-            resumed = unpack_i32(inp["resumed_req_indices"])
-            for index in resumed.tolist():
-                row = int(self._rows(np.array([index]))[0])
-                if row >= 0:
-                    for g in self.groups:
-                        g.clear(row)
-            for entry in inp["new_block_ids"]:
-                row = int(self._rows(np.array([entry["req_index"]]))[0])
-                if row < 0 or entry["group_id"] >= len(self.groups):
-                    cov.unchecked["unknown_request"] += 1
-                    continue
-                self._set_blocks(step, row, self.req_id(entry["req_index"]), self.groups[entry["group_id"]],
-                                 entry["block_ids"], False, out)
-            for g in self.groups:
-                if g.window is not None:
-                    g.release_out_of_window(rows, self.computed[rows] + self.scheduled[rows])
+        rows = self._rows(indices)
+        known = rows >= 0
+        if not known.all():
+            cov.unchecked["unknown_request"] += int((~known).sum())
+            rows = rows[known]
+        self.computed[rows] = unpack_i32(inp["cached_num_computed_tokens"])[known]
+        self.scheduled[rows] = unpack_i32(inp["cached_num_scheduled_tokens"])[known]
+        for row in self._rows(unpack_i32(inp["resumed_req_indices"])).tolist():
+            if row >= 0:  # resumed: the new block ids replace the row
+                for g in self.groups:
+                    g.clear(row)
+        for entry in inp["new_block_ids"]:
+            index, gid = entry["req_index"], entry["group_id"]
+            row = int(self.row_of[index]) if 0 <= index < self.row_of.size else -1
+            if row < 0 or gid >= len(self.groups):
+                cov.unchecked["unknown_request"] += 1
+                continue
+            grants[gid][0].append(row)
+            grants[gid][1].append(unpack_i32(entry["block_ids"]))
+            grants[gid][2].append(self.req_id(index))
+        for g, (grant_rows, blocks, req_ids) in zip(self.groups, grants, strict=True):
+            if grant_rows:
+                self._grant(step, g, grant_rows, blocks, req_ids, out)
+            if g.window is not None and rows.size:
+                g.release_out_of_window(rows, self.computed[rows] + self.scheduled[rows])
+
+    def _grant(self, step, g: GroupTable, rows: list[int], blocks: list[np.ndarray], req_ids, out) -> None:
+        counts = np.fromiter((b.size for b in blocks), np.int64, len(blocks))
+        flat = np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
+        bad = (flat < 0) | (flat >= g.num_blocks)
+        if bad.any():
+            owner = np.repeat(np.arange(len(blocks)), counts)
+            for i in np.unique(owner[bad]).tolist():
+                ids = blocks[i][(blocks[i] < 0) | (blocks[i] >= g.num_blocks)]
+                out.append(
+                    self._violation(
+                        BLOCK_OUT_OF_RANGE,
+                        step,
+                        f"scheduler handed block ids {ids[:8].tolist()} outside the pool "
+                        f"of {g.num_blocks} blocks",
+                        req_ids[i],
+                        g.group_id,
+                    )
+                )
+        g.append_many(np.asarray(rows, np.int64), counts, flat)
 
     # -- step plan ----------------------------------------------------------------------
     def check_plan(self, step: int, plan: dict, out: list[Violation], cov: Coverage) -> None:
@@ -187,8 +204,9 @@ class RankState:
                 continue
             cov.checks["write"] += int(known.sum())
             cov.checks["exclusivity"] += int(known.sum())
-            self._check_writes(step, g, indices, slots[: min(num_real, total)], tok_req, tok_rows, tok_known,
-                               pos, out, cov)
+            self._check_writes(
+                step, g, indices, slots[: min(num_real, total)], tok_req, tok_rows, tok_known, pos, out, cov
+            )
             # Real entries beyond the scheduled tokens are owned by nobody, like padding.
             self._check_padding(step, g, slots[total:] if num_real > total else slots[num_real:], out, cov)
             self._check_reads(step, g, gp, indices, rows, known, out, cov)
@@ -199,11 +217,15 @@ class RankState:
         exp_n = self.scheduled[np.where(known, rows, 0)]
         bad = known & ((first_pos != exp_pos) | (num_tokens != exp_n))
         for i in np.flatnonzero(bad).tolist():
-            out.append(self._violation(
-                WRITE_TARGET_MISMATCH, step,
-                f"plan writes {num_tokens[i]} token(s) from position {first_pos[i]}; scheduler handed "
-                f"{exp_n[i]} token(s) from computed position {exp_pos[i]}",
-                self.req_id(int(indices[i]))))
+            out.append(
+                self._violation(
+                    WRITE_TARGET_MISMATCH,
+                    step,
+                    f"plan writes {num_tokens[i]} token(s) from position {first_pos[i]}; scheduler handed "
+                    f"{exp_n[i]} token(s) from computed position {exp_pos[i]}",
+                    self.req_id(int(indices[i])),
+                )
+            )
 
     def _check_writes(self, step, g: GroupTable, indices, real, tok_req, tok_rows, tok_known, pos, out, cov):
         bs = g.block_size
@@ -227,11 +249,24 @@ class RankState:
             blocks, cols = blocks[in_pool], cols[in_pool]
         if blocks.size:
             count = g.hold_count[blocks]
-            shared_elsewhere = (g.hold_sum[blocks] != count * cols) | (g.hold_sumsq[blocks] != count * cols * cols)
+            shared_elsewhere = (g.hold_sum[blocks] != count * cols) | (
+                g.hold_sumsq[blocks] != count * cols * cols
+            )
             foreign = shared_elsewhere | (g.send_hold[blocks] > 0) | (blocks == NULL_BLOCK)
             if foreign.any():
                 toks = np.flatnonzero(ok)[foreign]
-                self._report_foreign(step, g, indices, tok_req[toks], blocks[foreign], "ledger table", out)
+                reqs, blocks = tok_req[toks], blocks[foreign]
+                # A block held twice stays so until a holder leaves: report each pairing once.
+                fresh = [
+                    i
+                    for i, key in enumerate(zip(indices[reqs].tolist(), blocks.tolist(), strict=True))
+                    if (g.group_id, *key) not in self.reported_conflicts
+                ]
+                if fresh:
+                    self.reported_conflicts.update(
+                        (g.group_id, int(indices[reqs[i]]), int(blocks[i])) for i in fresh
+                    )
+                    self._report_foreign(step, g, indices, reqs[fresh], blocks[fresh], "ledger table", out)
 
     def _report_wrong_writes(self, step, g, indices, real, expected, tok_req, tok_rows, wrong, out) -> None:
         bs = g.block_size
@@ -241,23 +276,36 @@ class RankState:
             t = int(toks[0])
             req_id = self.req_id(int(indices[r]))
             exp = "no block in the row" if expected[t] == -2 else f"slot {expected[t]}"
-            out.append(self._violation(
-                WRITE_TARGET_MISMATCH, step,
-                f"{toks.size} token(s) written to the wrong slot; first: expected {exp}, actual slot {real[t]}",
-                req_id, g.group_id))
+            out.append(
+                self._violation(
+                    WRITE_TARGET_MISMATCH,
+                    step,
+                    f"{toks.size} token(s) written to the wrong slot; first: expected {exp}, actual slot {real[t]}",
+                    req_id,
+                    g.group_id,
+                )
+            )
             actual = real[toks]
             actual = actual[actual >= 0]
             blocks = actual // bs
             outside = blocks[(blocks < 0) | (blocks >= g.num_blocks)]
             if outside.size:
-                out.append(self._violation(
-                    BLOCK_OUT_OF_RANGE, step, f"slot mapping writes block {int(outside[0])}, outside the pool "
-                    f"of {g.num_blocks} blocks", req_id, g.group_id))
+                out.append(
+                    self._violation(
+                        BLOCK_OUT_OF_RANGE,
+                        step,
+                        f"slot mapping writes block {int(outside[0])}, outside the pool "
+                        f"of {g.num_blocks} blocks",
+                        req_id,
+                        g.group_id,
+                    )
+                )
             inside = blocks[(blocks >= 0) & (blocks < g.num_blocks)]
             own = np.isin(inside, g.row(int(tok_rows[t])))
             if (~own).any():
-                self._report_foreign(step, g, indices, np.full(int((~own).sum()), r), inside[~own], "slot mapping",
-                                     out)
+                self._report_foreign(
+                    step, g, indices, np.full(int((~own).sum()), r), inside[~own], "slot mapping", out
+                )
 
     def _report_foreign(self, step, g, indices, reqs, blocks, source, out) -> None:
         for r in np.unique(reqs).tolist():
@@ -270,18 +318,30 @@ class RankState:
                 whose = "free (no live request holds it)"
             else:
                 whose = "held by another live request at another position"
-            out.append(self._violation(
-                FOREIGN_BLOCK_WRITE, step, f"writes block {b} ({source}), which is {whose}",
-                self.req_id(int(indices[r])), g.group_id))
+            out.append(
+                self._violation(
+                    FOREIGN_BLOCK_WRITE,
+                    step,
+                    f"writes block {b} ({source}), which is {whose}",
+                    self.req_id(int(indices[r])),
+                    g.group_id,
+                )
+            )
 
     def _check_padding(self, step, g: GroupTable, padding: np.ndarray, out, cov) -> None:
         cov.checks["padding"] += 1
         written = padding[padding >= 0]
         stray = written[(written // g.block_size) != NULL_BLOCK]
         if stray.size:
-            out.append(self._violation(
-                UNOWNED_WRITE, step, f"{stray.size} padding slot(s) write real blocks; first slot {int(stray[0])} "
-                f"(block {int(stray[0]) // g.block_size}); no scheduled token owns them", group=g.group_id))
+            out.append(
+                self._violation(
+                    UNOWNED_WRITE,
+                    step,
+                    f"{stray.size} padding slot(s) write real blocks; first slot {int(stray[0])} "
+                    f"(block {int(stray[0]) // g.block_size}); no scheduled token owns them",
+                    group=g.group_id,
+                )
+            )
 
     def _check_reads(self, step, g: GroupTable, gp, indices, rows, known, out, cov) -> None:
         row_lens = unpack_i32(gp["row_lens"])
@@ -307,7 +367,9 @@ class RankState:
                     detail += f"; first difference at position {j}: expected block {ledger_row[j]}, read {actual[j]}"
             elif row_lens[i] == ledger_row.size:
                 detail += " with different block ids (digest differs)"
-            out.append(self._violation(READ_TARGET_MISMATCH, step, detail, self.req_id(int(indices[i])), g.group_id))
+            out.append(
+                self._violation(READ_TARGET_MISMATCH, step, detail, self.req_id(int(indices[i])), g.group_id)
+            )
 
     # -- connector and snapshots -----------------------------------------------------------
     def apply_connector(self, event: dict) -> None:
@@ -317,17 +379,17 @@ class RankState:
         if event["kind"] == "SEND_INTENT" and tid not in self.pending_sends:
             blocks = [unpack_i32(b) for b in event["block_ids"]]
             self.pending_sends[tid] = blocks
-            for g, b in zip(self.groups, blocks):
+            for g, b in zip(self.groups, blocks, strict=False):
                 g.hold_for_send(b, +1)
         elif event["kind"] in ("SEND_DONE", "EXPIRED") and tid in self.pending_sends:
-            for g, b in zip(self.groups, self.pending_sends.pop(tid)):
+            for g, b in zip(self.groups, self.pending_sends.pop(tid), strict=False):
                 g.hold_for_send(b, -1)
 
     def load_snapshot(self, snap: dict, info: dict) -> None:
         self.__init__(self.key, info)
         for req in snap["requests"]:
             row = self._new_row(req["req_index"], req["req_id"])
-            for g, data in zip(self.groups, req["block_ids"]):
+            for g, data in zip(self.groups, req["block_ids"], strict=False):
                 g.replace(row, unpack_i32(data))
             self.computed[row] = req["num_computed_tokens"]
             self.scheduled[row] = 0

@@ -47,7 +47,9 @@ class GroupTable:
     def _ensure_cols(self, n: int) -> None:
         if n > self.table.shape[1]:
             cap = max(n, 2 * self.table.shape[1])
-            self.table = np.hstack([self.table, np.zeros((self.table.shape[0], cap - self.table.shape[1]), np.int32)])
+            self.table = np.hstack(
+                [self.table, np.zeros((self.table.shape[0], cap - self.table.shape[1]), np.int32)]
+            )
 
     # -- holders --------------------------------------------------------------------
     def _hold(self, blocks: np.ndarray, positions: np.ndarray, sign: int) -> None:
@@ -64,15 +66,27 @@ class GroupTable:
 
     # -- row edits ------------------------------------------------------------------
     def append(self, row: int, blocks: np.ndarray) -> None:
-        n0 = int(self.lens[row])
-        n1 = n0 + blocks.size
-        self._ensure_cols(n1)
-        self.table[row, n0:n1] = blocks
-        self.lens[row] = n1
+        self.append_many(np.array([row]), np.array([blocks.size]), blocks)
+
+    def append_many(self, rows: np.ndarray, counts: np.ndarray, blocks: np.ndarray) -> None:
+        """Append counts[i] blocks to rows[i] (rows distinct); `blocks` holds them all, in order."""
+        if blocks.size == 0:
+            return
+        starts = self.lens[rows].astype(np.int64)
+        if counts.size == 1:
+            row_of_block = np.full(blocks.size, rows[0])
+            cols = starts[0] + np.arange(blocks.size)
+        else:
+            row_of_block = np.repeat(rows, counts)
+            cols = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(blocks.size)
+        self._ensure_cols(int(cols.max()) + 1)
+        self.table[row_of_block, cols] = blocks
+        self.lens[rows] += counts.astype(np.int32)
         with np.errstate(over="ignore"):
-            added = (mix_blocks(blocks) * position_weights(n0, n1)).sum(dtype=np.uint64)
-            self.digests[row] += added + np.uint64(length_term(blocks.size))
-        self._hold(blocks, np.arange(n0, n1), +1)
+            terms = mix_blocks(blocks) * position_weights(0, int(cols.max()) + 1)[cols]
+            np.add.at(self.digests, row_of_block, terms)
+            self.digests[rows] += counts.astype(np.uint64) * np.uint64(length_term(1))
+        self._hold(blocks, cols, +1)
 
     def clear(self, row: int) -> None:
         n = int(self.lens[row])
@@ -100,7 +114,9 @@ class GroupTable:
         """
         skipped = np.maximum(tokens_done - self.window + 1, 0) // self.block_size
         upto = np.minimum(skipped, self.lens[rows])
-        for row, new in zip(rows[upto > self.released[rows]].tolist(), upto[upto > self.released[rows]].tolist()):
+        for row, new in zip(
+            rows[upto > self.released[rows]].tolist(), upto[upto > self.released[rows]].tolist()
+        ):
             old = int(self.released[row])
             self._hold(self.table[row, old:new], np.arange(old, new), -1)
             self.released[row] = new

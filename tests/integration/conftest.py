@@ -9,7 +9,7 @@ import os
 import re
 import socket
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,7 +58,7 @@ def local_kafka(tmp_path_factory) -> Callable[..., subprocess.CompletedProcess]:
 
 
 @pytest.fixture(scope="session")
-def kafka_bootstrap(local_kafka) -> str:
+def kafka_bootstrap(local_kafka) -> Iterator[str]:
     """`127.0.0.1:PORT` of a running broker; fails (never skips) if it can't start."""
     try:
         up = local_kafka("up", timeout=UP_TIMEOUT)
