@@ -228,6 +228,8 @@ class SyntheticEngine:
                 self.cfg.snapshot_interval
                 and step % self.cfg.snapshot_interval == self.cfg.snapshot_interval - 1
             ):
+                # Layout first, so a reader joining here can resync from the snapshot alone.
+                yield from self._emit_all(self._rank_info())
                 yield from self._emit_all(self._snapshot(step))
             if self.cfg.health_interval and step % self.cfg.health_interval == self.cfg.health_interval - 1:
                 yield from self._emit_all(records.health(step, step + 1, 0, 0, 4096, 1))

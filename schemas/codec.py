@@ -36,8 +36,8 @@ class UnknownSchemaError(DecodeError):
 def schema_fingerprint(schema: Schema) -> bytes:
     """CRC-64-AVRO fingerprint of the schema's parsing canonical form, as framed."""
     hex_digest = fingerprint(to_parsing_canonical_form(schema), "CRC-64-AVRO")
-    # fastavro renders the 64-bit value big-endian; the spec frames it little-endian.
-    return bytes.fromhex(hex_digest)[::-1]
+    # fastavro's hex digest already lists the 64-bit value's bytes little-endian, as framed.
+    return bytes.fromhex(hex_digest)
 
 
 def _read_body(data: bytes, offset: int, writer: Schema, reader: Schema | None) -> Record:

@@ -107,7 +107,7 @@ def check(path: str, fmt: str) -> None:
                 BarColumn(),
                 DownloadColumn(),
                 TimeRemainingColumn(),
-                console=err,
+                console=out if out.is_terminal else err,  # one tty: prints go above the bar
                 transient=True,
             ) as bar:
                 task = bar.add_task("replaying", total=None)

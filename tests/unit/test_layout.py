@@ -1,0 +1,73 @@
+"""The rooms of the tree and the doors between them (see DESIGN.md).
+
+The producer runs inside vLLM serving images and must import without the
+stream side's libraries; the stream side runs where no torch or vLLM exists.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# room -> kvledger rooms it may import
+DOORS = {"schemas": set(), "producer": {"schemas"}, "stream_app": {"schemas"}}
+
+
+def _kvledger_imports(path: Path) -> set[str]:
+    rooms = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        rooms |= {n.split(".")[1] for n in names if n.startswith("kvledger.") and n.count(".") >= 1}
+    return rooms
+
+
+@pytest.mark.parametrize("room", sorted(DOORS))
+def test_imports_follow_the_arrows(room):
+    for path in (ROOT / room).rglob("*.py"):
+        foreign = _kvledger_imports(path) - DOORS[room] - {room}
+        assert not foreign, f"{path.relative_to(ROOT)} imports {foreign}"
+
+
+def _import_all_blocking(package: str, blocked: list[str]) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(f"""
+        import importlib, importlib.abc, pkgutil, sys
+        BLOCKED = {blocked!r}
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+                    raise ImportError(f"{{name}} must not be imported here")
+        sys.meta_path.insert(0, Block())
+        pkg = importlib.import_module({package!r})
+        for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            if not info.name.endswith("__main__"):
+                importlib.import_module(info.name)
+        print("imported", sorted(m for m in sys.modules if m.startswith("kvledger")))
+    """)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_producer_imports_without_the_stream_side():
+    result = _import_all_blocking("kvledger.producer", ["faust", "click", "rich", "aiokafka", "kvledger.stream_app"])
+    assert result.returncode == 0, result.stderr
+    assert "kvledger.producer.synthetic" in result.stdout
+
+
+def test_stream_side_imports_without_torch_or_vllm():
+    result = _import_all_blocking("kvledger.stream_app", ["torch", "vllm", "triton"])
+    assert result.returncode == 0, result.stderr
+    assert "kvledger.stream_app.cli" in result.stdout
+
+
+def test_the_import_blocker_bites():
+    result = _import_all_blocking("kvledger.stream_app", ["rich"])
+    assert result.returncode != 0 and "rich must not be imported here" in result.stderr
