@@ -46,7 +46,7 @@ def _violation_text(v: Violation) -> str:
         )
         if x
     )
-    return f"[bold red]{v.kind}[/] [cyan]{where}[/] {at}: {v.detail}"
+    return f"[bold red]{v.kind}[/] [cyan]{where}[/]{' ' + at if at else ''}: {v.detail}"
 
 
 def _print_text_summary(console: Console, result: Replay) -> None:
