@@ -16,7 +16,6 @@ import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 from kvledger.producer.sinks import FileSink
 from kvledger.producer.synthetic import SimConfig, simulate
@@ -25,10 +24,24 @@ from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import replay
 
 STREAMS = {
-    "decode-heavy": dict(max_num_seqs=64, max_batched_tokens=2048, arrival_rate=8, prompt_len=(16, 64),
-                         output_len=(4000, 8000), num_blocks=40000, prefix_caching=False),
-    "prefill-heavy": dict(max_num_seqs=16, max_batched_tokens=2048, arrival_rate=4, prompt_len=(1500, 6000),
-                          output_len=(1, 4), num_blocks=40000, shared_prefix_prob=0.3),
+    "decode-heavy": dict(
+        max_num_seqs=64,
+        max_batched_tokens=2048,
+        arrival_rate=8,
+        prompt_len=(16, 64),
+        output_len=(4000, 8000),
+        num_blocks=40000,
+        prefix_caching=False,
+    ),
+    "prefill-heavy": dict(
+        max_num_seqs=16,
+        max_batched_tokens=2048,
+        arrival_rate=4,
+        prompt_len=(1500, 6000),
+        output_len=(1, 4),
+        num_blocks=40000,
+        shared_prefix_prob=0.3,
+    ),
 }
 TARGET_DECODE = 50_000
 
@@ -46,8 +59,11 @@ def measure(name: str, steps: int, repeat: int) -> dict:
     config = SimConfig(seed=1, steps=steps, snapshot_interval=500, health_interval=500, **STREAMS[name])
     sim = simulate(config)
     step_events = sum(e["body"][0] == "kvledger.Step" for e in sim.events)
-    reqs = [len(e["body"][1]["plan"]["req_indices"]) // 4 for e in sim.events[-200:]
-            if e["body"][0] == "kvledger.Step" and e["body"][1]["plan"]]
+    reqs = [
+        len(e["body"][1]["plan"]["req_indices"]) // 4
+        for e in sim.events[-200:]
+        if e["body"][0] == "kvledger.Step" and e["body"][1]["plan"]
+    ]
     with tempfile.TemporaryDirectory() as root:
         with FileSink(root) as sink:
             sink.write(sim.events)
@@ -70,9 +86,13 @@ def measure(name: str, steps: int, repeat: int) -> dict:
 
         t_check, t_decode, t_core = (_best(f, repeat) for f in (check, decode_only, core_only))
     return {
-        "stream": name, "step_events": step_events, "reqs_per_step": statistics.mean(reqs),
+        "stream": name,
+        "step_events": step_events,
+        "reqs_per_step": statistics.mean(reqs),
         "bytes_per_event": size / len(sim.events),
-        "check": step_events / t_check, "decode": step_events / t_decode, "core": step_events / t_core,
+        "check": step_events / t_check,
+        "decode": step_events / t_decode,
+        "core": step_events / t_core,
     }
 
 
@@ -83,17 +103,23 @@ def main() -> None:
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, as the target says
-    print(f"{'stream':<14} {'steps':>6} {'req/step':>8} {'B/event':>8} {'check/s':>10} {'decode/s':>10} "
-          f"{'core/s':>10} {'req-steps/s':>12}")
+    print(
+        f"{'stream':<14} {'steps':>6} {'req/step':>8} {'B/event':>8} {'check/s':>10} {'decode/s':>10} "
+        f"{'core/s':>10} {'req-steps/s':>12}"
+    )
     for name in STREAMS:
         r = measure(name, args.steps, args.repeat)
-        print(f"{r['stream']:<14} {r['step_events']:>6} {r['reqs_per_step']:>8.1f} {r['bytes_per_event']:>8.0f} "
-              f"{r['check']:>10,.0f} {r['decode']:>10,.0f} {r['core']:>10,.0f} "
-              f"{r['check'] * r['reqs_per_step']:>12,.0f}")
+        print(
+            f"{r['stream']:<14} {r['step_events']:>6} {r['reqs_per_step']:>8.1f} {r['bytes_per_event']:>8.0f} "
+            f"{r['check']:>10,.0f} {r['decode']:>10,.0f} {r['core']:>10,.0f} "
+            f"{r['check'] * r['reqs_per_step']:>12,.0f}"
+        )
         if r["stream"] == "decode-heavy":
             verdict = "meets" if r["check"] >= TARGET_DECODE else "MISSES"
-            print(f"  decode-heavy target {TARGET_DECODE:,} step-events/s on one core: {verdict} "
-                  f"({r['check'] / TARGET_DECODE:.2f}x)")
+            print(
+                f"  decode-heavy target {TARGET_DECODE:,} step-events/s on one core: {verdict} "
+                f"({r['check'] / TARGET_DECODE:.2f}x)"
+            )
 
 
 if __name__ == "__main__":

@@ -26,15 +26,11 @@ def _faults(names: list[str], steps: int, tp_size: int) -> tuple[FaultSpec, ...]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m kvledger.producer.demo", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m kvledger.producer.demo", description=__doc__.splitlines()[0])
     parser.add_argument("out", help="ledger directory to write (created)")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
-    parser.add_argument(
-        "--faults", default="all", help="'all', 'none' or a comma list of: " + ", ".join(FAULTS)
-    )
+    parser.add_argument("--faults", default="all", help="'all', 'none' or a comma list of: " + ", ".join(FAULTS))
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from kvledger.schemas import pack_i32, pack_i64, pack_u64
 from kvledger.schemas.packing import length_term, mix_blocks, position_weights
 from kvledger.schemas.registry import HEALTH, RANK_INFO, SNAPSHOT, STEP
@@ -38,9 +39,7 @@ def envelope(rank: RankIdentity, seq: int, emitted_at_us: int, body_name: str, b
     }
 
 
-def kv_group(
-    group_id: int, kind: str, block_size: int, num_blocks: int, sliding_window: int | None = None
-) -> dict:
+def kv_group(group_id: int, kind: str, block_size: int, num_blocks: int, sliding_window: int | None = None) -> dict:
     return {
         "group_id": group_id,
         "kind": kind,
@@ -124,6 +123,58 @@ def group_plan(
     }
 
 
+def new_request(
+    req_index: int,
+    req_id: str,
+    block_ids: Sequence[Sequence[int]],
+    num_computed_tokens: int,
+    num_prompt_tokens: int,
+    num_scheduled_tokens: int,
+) -> dict:
+    return {
+        "req_index": req_index,
+        "req_id": req_id,
+        "block_ids": [pack_i32(b) for b in block_ids],
+        "num_computed_tokens": num_computed_tokens,
+        "num_prompt_tokens": num_prompt_tokens,
+        "num_scheduled_tokens": num_scheduled_tokens,
+    }
+
+
+def step_input(
+    *,
+    new_reqs: Sequence[dict] = (),
+    cached: Sequence[tuple[int, int, int]] = (),
+    resumed: Sequence[int] = (),
+    appends: Sequence[tuple[int, int, Sequence[int]]] = (),
+    finished: Sequence[str] = (),
+    preempted: Sequence[str] = (),
+    blocks_to_zero: Sequence[int] = (),
+    block_copies: Sequence[tuple[int, int]] = (),
+) -> dict:
+    """A StepInput record.
+
+    cached: (req_index, num_computed_tokens, num_scheduled_tokens) per cached request;
+    appends: (req_index, group_id, block ids) per cached request and group that got blocks.
+    """
+    cols = np.array(cached, dtype=np.int64).reshape(-1, 3)
+    return {
+        "new_reqs": list(new_reqs),
+        "cached_req_indices": pack_i32(cols[:, 0]),
+        "cached_num_computed_tokens": pack_i32(cols[:, 1]),
+        "cached_num_scheduled_tokens": pack_i32(cols[:, 2]),
+        "resumed_req_indices": pack_i32(resumed),
+        "append_req_indices": pack_i32([a[0] for a in appends]),
+        "append_group_ids": pack_i32([a[1] for a in appends]),
+        "append_counts": pack_i32([len(a[2]) for a in appends]),
+        "append_block_ids": pack_i32(np.concatenate([np.asarray(a[2], np.int64) for a in appends]) if appends else []),
+        "finished_req_ids": list(finished),
+        "preempted_req_ids": list(preempted),
+        "block_ids_to_zero": pack_i32(blocks_to_zero),
+        "block_copies": pack_i32(np.asarray(block_copies, np.int64).reshape(-1)),
+    }
+
+
 def step_plan(req_indices, num_tokens, first_positions, groups: list[dict]) -> dict:
     return {
         "req_indices": pack_i32(req_indices),
@@ -152,9 +203,7 @@ def snapshot(step: int, requests: list[tuple[int, str, int, list[np.ndarray]]]) 
     }
 
 
-def health(
-    step: int, captured: int, dropped: int, probe_ns: int, capacity: int, high_water: int
-) -> tuple[str, dict]:
+def health(step: int, captured: int, dropped: int, probe_ns: int, capacity: int, high_water: int) -> tuple[str, dict]:
     return HEALTH, {
         "step": step,
         "events_captured": captured,

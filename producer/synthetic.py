@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from kvledger.producer import records
 from kvledger.producer.records import RankIdentity
-from kvledger.schemas import pack_i32
 
 FAULTS = (
     "slot_shift",  # one request's slots are off by one: write_target_mismatch
@@ -193,8 +193,7 @@ class SyntheticEngine:
         self.has_window = any(g.kind == "SLIDING_WINDOW" for g in c.groups)
         self.prefix_caching = c.prefix_caching and not self.has_window
         self.prefixes = [
-            [self.rng.randrange(1000) for _ in range(self.rng.randrange(16, 80))]
-            for _ in range(c.shared_prefixes)
+            [self.rng.randrange(1000) for _ in range(self.rng.randrange(16, 80))] for _ in range(c.shared_prefixes)
         ]
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
@@ -224,10 +223,7 @@ class SyntheticEngine:
                 yield from self._emit_all(records.step(step, "DUMMY", None, self._dummy_plan()))
             else:
                 yield from self._real_step(step)
-            if (
-                self.cfg.snapshot_interval
-                and step % self.cfg.snapshot_interval == self.cfg.snapshot_interval - 1
-            ):
+            if self.cfg.snapshot_interval and step % self.cfg.snapshot_interval == self.cfg.snapshot_interval - 1:
                 # Layout first, so a reader joining here can resync from the snapshot alone.
                 yield from self._emit_all(self._rank_info())
                 yield from self._emit_all(self._snapshot(step))
@@ -247,10 +243,7 @@ class SyntheticEngine:
 
     def _rank_info(self) -> tuple[str, dict]:
         c = self.cfg
-        groups = [
-            records.kv_group(i, g.kind, self.bs, c.num_blocks, g.sliding_window)
-            for i, g in enumerate(c.groups)
-        ]
+        groups = [records.kv_group(i, g.kind, self.bs, c.num_blocks, g.sliding_window) for i, g in enumerate(c.groups)]
         return records.rank_info(
             dp_size=1,
             tp_size=c.tp_size,
@@ -271,18 +264,14 @@ class SyntheticEngine:
         return records.snapshot(step, reqs)
 
     def _dummy_plan(self) -> dict:
-        groups = [
-            records.group_plan(g, np.full(self.cfg.pad_to, -1), 0, []) for g in range(len(self.cfg.groups))
-        ]
+        groups = [records.group_plan(g, np.full(self.cfg.pad_to, -1), 0, []) for g in range(len(self.cfg.groups))]
         return records.step_plan([], [], [], groups)
 
     # -- faults --------------------------------------------------------------------------------
     def _faults_due(self, step: int) -> list[FaultSpec]:
         return [f for f in self._pending_faults if f.step <= step]
 
-    def _expect(
-        self, fault: FaultSpec, kind: str, step: int | None, req_id=None, group=None, rank=None
-    ) -> None:
+    def _expect(self, fault: FaultSpec, kind: str, step: int | None, req_id=None, group=None, rank=None) -> None:
         rank = rank or self.ranks[0]
         self.expected.append(
             Expected(
@@ -383,9 +372,7 @@ class SyntheticEngine:
                 if other is req or len(other.blocks[g]) == 0:
                     continue
                 cands = [
-                    (j, b)
-                    for j, b in enumerate(other.blocks[g])
-                    if b != 0 and j != pos and b not in req.blocks[g]
+                    (j, b) for j, b in enumerate(other.blocks[g]) if b != 0 and j != pos and b not in req.blocks[g]
                 ]
                 if cands:
                     _, victim = cands[-1]
@@ -512,14 +499,7 @@ class SyntheticEngine:
             if kind == "new":
                 req.seen = True
                 new_reqs.append(
-                    {
-                        "req_index": req.index,
-                        "req_id": req.req_id,
-                        "block_ids": [pack_i32(row) for row in req.blocks],
-                        "num_computed_tokens": req.computed,
-                        "num_prompt_tokens": req.num_prompt,
-                        "num_scheduled_tokens": n_new,
-                    }
+                    records.new_request(req.index, req.req_id, req.blocks, req.computed, req.num_prompt, n_new)
                 )
                 self.worker_rows[req.index] = [list(row) for row in req.blocks]
                 self.worker_ids[req.index] = req.req_id
@@ -530,29 +510,23 @@ class SyntheticEngine:
                 resumed.append(req.index)
                 req.resumed = False
                 for g, row in enumerate(req.blocks):
-                    appends.append({"req_index": req.index, "group_id": g, "block_ids": pack_i32(row)})
+                    appends.append((req.index, g, row))
                     rows[g] = list(row)
             else:
                 for g, new in enumerate(appended):
                     if new:
-                        appends.append({"req_index": req.index, "group_id": g, "block_ids": pack_i32(new)})
+                        appends.append((req.index, g, new))
                         rows[g].extend(new)
         for req_id in finished:
-            index = int(req_id.split("-")[1])
-            self.worker_rows.pop(index, None)
-        cols = np.array(cached, dtype=np.int64).reshape(-1, 3)
-        return {
-            "new_reqs": new_reqs,
-            "cached_req_indices": pack_i32(cols[:, 0]),
-            "cached_num_computed_tokens": pack_i32(cols[:, 1]),
-            "cached_num_scheduled_tokens": pack_i32(cols[:, 2]),
-            "resumed_req_indices": pack_i32(resumed),
-            "new_block_ids": appends,
-            "finished_req_ids": finished,
-            "preempted_req_ids": preempted,
-            "block_ids_to_zero": b"",
-            "block_copies": b"",
-        }
+            self.worker_rows.pop(int(req_id.split("-")[1]), None)
+        return records.step_input(
+            new_reqs=new_reqs,
+            cached=cached,
+            resumed=resumed,
+            appends=appends,
+            finished=finished,
+            preempted=preempted,
+        )
 
     def _plan(self, scheduled) -> dict:
         """The plan a correct worker builds; a dict of numpy arrays, encoded per rank."""
@@ -603,9 +577,7 @@ class SyntheticEngine:
             result = mutated(self, base, fault)
             if result is not None:
                 plan, req_id, kind = result
-                self._expect(
-                    fault, kind, step, req_id, fault.group if kind != "rank_divergence" else None, rank=rank
-                )
+                self._expect(fault, kind, step, req_id, fault.group if kind != "rank_divergence" else None, rank=rank)
                 return self._encode_plan(plan)
         return self._encode_plan(base)
 

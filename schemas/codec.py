@@ -17,6 +17,7 @@ from typing import Any
 
 import fastavro
 from fastavro.schema import fingerprint, to_parsing_canonical_form
+
 from kvledger.schemas.registry import Schema
 
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"

@@ -22,6 +22,7 @@ from urllib.parse import quote, unquote
 import fastavro
 from fastavro.schema import to_parsing_canonical_form
 from fastavro.write import Writer
+
 from kvledger.schemas.registry import LEDGER_EVENT
 
 SEGMENT_SUFFIX = ".avro"

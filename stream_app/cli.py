@@ -53,8 +53,7 @@ def _print_text_summary(console: Console, result: Replay) -> None:
     s = result.summary()
     console.print()
     console.print(
-        f"[bold]{s['events']}[/] events, [bold]{s['steps']}[/] step-events, "
-        f"[bold]{s['ranks']}[/] rank stream(s)"
+        f"[bold]{s['events']}[/] events, [bold]{s['steps']}[/] step-events, [bold]{s['ranks']}[/] rank stream(s)"
     )
     checks = ", ".join(f"{k} {n}" for k, n in s["checks"].items()) or "none"
     console.print(f"checks run: {checks}")
@@ -63,8 +62,7 @@ def _print_text_summary(console: Console, result: Replay) -> None:
         console.print(f"[yellow]not checked:[/] {unchecked}")
     for p in s["problems"]:
         console.print(
-            f"[yellow]unreadable:[/] {p['path']}: {p['reason']} after {p['events_read']} event(s) "
-            f"({p['detail']})"
+            f"[yellow]unreadable:[/] {p['path']}: {p['reason']} after {p['events_read']} event(s) ({p['detail']})"
         )
     if s["violations"]:
         table = Table(title="violations", show_edge=False)

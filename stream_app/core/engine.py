@@ -55,19 +55,24 @@ def _fingerprint(parts) -> bytes:
     return h.digest()
 
 
+_PACKED_INPUT = (
+    "cached_req_indices",
+    "cached_num_computed_tokens",
+    "cached_num_scheduled_tokens",
+    "resumed_req_indices",
+    "append_req_indices",
+    "append_group_ids",
+    "append_counts",
+    "append_block_ids",
+    "block_ids_to_zero",
+    "block_copies",
+)
+
+
 def input_fingerprint(inp: dict | None) -> bytes:
     if inp is None:
         return b""
-    parts = [
-        inp["cached_req_indices"],
-        inp["cached_num_computed_tokens"],
-        inp["cached_num_scheduled_tokens"],
-        inp["resumed_req_indices"],
-        inp["block_ids_to_zero"],
-        inp["block_copies"],
-        inp["finished_req_ids"],
-        inp["preempted_req_ids"],
-    ]
+    parts = [inp[k] for k in _PACKED_INPUT] + [inp["finished_req_ids"], inp["preempted_req_ids"]]
     for r in inp["new_reqs"]:
         parts += [
             r["req_index"],
@@ -76,8 +81,6 @@ def input_fingerprint(inp: dict | None) -> bytes:
             r["num_scheduled_tokens"],
             *r["block_ids"],
         ]
-    for e in inp["new_block_ids"]:
-        parts += [e["req_index"], e["group_id"], e["block_ids"]]
     return _fingerprint(parts)
 
 
@@ -169,9 +172,7 @@ class Ledger:
         self.coverage.checks["sequence"] += 1
         if seq < slot.next_seq:
             out.append(
-                Violation.at(
-                    DUPLICATE_EVENT, key, None, f"event seq {seq} seen again (next expected {slot.next_seq})"
-                )
+                Violation.at(DUPLICATE_EVENT, key, None, f"event seq {seq} seen again (next expected {slot.next_seq})")
             )
             return None
         if seq > slot.next_seq:
@@ -204,8 +205,9 @@ class Ledger:
             self.coverage.unchecked["snapshot_without_rank_info"] += 1
             return
         if slot.desynced or slot.state is None:
-            slot.state = RankState(key, slot.info)
-            slot.state.load_snapshot(snap, slot.info)
+            if slot.state is None:
+                slot.state = RankState(key, slot.info)
+            slot.state.load_snapshot(snap)
             slot.desynced = False
             slot.last_step = snap["step"]
             self.coverage.checks["resync"] += 1

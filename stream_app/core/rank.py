@@ -1,12 +1,15 @@
 """The ledger of one rank: apply step inputs, check step plans.
 
-All per-token work is vectorised with numpy; Python loops run over requests
-only where the scheduler changed something (new, finished, appended blocks).
+Per-token work is vectorised with numpy and the common case (every request
+known, every token where the ledger says) costs a fixed handful of array
+operations per step and group; Python loops run only over what the
+scheduler changed (new, finished, preempted requests) and over violations.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
 from kvledger.schemas.packing import unpack_i32, unpack_i64, unpack_u64
 from kvledger.stream_app.core.tables import NULL_BLOCK, GroupTable
 from kvledger.stream_app.core.violations import (
@@ -20,19 +23,16 @@ from kvledger.stream_app.core.violations import (
     Violation,
 )
 
-_UNCHECKED_KINDS = ("MAMBA", "OTHER")  # no token->slot addressing to check
+_UNCHECKED_KINDS = ("MAMBA", "OTHER")  # groups without token -> slot addressing
 
 
 def expand_slot_runs(data: bytes) -> np.ndarray:
     """Packed (start, length) runs -> the slot mapping, -1 runs kept as -1."""
     runs = unpack_i64(data).reshape(-1, 2)
     starts, lengths = runs[:, 0], runs[:, 1]
-    if lengths.size == 0:
-        return np.empty(0, np.int64)
-    if (lengths == 1).all():
+    if lengths.size == 0 or (lengths == 1).all():
         return starts
-    total = int(lengths.sum())
-    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     return np.repeat(starts, lengths) + offsets * np.repeat(starts >= 0, lengths)
 
 
@@ -51,9 +51,8 @@ class RankState:
         self.computed = np.zeros(8, np.int64)  # per row: num_computed_tokens at the current step
         self.scheduled = np.zeros(8, np.int64)  # per row: tokens scheduled at the current step
         self.pending_sends: dict[str, list[np.ndarray]] = {}
-        self.reported_conflicts: set[tuple[int, int, int]] = set()  # (group, req_index, block)
 
-    # -- rows -------------------------------------------------------------------------
+    # -- rows ---------------------------------------------------------------------------
     def _rows(self, indices: np.ndarray) -> np.ndarray:
         inside = (indices >= 0) & (indices < self.row_of.size)
         if inside.all():
@@ -69,9 +68,8 @@ class RankState:
             row = self.num_rows
             self.num_rows += 1
             if row >= self.computed.size:
-                grow = self.computed.size
-                self.computed = np.concatenate([self.computed, np.zeros(grow, np.int64)])
-                self.scheduled = np.concatenate([self.scheduled, np.zeros(grow, np.int64)])
+                self.computed = np.concatenate([self.computed, np.zeros_like(self.computed)])
+                self.scheduled = np.concatenate([self.scheduled, np.zeros_like(self.scheduled)])
             for g in self.groups:
                 g.ensure_rows(row + 1)
         if req_index >= self.row_of.size:
@@ -98,26 +96,16 @@ class RankState:
     def req_id(self, req_index: int) -> str:
         return self.req_id_of.get(req_index, f"#{req_index}")
 
-    # -- step input -------------------------------------------------------------------
+    # -- step input -----------------------------------------------------------------------
     def apply_input(self, step: int, inp: dict, out: list[Violation], cov: Coverage) -> None:
         for req_id in inp["finished_req_ids"]:
             if req_id in self.index_of:
                 self._drop(req_id)
         for req_id in inp["preempted_req_ids"]:
-            index = self.index_of.get(req_id)
-            if index is not None:
+            if req_id in self.index_of:
+                row = int(self.row_of[self.index_of[req_id]])
                 for g in self.groups:
-                    g.clear(int(self.row_of[index]))
-        # Blocks handed out this step, per group: (rows, block arrays, request ids).
-        grants: list[tuple[list[int], list[np.ndarray], list[str]]] = [([], [], []) for _ in self.groups]
-        for req in inp["new_reqs"]:
-            row = self._new_row(req["req_index"], req["req_id"])
-            for grant, data in zip(grants, req["block_ids"], strict=False):
-                grant[0].append(row)
-                grant[1].append(unpack_i32(data))
-                grant[2].append(req["req_id"])
-            self.computed[row] = req["num_computed_tokens"]
-            self.scheduled[row] = req["num_scheduled_tokens"]
+                    g.clear(row)
 
         indices = unpack_i32(inp["cached_req_indices"])
         rows = self._rows(indices)
@@ -128,65 +116,131 @@ class RankState:
         self.computed[rows] = unpack_i32(inp["cached_num_computed_tokens"])[known]
         self.scheduled[rows] = unpack_i32(inp["cached_num_scheduled_tokens"])[known]
         for row in self._rows(unpack_i32(inp["resumed_req_indices"])).tolist():
-            if row >= 0:  # resumed: the new block ids replace the row
+            if row >= 0:  # resumed: its new block ids replace the row
                 for g in self.groups:
                     g.clear(row)
-        for entry in inp["new_block_ids"]:
-            index, gid = entry["req_index"], entry["group_id"]
-            row = int(self.row_of[index]) if 0 <= index < self.row_of.size else -1
-            if row < 0 or gid >= len(self.groups):
-                cov.unchecked["unknown_request"] += 1
-                continue
-            grants[gid][0].append(row)
-            grants[gid][1].append(unpack_i32(entry["block_ids"]))
-            grants[gid][2].append(self.req_id(index))
-        for g, (grant_rows, blocks, req_ids) in zip(self.groups, grants, strict=True):
-            if grant_rows:
-                self._grant(step, g, grant_rows, blocks, req_ids, out)
+        for g in self.groups:  # before grants: the scheduler frees, then allocates
             if g.window is not None and rows.size:
                 g.release_out_of_window(rows, self.computed[rows] + self.scheduled[rows])
 
-    def _grant(self, step, g: GroupTable, rows: list[int], blocks: list[np.ndarray], req_ids, out) -> None:
-        counts = np.fromiter((b.size for b in blocks), np.int64, len(blocks))
-        flat = np.concatenate(blocks) if len(blocks) > 1 else blocks[0]
-        bad = (flat < 0) | (flat >= g.num_blocks)
-        if bad.any():
-            owner = np.repeat(np.arange(len(blocks)), counts)
-            for i in np.unique(owner[bad]).tolist():
-                ids = blocks[i][(blocks[i] < 0) | (blocks[i] >= g.num_blocks)]
+        grants = self._new_requests(inp["new_reqs"])
+        self._appends(inp, grants, cov)
+        for g, grant in zip(self.groups, grants, strict=True):
+            if grant:
+                self._grant(step, g, *grant, out)
+
+    def _new_requests(self, new_reqs: list[dict]) -> list[list | None]:
+        """Rows for new requests; returns per group the blocks to grant: (rows, counts, blocks)."""
+        grants: list[list | None] = [None] * len(self.groups)
+        for req in new_reqs:
+            row = self._new_row(req["req_index"], req["req_id"])
+            self.computed[row] = req["num_computed_tokens"]
+            self.scheduled[row] = req["num_scheduled_tokens"]
+            for gid, data in enumerate(req["block_ids"][: len(self.groups)]):
+                blocks = unpack_i32(data)
+                grant = grants[gid] = grants[gid] or [[], [], []]
+                grant[0].append(row)
+                grant[1].append(blocks.size)
+                grant[2].append(blocks)
+        return grants
+
+    def _appends(self, inp: dict, grants: list[list | None], cov: Coverage) -> None:
+        counts = unpack_i32(inp["append_counts"])
+        if counts.size == 0:
+            return
+        rows = self._rows(unpack_i32(inp["append_req_indices"]))
+        gids = unpack_i32(inp["append_group_ids"])
+        blocks = unpack_i32(inp["append_block_ids"])
+        ok = (rows >= 0) & (gids < len(self.groups))
+        if not ok.all():
+            cov.unchecked["unknown_request"] += int((~ok).sum())
+        ends = np.cumsum(counts)
+        for gid in np.unique(gids[ok]).tolist():
+            mine = ok & (gids == gid)
+            grant = grants[gid] = grants[gid] or [[], [], []]
+            grant[0] += rows[mine].tolist()
+            grant[1] += counts[mine].tolist()
+            if mine.all():
+                grant[2].append(blocks)
+            else:
+                grant[2] += [blocks[e - c : e] for e, c in zip(ends[mine], counts[mine], strict=True)]
+
+    def _grant(self, step: int, g: GroupTable, rows: list[int], counts: list[int], blocks: list, out) -> None:
+        """Hand blocks to rows; report blocks outside the pool or held by someone else."""
+        flat = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+        rows_arr, counts_arr = np.asarray(rows, np.int64), np.asarray(counts, np.int64)
+        cols = g.append_many(rows_arr, counts_arr, flat)
+        inside = g.in_pool(flat)
+        suspect = ~inside
+        real = inside & (flat != NULL_BLOCK)
+        suspect[real] = g.held_elsewhere(flat[real], cols[real]) | (g.send_hold[flat[real]] > 0)
+        if not suspect.any():
+            return
+        owner = np.repeat(rows_arr, counts_arr)
+        for row in np.unique(owner[suspect]).tolist():
+            mine = suspect & (owner == row)
+            req_id = self._req_of_row(row)
+            outside = flat[mine & ~inside]
+            if outside.size:
                 out.append(
                     self._violation(
                         BLOCK_OUT_OF_RANGE,
                         step,
-                        f"scheduler handed block ids {ids[:8].tolist()} outside the pool "
-                        f"of {g.num_blocks} blocks",
-                        req_ids[i],
+                        f"scheduler handed block ids {outside[:8].tolist()} outside the pool of {g.num_blocks} blocks",
+                        req_id,
                         g.group_id,
                     )
                 )
-        g.append_many(np.asarray(rows, np.int64), counts, flat)
+            taken = flat[mine & inside]
+            if taken.size:
+                b = int(taken[0])
+                whose = (
+                    "a pending KV send still reads it"
+                    if g.send_hold[b] > 0
+                    else ("another live request holds it at another position")
+                )
+                out.append(
+                    self._violation(
+                        FOREIGN_BLOCK_WRITE,
+                        step,
+                        f"scheduler handed block {b} to be written, but {whose}"
+                        + (f" ({taken.size} such blocks)" if taken.size > 1 else ""),
+                        req_id,
+                        g.group_id,
+                    )
+                )
 
-    # -- step plan ----------------------------------------------------------------------
+    def _req_of_row(self, row: int) -> str:
+        index = np.flatnonzero(self.row_of == row)
+        return self.req_id(int(index[0])) if index.size else f"row {row}"
+
+    # -- step plan ------------------------------------------------------------------------
     def check_plan(self, step: int, plan: dict, out: list[Violation], cov: Coverage) -> None:
         indices = unpack_i32(plan["req_indices"])
-        num_tokens = unpack_i32(plan["num_tokens"]).astype(np.int64)
-        first_pos = unpack_i32(plan["first_positions"]).astype(np.int64)
+        num_tokens = unpack_i32(plan["num_tokens"])
+        first_pos = unpack_i32(plan["first_positions"])
         rows = self._rows(indices)
         known = rows >= 0
-        if not known.all():
+        all_known = bool(known.all())
+        if not all_known:
             cov.unchecked["unknown_request"] += int((~known).sum())
-        safe_rows = np.where(known, rows, 0)
-        self._check_positions(step, indices, rows, known, num_tokens, first_pos, out, cov)
+            rows = np.where(known, rows, 0)
+        n_known = int(known.sum())
+        cov.checks["position"] += n_known
+        bad = (first_pos != self.computed[rows]) | (num_tokens != self.scheduled[rows])
+        if not all_known:
+            bad &= known
+        if bad.any():
+            self._report_positions(step, indices, rows, num_tokens, first_pos, bad, out)
 
         total = int(num_tokens.sum())
         if total == num_tokens.size:  # decode: one token per request
-            tok_req, pos = np.arange(total), first_pos
+            tok_req, pos = None, first_pos
         else:
             tok_req = np.repeat(np.arange(num_tokens.size), num_tokens)
-            starts = np.cumsum(num_tokens) - num_tokens
-            pos = first_pos[tok_req] + np.arange(total) - starts[tok_req]
-        tok_rows = safe_rows[tok_req]
-        tok_known = known[tok_req]
+            pos = first_pos[tok_req] + (np.arange(total) - (np.cumsum(num_tokens) - num_tokens)[tok_req])
+        tok_rows = rows if tok_req is None else rows[tok_req]
+        tok_known = None if all_known else (known if tok_req is None else known[tok_req])
 
         for gp in plan["groups"]:
             gid = gp["group_id"]
@@ -199,83 +253,82 @@ class RankState:
                 continue
             slots = expand_slot_runs(gp["slot_runs"])
             num_real = gp["num_real"]
-            if slots.size != num_real + gp["num_padding"] or num_real < 0:
+            if slots.size != num_real + gp["num_padding"]:
                 cov.unchecked["malformed_plan"] += 1
                 continue
-            cov.checks["write"] += int(known.sum())
-            cov.checks["exclusivity"] += int(known.sum())
-            self._check_writes(
-                step, g, indices, slots[: min(num_real, total)], tok_req, tok_rows, tok_known, pos, out, cov
-            )
+            cov.checks["write"] += n_known
+            cov.checks["read"] += n_known
+            cov.checks["padding"] += 1
+            if num_real < total:
+                cov.unchecked["tokens_without_slot"] += total - num_real
+            n = min(num_real, total)
+            self._check_writes(step, g, indices, slots[:n], tok_req, tok_rows, tok_known, pos, n, out)
             # Real entries beyond the scheduled tokens are owned by nobody, like padding.
-            self._check_padding(step, g, slots[total:] if num_real > total else slots[num_real:], out, cov)
-            self._check_reads(step, g, gp, indices, rows, known, out, cov)
+            self._check_padding(step, g, slots[n:], out)
+            self._check_reads(step, g, gp, indices, rows, known, all_known, out, cov)
 
-    def _check_positions(self, step, indices, rows, known, num_tokens, first_pos, out, cov) -> None:
-        cov.checks["position"] += int(known.sum())
-        exp_pos = self.computed[np.where(known, rows, 0)]
-        exp_n = self.scheduled[np.where(known, rows, 0)]
-        bad = known & ((first_pos != exp_pos) | (num_tokens != exp_n))
+    def _report_positions(self, step, indices, rows, num_tokens, first_pos, bad, out) -> None:
         for i in np.flatnonzero(bad).tolist():
             out.append(
                 self._violation(
                     WRITE_TARGET_MISMATCH,
                     step,
                     f"plan writes {num_tokens[i]} token(s) from position {first_pos[i]}; scheduler handed "
-                    f"{exp_n[i]} token(s) from computed position {exp_pos[i]}",
+                    f"{self.scheduled[rows[i]]} token(s) from computed position {self.computed[rows[i]]}",
                     self.req_id(int(indices[i])),
                 )
             )
 
-    def _check_writes(self, step, g: GroupTable, indices, real, tok_req, tok_rows, tok_known, pos, out, cov):
+    def _check_writes(self, step, g: GroupTable, indices, real, tok_req, tok_rows, tok_known, pos, n, out):
+        if n < pos.size:
+            pos, tok_rows = pos[:n], tok_rows[:n]
+            tok_req = tok_req[:n] if tok_req is not None else None
+            tok_known = tok_known[:n] if tok_known is not None else None
         bs = g.block_size
-        n = real.size
-        tok_req, tok_rows, tok_known, pos = tok_req[:n], tok_rows[:n], tok_known[:n], pos[:n]
         col = pos // bs
-        in_row = tok_known & (col < g.lens[tok_rows])
-        expected_block = g.table[tok_rows, np.minimum(col, g.table.shape[1] - 1)]
-        expected = np.where(in_row, expected_block.astype(np.int64) * bs + pos % bs, -2)
-        wrong = tok_known & (real != expected)
-        if n < tok_known.size:
-            cov.unchecked["tokens_without_slot"] += int(tok_known.size - n)
+        in_row = col < g.lens[tok_rows]
+        block = g.table[tok_rows, np.minimum(col, g.table.shape[1] - 1)]
+        expected = block * bs + (pos - col * bs)
+        wrong = (real != expected) | ~in_row
+        if tok_known is not None:
+            wrong &= tok_known
         if wrong.any():
-            self._report_wrong_writes(step, g, indices, real, expected, tok_req, tok_rows, wrong, out)
-        # Exclusivity of the blocks the ledger itself says are written.
-        ok = tok_known & ~wrong
-        blocks, cols = expected_block[ok].astype(np.int64), col[ok]
-        in_pool = (blocks >= 0) & (blocks < g.num_blocks)  # others were reported when handed out
-        if not in_pool.all():
-            ok[np.flatnonzero(ok)[~in_pool]] = False
-            blocks, cols = blocks[in_pool], cols[in_pool]
-        if blocks.size:
-            count = g.hold_count[blocks]
-            shared_elsewhere = (g.hold_sum[blocks] != count * cols) | (
-                g.hold_sumsq[blocks] != count * cols * cols
-            )
-            foreign = shared_elsewhere | (g.send_hold[blocks] > 0) | (blocks == NULL_BLOCK)
-            if foreign.any():
-                toks = np.flatnonzero(ok)[foreign]
-                reqs, blocks = tok_req[toks], blocks[foreign]
-                # A block held twice stays so until a holder leaves: report each pairing once.
-                fresh = [
-                    i
-                    for i, key in enumerate(zip(indices[reqs].tolist(), blocks.tolist(), strict=True))
-                    if (g.group_id, *key) not in self.reported_conflicts
-                ]
-                if fresh:
-                    self.reported_conflicts.update(
-                        (g.group_id, int(indices[reqs[i]]), int(blocks[i])) for i in fresh
+            self._report_wrong_writes(step, g, indices, real, expected, in_row, tok_req, tok_rows, wrong, out)
+        # A row pointing at the null block sends a real token's KV nowhere.
+        null = (block == NULL_BLOCK) & ~wrong
+        if tok_known is not None:
+            null &= tok_known
+        if null.any():
+            for t in self._first_token_per_request(np.flatnonzero(null), tok_req):
+                out.append(
+                    self._violation(
+                        FOREIGN_BLOCK_WRITE,
+                        step,
+                        f"writes position {pos[t]} into the null block (the ledger's row has block 0 there)",
+                        self.req_id(int(indices[self._req(t, tok_req)])),
+                        g.group_id,
                     )
-                    self._report_foreign(step, g, indices, reqs[fresh], blocks[fresh], "ledger table", out)
+                )
 
-    def _report_wrong_writes(self, step, g, indices, real, expected, tok_req, tok_rows, wrong, out) -> None:
+    @staticmethod
+    def _req(token: int, tok_req) -> int:
+        return token if tok_req is None else int(tok_req[token])
+
+    def _first_token_per_request(self, tokens: np.ndarray, tok_req) -> list[int]:
+        if tok_req is None:
+            return tokens.tolist()
+        _, first = np.unique(tok_req[tokens], return_index=True)
+        return tokens[first].tolist()
+
+    def _report_wrong_writes(self, step, g, indices, real, expected, in_row, tok_req, tok_rows, wrong, out):
         bs = g.block_size
         wrong_toks = np.flatnonzero(wrong)
-        for r in np.unique(tok_req[wrong_toks]).tolist():
-            toks = wrong_toks[tok_req[wrong_toks] == r]
+        reqs = wrong_toks if tok_req is None else tok_req[wrong_toks]
+        for r in np.unique(reqs).tolist():
+            toks = wrong_toks[reqs == r]
             t = int(toks[0])
             req_id = self.req_id(int(indices[r]))
-            exp = "no block in the row" if expected[t] == -2 else f"slot {expected[t]}"
+            exp = f"slot {expected[t]}" if in_row[t] else "a slot past the end of its row"
             out.append(
                 self._violation(
                     WRITE_TARGET_MISMATCH,
@@ -286,72 +339,64 @@ class RankState:
                 )
             )
             actual = real[toks]
-            actual = actual[actual >= 0]
-            blocks = actual // bs
-            outside = blocks[(blocks < 0) | (blocks >= g.num_blocks)]
+            blocks = actual[actual >= 0] // bs
+            outside = blocks[~g.in_pool(blocks)]
             if outside.size:
                 out.append(
                     self._violation(
                         BLOCK_OUT_OF_RANGE,
                         step,
-                        f"slot mapping writes block {int(outside[0])}, outside the pool "
-                        f"of {g.num_blocks} blocks",
+                        f"slot mapping writes block {int(outside[0])}, outside the pool of {g.num_blocks} blocks",
                         req_id,
                         g.group_id,
                     )
                 )
-            inside = blocks[(blocks >= 0) & (blocks < g.num_blocks)]
-            own = np.isin(inside, g.row(int(tok_rows[t])))
-            if (~own).any():
-                self._report_foreign(
-                    step, g, indices, np.full(int((~own).sum()), r), inside[~own], "slot mapping", out
+            inside = blocks[g.in_pool(blocks)]
+            foreign = inside[~np.isin(inside, g.row(int(tok_rows[t])))]
+            if foreign.size:
+                b = int(foreign[0])
+                if b == NULL_BLOCK:
+                    whose = "the null block"
+                elif g.send_hold[b] > 0:
+                    whose = "held by a pending KV send"
+                elif g.hold_count[b] == 0:
+                    whose = "free (no live request holds it)"
+                else:
+                    whose = "held by another live request"
+                out.append(
+                    self._violation(
+                        FOREIGN_BLOCK_WRITE,
+                        step,
+                        f"slot mapping writes block {b}, which is {whose}",
+                        req_id,
+                        g.group_id,
+                    )
                 )
 
-    def _report_foreign(self, step, g, indices, reqs, blocks, source, out) -> None:
-        for r in np.unique(reqs).tolist():
-            b = int(blocks[reqs == r][0])
-            if b == NULL_BLOCK:
-                whose = "the null block"
-            elif g.send_hold[b] > 0:
-                whose = "held by a pending KV send"
-            elif g.hold_count[b] == 0:
-                whose = "free (no live request holds it)"
-            else:
-                whose = "held by another live request at another position"
-            out.append(
-                self._violation(
-                    FOREIGN_BLOCK_WRITE,
-                    step,
-                    f"writes block {b} ({source}), which is {whose}",
-                    self.req_id(int(indices[r])),
-                    g.group_id,
-                )
-            )
-
-    def _check_padding(self, step, g: GroupTable, padding: np.ndarray, out, cov) -> None:
-        cov.checks["padding"] += 1
-        written = padding[padding >= 0]
-        stray = written[(written // g.block_size) != NULL_BLOCK]
+    def _check_padding(self, step, g: GroupTable, padding: np.ndarray, out) -> None:
+        if padding.size == 0:
+            return
+        stray = padding[padding >= g.block_size]  # slots 0 .. block_size-1 are the null block
         if stray.size:
             out.append(
                 self._violation(
                     UNOWNED_WRITE,
                     step,
-                    f"{stray.size} padding slot(s) write real blocks; first slot {int(stray[0])} "
-                    f"(block {int(stray[0]) // g.block_size}); no scheduled token owns them",
+                    f"{stray.size} padding slot(s) write real blocks; first slot {int(stray[0])} (block "
+                    f"{int(stray[0]) // g.block_size}); no scheduled token owns them",
                     group=g.group_id,
                 )
             )
 
-    def _check_reads(self, step, g: GroupTable, gp, indices, rows, known, out, cov) -> None:
+    def _check_reads(self, step, g: GroupTable, gp, indices, rows, known, all_known, out, cov) -> None:
         row_lens = unpack_i32(gp["row_lens"])
         digests = unpack_u64(gp["row_digests"])
         if row_lens.size != rows.size or digests.size != rows.size:
             cov.unchecked["malformed_plan"] += 1
             return
-        safe = np.where(known, rows, 0)
-        cov.checks["read"] += int(known.sum())
-        bad = known & ((row_lens != g.lens[safe]) | (digests != g.digests[safe]))
+        bad = (row_lens != g.lens[rows]) | (digests != g.digests[rows])
+        if not all_known:
+            bad &= known
         if not bad.any():
             return
         full = unpack_i32(gp["rows"]) if gp.get("rows") is not None else None
@@ -367,17 +412,15 @@ class RankState:
                     detail += f"; first difference at position {j}: expected block {ledger_row[j]}, read {actual[j]}"
             elif row_lens[i] == ledger_row.size:
                 detail += " with different block ids (digest differs)"
-            out.append(
-                self._violation(READ_TARGET_MISMATCH, step, detail, self.req_id(int(indices[i])), g.group_id)
-            )
+            out.append(self._violation(READ_TARGET_MISMATCH, step, detail, self.req_id(int(indices[i])), g.group_id))
 
-    # -- connector and snapshots -----------------------------------------------------------
+    # -- connector and snapshots ---------------------------------------------------------
     def apply_connector(self, event: dict) -> None:
         tid = event.get("transfer_id")
         if tid is None:
             return
         if event["kind"] == "SEND_INTENT" and tid not in self.pending_sends:
-            blocks = [unpack_i32(b) for b in event["block_ids"]]
+            blocks = [unpack_i32(b).astype(np.int64) for b in event["block_ids"]]
             self.pending_sends[tid] = blocks
             for g, b in zip(self.groups, blocks, strict=False):
                 g.hold_for_send(b, +1)
@@ -385,14 +428,17 @@ class RankState:
             for g, b in zip(self.groups, self.pending_sends.pop(tid), strict=False):
                 g.hold_for_send(b, -1)
 
-    def load_snapshot(self, snap: dict, info: dict) -> None:
-        self.__init__(self.key, info)
+    def load_snapshot(self, snap: dict) -> None:
+        """Replace the rows with a snapshot's (pending sends survive: they are not in snapshots)."""
+        for req_id in list(self.index_of):
+            self._drop(req_id)
         for req in snap["requests"]:
             row = self._new_row(req["req_index"], req["req_id"])
-            for g, data in zip(self.groups, req["block_ids"], strict=False):
-                g.replace(row, unpack_i32(data))
             self.computed[row] = req["num_computed_tokens"]
             self.scheduled[row] = 0
+            for g, data in zip(self.groups, req["block_ids"], strict=False):
+                blocks = unpack_i32(data)
+                g.append_many(np.array([row]), np.array([blocks.size]), blocks)
 
     def request_rows(self, req_id: str) -> list[list[int]] | None:
         """The block-table rows of a live request, per group (time-travel queries)."""

@@ -1,18 +1,20 @@
-"""Block tables of one rank, one KV cache group: rows, digests and block holders.
+"""Block tables of one rank and one KV cache group: rows, digests, block holders.
 
 Rows are dense numpy arrays indexed by a row number the rank state assigns to
 each live request. Per block we keep how many live rows hold it and the sum
-and sum of squares of the row positions it is held at: all holders sit at the
-same position (a shared prefix) exactly when the variance of those positions
-is zero, which is how exclusivity is checked without per-block Python sets.
+and sum of squares of the row positions it is held at: all holders sit at one
+position (a shared prefix) exactly when the variance of those positions is
+zero, which checks exclusivity without per-block Python sets.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
 from kvledger.schemas.packing import length_term, mix_blocks, position_weights
 
 NULL_BLOCK = 0
+_LEN_UNIT = np.uint64(length_term(1))
 
 
 class GroupTable:
@@ -22,84 +24,83 @@ class GroupTable:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.window = window if kind == "SLIDING_WINDOW" else None
-        self.table = np.zeros((8, 16), dtype=np.int32)
-        self.lens = np.zeros(8, dtype=np.int32)
+        self.table = np.zeros((8, 16), dtype=np.int64)
+        self.lens = np.zeros(8, dtype=np.int64)
         self.digests = np.full(8, length_term(0), dtype=np.uint64)
         # Leading positions of a sliding-window row that the scheduler has freed.
-        self.released = np.zeros(8, dtype=np.int32)
+        self.released = np.zeros(8, dtype=np.int64)
         self.hold_count = np.zeros(num_blocks, dtype=np.int64)
         self.hold_sum = np.zeros(num_blocks, dtype=np.int64)
         self.hold_sumsq = np.zeros(num_blocks, dtype=np.int64)
-        # Pending sends (KV connector) holding blocks after their request left.
+        # Blocks a pending KV send still reads, whoever holds them now.
         self.send_hold = np.zeros(num_blocks, dtype=np.int64)
 
-    # -- capacity -----------------------------------------------------------------
+    # -- capacity -------------------------------------------------------------------
     def ensure_rows(self, n: int) -> None:
         if n <= self.table.shape[0]:
             return
-        cap = max(n, 2 * self.table.shape[0])
-        grow = cap - self.table.shape[0]
-        self.table = np.vstack([self.table, np.zeros((grow, self.table.shape[1]), np.int32)])
-        self.lens = np.concatenate([self.lens, np.zeros(grow, np.int32)])
+        grow = max(n, 2 * self.table.shape[0]) - self.table.shape[0]
+        self.table = np.vstack([self.table, np.zeros((grow, self.table.shape[1]), np.int64)])
+        self.lens = np.concatenate([self.lens, np.zeros(grow, np.int64)])
         self.digests = np.concatenate([self.digests, np.full(grow, length_term(0), np.uint64)])
-        self.released = np.concatenate([self.released, np.zeros(grow, np.int32)])
+        self.released = np.concatenate([self.released, np.zeros(grow, np.int64)])
 
     def _ensure_cols(self, n: int) -> None:
         if n > self.table.shape[1]:
-            cap = max(n, 2 * self.table.shape[1])
-            self.table = np.hstack(
-                [self.table, np.zeros((self.table.shape[0], cap - self.table.shape[1]), np.int32)]
-            )
+            grow = max(n, 2 * self.table.shape[1]) - self.table.shape[1]
+            self.table = np.hstack([self.table, np.zeros((self.table.shape[0], grow), np.int64)])
 
-    # -- holders --------------------------------------------------------------------
+    # -- holders ----------------------------------------------------------------------
+    def in_pool(self, blocks: np.ndarray) -> np.ndarray:
+        return (blocks >= 0) & (blocks < self.num_blocks)
+
     def _hold(self, blocks: np.ndarray, positions: np.ndarray, sign: int) -> None:
         keep = (blocks > NULL_BLOCK) & (blocks < self.num_blocks)
         if not keep.all():
             blocks, positions = blocks[keep], positions[keep]
-        pos = positions.astype(np.int64)
         np.add.at(self.hold_count, blocks, sign)
-        np.add.at(self.hold_sum, blocks, sign * pos)
-        np.add.at(self.hold_sumsq, blocks, sign * pos * pos)
+        np.add.at(self.hold_sum, blocks, sign * positions)
+        np.add.at(self.hold_sumsq, blocks, sign * positions * positions)
 
-    def out_of_range(self, blocks: np.ndarray) -> np.ndarray:
-        return blocks[(blocks < 0) | (blocks >= self.num_blocks)]
+    def held_elsewhere(self, blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Which blocks (in the pool, held at `positions`) another holder has at another position."""
+        count = self.hold_count[blocks]
+        return (self.hold_sum[blocks] != count * positions) | (self.hold_sumsq[blocks] != count * positions**2)
 
-    # -- row edits ------------------------------------------------------------------
-    def append(self, row: int, blocks: np.ndarray) -> None:
-        self.append_many(np.array([row]), np.array([blocks.size]), blocks)
+    def hold_for_send(self, blocks: np.ndarray, sign: int) -> None:
+        blocks = blocks[(blocks > NULL_BLOCK) & (blocks < self.num_blocks)]
+        np.add.at(self.send_hold, blocks, sign)
 
-    def append_many(self, rows: np.ndarray, counts: np.ndarray, blocks: np.ndarray) -> None:
-        """Append counts[i] blocks to rows[i] (rows distinct); `blocks` holds them all, in order."""
-        if blocks.size == 0:
-            return
-        starts = self.lens[rows].astype(np.int64)
-        if counts.size == 1:
+    # -- row edits ------------------------------------------------------------------------
+    def append_many(self, rows: np.ndarray, counts: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Append counts[i] blocks to rows[i] (rows distinct), taken in order from `blocks`.
+
+        Returns the row position each block landed at.
+        """
+        starts = self.lens[rows]
+        if rows.size == 1:
             row_of_block = np.full(blocks.size, rows[0])
             cols = starts[0] + np.arange(blocks.size)
         else:
             row_of_block = np.repeat(rows, counts)
             cols = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(blocks.size)
-        self._ensure_cols(int(cols.max()) + 1)
+        end = int(cols.max()) + 1 if cols.size else 0
+        self._ensure_cols(end)
         self.table[row_of_block, cols] = blocks
-        self.lens[rows] += counts.astype(np.int32)
+        self.lens[rows] += counts
         with np.errstate(over="ignore"):
-            terms = mix_blocks(blocks) * position_weights(0, int(cols.max()) + 1)[cols]
-            np.add.at(self.digests, row_of_block, terms)
-            self.digests[rows] += counts.astype(np.uint64) * np.uint64(length_term(1))
+            np.add.at(self.digests, row_of_block, mix_blocks(blocks) * position_weights(0, end)[cols])
+            self.digests[rows] += counts.astype(np.uint64) * _LEN_UNIT
         self._hold(blocks, cols, +1)
+        return cols
 
     def clear(self, row: int) -> None:
-        n = int(self.lens[row])
-        start = int(self.released[row])
+        n, start = int(self.lens[row]), int(self.released[row])
         if n > start:
             self._hold(self.table[row, start:n], np.arange(start, n), -1)
         self.lens[row] = 0
         self.released[row] = 0
         self.digests[row] = length_term(0)
-
-    def replace(self, row: int, blocks: np.ndarray) -> None:
-        self.clear(row)
-        self.append(row, blocks)
 
     def row(self, row: int) -> np.ndarray:
         return self.table[row, : self.lens[row]]
@@ -109,29 +110,12 @@ class GroupTable:
 
         The scheduler frees blocks that slid out of the window but never tells
         the workers, so rows keep them. Releasing as early as the scheduler
-        could have (from tokens done after this step) keeps a legitimate reuse
-        of such a block from looking foreign.
+        could have (from the tokens done after this step) keeps a legitimate
+        reuse of such a block from looking foreign.
         """
-        skipped = np.maximum(tokens_done - self.window + 1, 0) // self.block_size
-        upto = np.minimum(skipped, self.lens[rows])
-        for row, new in zip(
-            rows[upto > self.released[rows]].tolist(), upto[upto > self.released[rows]].tolist()
-        ):
+        upto = np.minimum(np.maximum(tokens_done - self.window + 1, 0) // self.block_size, self.lens[rows])
+        moved = upto > self.released[rows]
+        for row, new in zip(rows[moved].tolist(), upto[moved].tolist(), strict=True):
             old = int(self.released[row])
             self._hold(self.table[row, old:new], np.arange(old, new), -1)
             self.released[row] = new
-
-    # -- pending sends ----------------------------------------------------------------
-    def hold_for_send(self, blocks: np.ndarray, sign: int) -> None:
-        blocks = blocks[(blocks > NULL_BLOCK) & (blocks < self.num_blocks)]
-        np.add.at(self.send_hold, blocks, sign)
-
-    # -- snapshot -----------------------------------------------------------------------
-    def state(self) -> dict:
-        return {k: getattr(self, k).copy() for k in self._ARRAYS}
-
-    def load(self, state: dict) -> None:
-        for k in self._ARRAYS:
-            setattr(self, k, state[k].copy())
-
-    _ARRAYS = ("table", "lens", "digests", "released", "hold_count", "hold_sum", "hold_sumsq", "send_hold")

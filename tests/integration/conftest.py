@@ -50,9 +50,7 @@ def local_kafka(tmp_path_factory) -> Callable[..., subprocess.CompletedProcess]:
     }
 
     def run(cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [str(LOCAL_KAFKA), cmd], env=env, capture_output=True, text=True, timeout=timeout
-        )
+        return subprocess.run([str(LOCAL_KAFKA), cmd], env=env, capture_output=True, text=True, timeout=timeout)
 
     return run
 

@@ -15,8 +15,16 @@ from kvledger.stream_app.core import Ledger
 
 pytestmark = pytest.mark.integration
 
-CONFIG = SimConfig(seed=4, steps=150, tp_size=2, groups=(GroupSpec(), GroupSpec("SLIDING_WINDOW", 48)),
-                   num_blocks=90, max_num_seqs=10, max_batched_tokens=96, snapshot_interval=40)
+CONFIG = SimConfig(
+    seed=4,
+    steps=150,
+    tp_size=2,
+    groups=(GroupSpec(), GroupSpec("SLIDING_WINDOW", 48)),
+    num_blocks=90,
+    max_num_seqs=10,
+    max_batched_tokens=96,
+    snapshot_interval=40,
+)
 
 
 def _replay(events):
@@ -29,14 +37,27 @@ def _round_trip(bootstrap: str, events: list[dict]) -> list[dict]:
     admin = AdminClient({"bootstrap.servers": bootstrap})
     admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])[topic].result(timeout=30)
     codec = SingleObjectCodec(LEDGER_EVENT)
-    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "compression.type": "lz4",
-                         "linger.ms": 5, "partitioner": "murmur2_random"})
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "enable.idempotence": True,
+            "compression.type": "lz4",
+            "linger.ms": 5,
+            "partitioner": "murmur2_random",
+        }
+    )
     for event in events:
         # Key = engine id: every rank of an engine lands in one partition, in order.
         producer.produce(topic, key=event["engine_id"].encode(), value=codec.encode(event))
     assert producer.flush(30) == 0
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": topic, "auto.offset.reset": "earliest",
-                         "enable.auto.commit": False})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": topic,
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
+    )
     consumer.subscribe([topic])
     received = []
     try:
@@ -51,8 +72,9 @@ def _round_trip(bootstrap: str, events: list[dict]) -> list[dict]:
 
 
 def test_events_survive_the_broker_and_replay_identically(kafka_bootstrap):
-    faulty = dataclasses.replace(CONFIG, faults=(FaultSpec("slot_shift", 60), FaultSpec("rank_divergence", 90,
-                                                                                        tp_rank=1)))
+    faulty = dataclasses.replace(
+        CONFIG, faults=(FaultSpec("slot_shift", 60), FaultSpec("rank_divergence", 90, tp_rank=1))
+    )
     sim = simulate(faulty)
     received = _round_trip(kafka_bootstrap, sim.events)
     assert received == sim.events
@@ -64,8 +86,9 @@ def test_events_survive_the_broker_and_replay_identically(kafka_bootstrap):
 def test_two_engines_share_a_topic_without_crosstalk(kafka_bootstrap):
     a = simulate(dataclasses.replace(CONFIG, engine_id="prefill-0")).events
     b = simulate(dataclasses.replace(CONFIG, engine_id="decode-0", seed=8)).events
-    interleaved = [e for pair in zip(a, b, strict=False) for e in pair] + a[len(b):] + b[len(a):]
+    interleaved = [e for pair in zip(a, b, strict=False) for e in pair] + a[len(b) :] + b[len(a) :]
     received = _round_trip(kafka_bootstrap, interleaved)
     assert _replay(received) == []
     assert sorted(received, key=lambda e: (e["engine_id"], e["tp_rank"], e["seq"])) == sorted(
-        interleaved, key=lambda e: (e["engine_id"], e["tp_rank"], e["seq"]))
+        interleaved, key=lambda e: (e["engine_id"], e["tp_rank"], e["seq"])
+    )

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvledger.producer.sinks import FileSink
 from kvledger.producer.synthetic import FAULT_KINDS, FAULTS, FaultSpec, GroupSpec, SimConfig, simulate
 from kvledger.schemas import unpack_i32
@@ -57,9 +58,7 @@ ENV["COLUMNS"] = "200"
 
 
 def run(*args: str | Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [KVLEDGER, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=ENV
-    )
+    return subprocess.run([KVLEDGER, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
 def check_json(path: Path) -> tuple[subprocess.CompletedProcess, list[dict], dict]:
@@ -325,9 +324,24 @@ def worker_tables(events: list[dict], tp: int, upto: int) -> dict[str, list[list
             rows[req["req_id"]] = [unpack_i32(b).tolist() for b in req["block_ids"]]
         for index in unpack_i32(inp["resumed_req_indices"]).tolist():
             rows[id_of[index]] = [[] for _ in rows[id_of[index]]]  # resumed rows are replaced
-        for entry in inp["new_block_ids"]:
-            rows[id_of[entry["req_index"]]][entry["group_id"]] += unpack_i32(entry["block_ids"]).tolist()
+        for index, group, blocks in appends(inp):
+            rows[id_of[index]][group] += blocks
     return rows
+
+
+def appends(inp: dict):
+    """(req_index, group, block ids) of a StepInput's columnar appends."""
+    counts = unpack_i32(inp["append_counts"]).tolist()
+    blocks = unpack_i32(inp["append_block_ids"]).tolist()
+    ends = [sum(counts[: i + 1]) for i in range(len(counts))]
+    for index, group, count, end in zip(
+        unpack_i32(inp["append_req_indices"]).tolist(),
+        unpack_i32(inp["append_group_ids"]).tolist(),
+        counts,
+        ends,
+        strict=True,
+    ):
+        yield index, group, blocks[end - count : end]
 
 
 def step_inputs(events: list[dict]):
@@ -347,8 +361,7 @@ def grown_request(events: list[dict]) -> tuple[str, int]:
         for req in inp["new_reqs"]:
             admitted[req["req_index"]] = (req["req_id"], step)
         scheduled = set(unpack_i32(inp["cached_req_indices"]).tolist())
-        for entry in inp["new_block_ids"]:
-            index = entry["req_index"]
+        for index, _, _ in appends(inp):
             if index in admitted and index in scheduled and step > admitted[index][1] + 2:
                 return admitted[index][0], step
     raise AssertionError("no request grew after admission")

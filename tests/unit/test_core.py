@@ -25,25 +25,28 @@ class Stream:
     def __init__(self):
         self.seq = 0
         self.events = []
-        self.add(records.rank_info(dp_size=1, tp_size=1, pp_size=1, vllm_version="test", runner="test",
-                                   kv_groups=[records.kv_group(0, "FULL_ATTENTION", BS, 16)]))
+        self.add(
+            records.rank_info(
+                dp_size=1,
+                tp_size=1,
+                pp_size=1,
+                vllm_version="test",
+                runner="test",
+                kv_groups=[records.kv_group(0, "FULL_ATTENTION", BS, 16)],
+            )
+        )
 
     def add(self, body):
         self.events.append(records.envelope(RANK, self.seq, 0, *body))
         self.seq += 1
 
     def step(self, n, *, new=(), cached=(), appends=(), finished=(), slots, reqs, rows, padding=0):
-        inp = {
-            "new_reqs": [{"req_index": i, "req_id": f"r{i}", "block_ids": [pack_i32(b)], "num_computed_tokens": c,
-                          "num_prompt_tokens": 64, "num_scheduled_tokens": s} for i, b, c, s in new],
-            "cached_req_indices": pack_i32([i for i, _, _ in cached]),
-            "cached_num_computed_tokens": pack_i32([c for _, c, _ in cached]),
-            "cached_num_scheduled_tokens": pack_i32([s for _, _, s in cached]),
-            "resumed_req_indices": b"",
-            "new_block_ids": [{"req_index": i, "group_id": 0, "block_ids": pack_i32(b)} for i, b in appends],
-            "finished_req_ids": list(finished), "preempted_req_ids": [], "block_ids_to_zero": b"",
-            "block_copies": b"",
-        }
+        inp = records.step_input(
+            new_reqs=[records.new_request(i, f"r{i}", [b], c, 64, n) for i, b, c, n in new],
+            cached=cached,
+            appends=[(i, 0, b) for i, b in appends],
+            finished=finished,
+        )
         slots = np.array([*slots, *([-1] * padding)])
         group = records.group_plan(0, slots, len(slots) - padding, [np.array(r) for r in rows])
         plan = records.step_plan([i for i, _, _ in reqs], [t for _, t, _ in reqs], [p for _, _, p in reqs], [group])
@@ -87,9 +90,23 @@ def test_free_block_write_and_out_of_pool_write():
 def test_pending_send_holds_blocks_until_done():
     s = Stream()
     s.step(0, new=[(0, [3], 0, 4)], slots=[12, 13, 14, 15], reqs=[(0, 4, 0)], rows=[[3]])
-    s.add((CONNECTOR_EVENT, {"step": 0, "connector": "test", "kind": "SEND_INTENT", "req_id": "r0",
-                             "transfer_id": "t1", "remote_engine_id": "d1", "block_ids": [pack_i32([3])],
-                             "num_tokens": 4, "digest": None, "detail": None}))
+    s.add(
+        (
+            CONNECTOR_EVENT,
+            {
+                "step": 0,
+                "connector": "test",
+                "kind": "SEND_INTENT",
+                "req_id": "r0",
+                "transfer_id": "t1",
+                "remote_engine_id": "d1",
+                "block_ids": [pack_i32([3])],
+                "num_tokens": 4,
+                "digest": None,
+                "detail": None,
+            },
+        )
+    )
     # r0 finishes (its blocks stay with the pending send); r1 is handed block 3 and writes it.
     s.step(1, new=[(1, [3], 0, 1)], finished=["r0"], slots=[12], reqs=[(1, 1, 0)], rows=[[3]])
     violations, _ = s.check()
@@ -103,10 +120,21 @@ def test_padding_into_the_null_block_is_fine_but_not_into_real_blocks():
     assert [v.kind for v in violations] == ["unowned_write"]
 
 
-REALISTIC = SimConfig(seed=3, steps=240, tp_size=2, groups=(GroupSpec(), GroupSpec("SLIDING_WINDOW", 48)),
-                      num_blocks=90, max_num_seqs=10, max_batched_tokens=96, snapshot_interval=40,
-                      faults=(FaultSpec("slot_shift", 50), FaultSpec("block_swap", 150),
-                              FaultSpec("rank_missing", 100, tp_rank=1)))
+REALISTIC = SimConfig(
+    seed=3,
+    steps=240,
+    tp_size=2,
+    groups=(GroupSpec(), GroupSpec("SLIDING_WINDOW", 48)),
+    num_blocks=90,
+    max_num_seqs=10,
+    max_batched_tokens=96,
+    snapshot_interval=40,
+    faults=(
+        FaultSpec("slot_shift", 50),
+        FaultSpec("block_swap", 150),
+        FaultSpec("rank_missing", 100, tp_rank=1),
+    ),
+)
 
 
 def _run(events, ledger=None):
@@ -143,9 +171,11 @@ def test_snapshot_restore_mid_stream_is_invisible():
 
 
 def test_gap_makes_checks_wait_for_the_next_snapshot():
-    config = dataclasses.replace(REALISTIC, tp_size=1, faults=(FaultSpec("sequence_gap", 45),
-                                                               FaultSpec("slot_shift", 60),
-                                                               FaultSpec("slot_shift", 130)))
+    config = dataclasses.replace(
+        REALISTIC,
+        tp_size=1,
+        faults=(FaultSpec("sequence_gap", 45), FaultSpec("slot_shift", 60), FaultSpec("slot_shift", 130)),
+    )
     sim = simulate(config)
     ledger = Ledger()
     violations = _run(sim.events, ledger)

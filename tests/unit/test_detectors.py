@@ -14,7 +14,15 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvledger.producer.synthetic import FAULT_KINDS, FAULTS, Expected, FaultSpec, GroupSpec, SimConfig, simulate
+from kvledger.producer.synthetic import (
+    FAULT_KINDS,
+    FAULTS,
+    Expected,
+    FaultSpec,
+    GroupSpec,
+    SimConfig,
+    simulate,
+)
 from kvledger.stream_app.core import Ledger, Violation
 
 MULTI_RANK_FAULTS = {"rank_divergence", "rank_missing"}
@@ -96,9 +104,18 @@ def test_each_fault_is_caught_in_place(config: SimConfig, fault: str, step: int,
 
 
 REALISTIC = SimConfig(
-    seed=11, steps=300, tp_size=2, groups=(GroupSpec(), GroupSpec("SLIDING_WINDOW", 48)), block_size=16,
-    num_blocks=90, max_num_seqs=12, max_batched_tokens=96, arrival_rate=0.8, prompt_len=(8, 180),
-    output_len=(4, 60), dummy_every=23,
+    seed=11,
+    steps=300,
+    tp_size=2,
+    groups=(GroupSpec(), GroupSpec("SLIDING_WINDOW", 48)),
+    block_size=16,
+    num_blocks=90,
+    max_num_seqs=12,
+    max_batched_tokens=96,
+    arrival_rate=0.8,
+    prompt_len=(8, 180),
+    output_len=(4, 60),
+    dummy_every=23,
 )
 PREFIX_HEAVY = dataclasses.replace(REALISTIC, groups=(GroupSpec(),), shared_prefix_prob=0.9, seed=5)
 
