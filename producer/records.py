@@ -99,7 +99,8 @@ def row_digests(rows: Sequence[np.ndarray]) -> np.ndarray:
     pos = np.arange(flat.size) - np.repeat(starts, lens)
     with np.errstate(over="ignore"):
         terms = mix_blocks(flat) * position_weights(0, int(lens.max()))[pos]
-        sums = np.add.reduceat(terms, np.minimum(starts, flat.size - 1), dtype=np.uint64)
+        # A trailing zero lets reduceat index one past the end for trailing empty rows.
+        sums = np.add.reduceat(np.append(terms, np.uint64(0)), starts, dtype=np.uint64)
         sums[lens == 0] = 0
         return sums + lens.astype(np.uint64) * np.uint64(length_term(1))
 

@@ -30,8 +30,16 @@ _RANK_DIR = re.compile(r"^dp(\d+)-tp(\d+)-pp(\d+)$")
 _SEGMENT = re.compile(r"^(\d+)-(\d+)\.avro$")
 
 
+def engine_dir_name(engine_id: str) -> str:
+    """A directory name for an engine id that cannot escape the root ('.', '..', '/')."""
+    if not engine_id:
+        raise ValueError("engine id must not be empty")
+    name = quote(engine_id, safe="")
+    return "%2E" + name[1:] if name.startswith(".") else name
+
+
 def rank_dir(root: Path, engine_id: str, dp: int, tp: int, pp: int) -> Path:
-    return root / quote(engine_id, safe="") / f"dp{dp}-tp{tp}-pp{pp}"
+    return root / engine_dir_name(engine_id) / f"dp{dp}-tp{tp}-pp{pp}"
 
 
 class SegmentWriter:
@@ -49,6 +57,8 @@ class SegmentWriter:
         max_segment_bytes: int = 64 << 20,
         codec: str = "deflate",
     ):
+        if incarnation < 0:
+            raise ValueError(f"incarnation must be >= 0, got {incarnation}")
         self.dir = rank_dir(Path(root), engine_id, dp, tp, pp)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.incarnation = incarnation
@@ -145,22 +155,23 @@ def read_segment(path: Path, problems: list[ReadProblem]) -> Iterator[dict[str, 
             return
         with open(path, "rb") as fo:
             try:
-                reader = fastavro.reader(fo, return_record_name=True, return_record_name_override=True)
-                if not same_schema(reader.writer_schema, LEDGER_EVENT):
+                blocks = fastavro.block_reader(fo, return_record_name=True, return_record_name_override=True)
+                if not same_schema(blocks.writer_schema, LEDGER_EVENT):
                     # Written by another version of the contract: resolve (slower).
                     fo.seek(0)
-                    reader = fastavro.reader(
-                        fo,
-                        reader_schema=LEDGER_EVENT,
-                        return_record_name=True,
-                        return_record_name_override=True,
+                    blocks = fastavro.block_reader(
+                        fo, reader_schema=LEDGER_EVENT, return_record_name=True, return_record_name_override=True
                     )
             except Exception as exc:
                 problems.append(ReadProblem(str(path), "not_avro", f"not an Avro container file: {exc}", 0))
                 return
-            for event in reader:
-                count += 1
-                yield event
+            for block in blocks:
+                if block.num_records < 0:  # fastavro would take a garbage count as an empty block
+                    problems.append(ReadProblem(str(path), "corrupt", f"block with {block.num_records} records", count))
+                    return
+                for event in block:
+                    count += 1
+                    yield event
     except (EOFError, ValueError, OSError, StopIteration, fastavro.read.SchemaResolutionError) as exc:
         reason = "truncated" if isinstance(exc, EOFError) else "corrupt"
         problems.append(ReadProblem(str(path), reason, f"{type(exc).__name__}: {exc}", count))

@@ -46,8 +46,7 @@ def unpack_u64(data: bytes) -> np.ndarray:
 _P = np.uint64(0x100000001B3)
 _K = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
-_MAX_ROW = 1 << 16
-_POWERS = np.cumprod(np.full(_MAX_ROW, _P, dtype=np.uint64), dtype=np.uint64)
+_powers = np.cumprod(np.full(1 << 12, _P, dtype=np.uint64), dtype=np.uint64)
 
 
 def mix_blocks(block_ids: np.ndarray) -> np.ndarray:
@@ -57,15 +56,19 @@ def mix_blocks(block_ids: np.ndarray) -> np.ndarray:
 
 
 def position_weights(start: int, stop: int) -> np.ndarray:
-    """The weights P^(i+1) of row positions start .. stop-1."""
-    return _POWERS[start:stop]
+    """The weights P^(i+1) of row positions start .. stop-1 (rows of any length)."""
+    global _powers
+    while stop > _powers.size:
+        with np.errstate(over="ignore"):
+            _powers = np.concatenate([_powers, _powers * _powers[-1]])
+    return _powers[start:stop]
 
 
 def row_digest(row: np.ndarray | Iterable[int]) -> int:
     """Digest of one block-table row (its block ids, in order)."""
     arr = np.asarray(row, dtype=np.int64)
     with np.errstate(over="ignore"):
-        total = (mix_blocks(arr) * _POWERS[: arr.size]).sum(dtype=np.uint64)
+        total = (mix_blocks(arr) * position_weights(0, arr.size)).sum(dtype=np.uint64)
         return int(total + np.uint64(arr.size) * _K)
 
 

@@ -1,0 +1,290 @@
+"""The file ledger (schemas/files.py): layout, rotation, and reading what a crash or a disk left behind.
+
+`read_segment` must never raise: whatever it cannot read becomes a
+ReadProblem whose events_read equals the number of events it yielded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import fastavro
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvledger.producer.synthetic import SimConfig, simulate
+from kvledger.schemas.files import (
+    LedgerPathError,
+    ReadProblem,
+    SegmentWriter,
+    discover,
+    rank_dir,
+    read_segment,
+)
+
+BATCH = 5
+
+
+@pytest.fixture(scope="module")
+def events() -> list[dict]:
+    return simulate(SimConfig(seed=1, steps=40, snapshot_interval=10, health_interval=10, dummy_every=7)).events
+
+
+def write(root, events, engine_id="eng", dp=0, tp=0, pp=0, incarnation=7, batch=BATCH, **kw) -> None:
+    writer = SegmentWriter(root, engine_id, dp, tp, pp, incarnation, **kw)
+    for i in range(0, len(events), batch):
+        writer.write(events[i : i + batch])
+    writer.close()
+
+
+def read_all(paths) -> tuple[list[dict], list[ReadProblem]]:
+    problems: list[ReadProblem] = []
+    out = [e for p in paths for e in read_segment(p, problems)]
+    return out, problems
+
+
+def read_one(path) -> tuple[list[dict], list[ReadProblem]]:
+    return read_all([path])
+
+
+def block_ends(path: Path) -> list[int]:
+    """File offsets just after each sync marker: the end of the header, then of every block."""
+    data = path.read_bytes()
+    with open(path, "rb") as fo:
+        sync = fastavro.reader(fo)._header["sync"]
+    ends, i = [], 0
+    while (i := data.find(sync, i)) != -1:
+        ends.append(i + len(sync))
+        i += len(sync)
+    return ends
+
+
+def header_size(tmp_path: Path, events) -> int:
+    write(tmp_path / "probe", events[:1])
+    [stream] = discover(tmp_path / "probe")
+    return block_ends(stream.segments[0])[0]
+
+
+# -- layout and rotation -----------------------------------------------------------------------
+
+
+def test_layout(tmp_path, events):
+    write(tmp_path, events, engine_id="e1", dp=2, tp=1, pp=3, incarnation=42)
+    assert (tmp_path / "e1" / "dp2-tp1-pp3" / "42-000001.avro").is_file()
+    assert rank_dir(tmp_path, "e1", 2, 1, 3) == tmp_path / "e1" / "dp2-tp1-pp3"
+    [stream] = discover(tmp_path)
+    assert (stream.engine_id, stream.dp, stream.tp, stream.pp) == ("e1", 2, 1, 3)
+
+
+@pytest.mark.parametrize("codec", ["deflate", "null"])
+def test_rotation_by_size_loses_nothing_and_keeps_order(tmp_path, events, codec):
+    limit = header_size(tmp_path, events) + 1500
+    write(tmp_path / "ledger", events, max_segment_bytes=limit, codec=codec)
+    [stream] = discover(tmp_path / "ledger")
+    assert len(stream.segments) >= 4
+    assert [p.name for p in stream.segments[:2]] == ["7-000001.avro", "7-000002.avro"]
+    got, problems = read_all(stream.segments)
+    assert problems == []
+    assert got == events
+
+
+def test_segments_sort_numerically(tmp_path, events):
+    """Segment 10 after segment 9, incarnation 10 after incarnation 9."""
+    write(tmp_path, events[:12], incarnation=9, batch=1, max_segment_bytes=1)
+    write(tmp_path, events[12:20], incarnation=10, batch=1, max_segment_bytes=1)
+    [stream] = discover(tmp_path)
+    got, problems = read_all(stream.segments)
+    assert problems == []
+    assert got == events[:20]
+    names = [p.name for p in stream.segments]
+    assert names.index("9-000010.avro") == names.index("9-000009.avro") + 1
+    assert names.index("10-000001.avro") > names.index("9-000012.avro")
+
+
+def test_several_ranks_and_engines(tmp_path, events):
+    write(tmp_path, events, engine_id="a", tp=0)
+    write(tmp_path, events[:10], engine_id="a", tp=1)
+    write(tmp_path, events[:3], engine_id="b", dp=1)
+    streams = discover(tmp_path)
+    assert [(s.engine_id, s.dp, s.tp, s.pp) for s in streams] == [
+        ("a", 0, 0, 0),
+        ("a", 0, 1, 0),
+        ("b", 1, 0, 0),
+    ]
+    assert [len(read_all(s.segments)[0]) for s in streams] == [len(events), 10, 3]
+
+
+@pytest.mark.parametrize(
+    "engine_id",
+    ["prefill/node-1", "decode node 2", "a/b c/../d", "100%/x", "%2F", "décode-ü", " lead and trail "],
+)
+def test_engine_ids_survive_the_directory_layout(tmp_path, events, engine_id):
+    write(tmp_path, events[:4], engine_id=engine_id)
+    write(tmp_path, events[:2], engine_id="other")
+    assert len([p for p in tmp_path.iterdir()]) == 2, "one directory per engine, nothing nested"
+    streams = {s.engine_id: s for s in discover(tmp_path)}
+    assert set(streams) == {engine_id, "other"}
+    assert read_all(streams[engine_id].segments) == (events[:4], [])
+
+
+@pytest.mark.parametrize("engine_id", [".", ".."])
+def test_dot_engine_ids_stay_inside_the_root(tmp_path, events, engine_id):
+    root = tmp_path / "ledger"
+    write(root, events[:2], engine_id=engine_id)
+    assert [s.engine_id for s in discover(root)] == [engine_id]
+
+
+def test_negative_incarnation_is_not_skipped_silently(tmp_path, events):
+    try:
+        write(tmp_path, events[:2], incarnation=-5)
+    except ValueError:
+        return  # rejecting it up front is fine too
+    assert sum(len(s.segments) for s in discover(tmp_path)) == 1
+
+
+def test_discover_single_file_flat_directory_and_missing_root(tmp_path, events):
+    write(tmp_path / "ledger", events[:3])
+    [stream] = discover(tmp_path / "ledger")
+    [segment] = stream.segments
+    [single] = discover(segment)
+    assert single.segments == [segment] and single.engine_id == "?"
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "x.avro").write_bytes(segment.read_bytes())
+    (flat / "y.avro").write_bytes(segment.read_bytes())
+    assert [len(s.segments) for s in discover(flat)] == [1, 1]
+    with pytest.raises(LedgerPathError):
+        discover(tmp_path / "nope")
+
+
+# -- damaged segments --------------------------------------------------------------------------
+
+
+def test_truncated_last_segment(tmp_path, events):
+    limit = header_size(tmp_path, events) + 1500
+    write(tmp_path / "ledger", events, max_segment_bytes=limit)
+    [stream] = discover(tmp_path / "ledger")
+    *earlier, last = [s for s in stream.segments if len(read_one(s)[0])]
+    before, _ = read_all(earlier)
+    full, _ = read_one(last)
+    ends = block_ends(last)
+    assert len(ends) >= 3, "header + at least two blocks"
+    data = last.read_bytes()
+    complete = (len(ends) - 2) * BATCH  # events in the blocks before the last one (all full)
+    assert complete < len(full) <= complete + BATCH
+    start, stop = ends[-2], ends[-1]
+    for cut in sorted({start + 1, start + 7, (start + stop) // 2, stop - 20, stop - 16, stop - 1}):
+        last.write_bytes(data[:cut])
+        got, problems = read_all([*earlier, last])
+        [problem] = problems
+        assert problem.reason in ("truncated", "corrupt"), problem
+        assert problem.path == str(last)
+        assert problem.events_read == len(got) - len(before)
+        assert got == events[: len(got)], "only whole, correct events come out"
+        # a block counts only once it is whole, sync marker included
+        assert len(got) - len(before) == complete, cut
+    last.write_bytes(data)
+    assert read_all(stream.segments) == (before + full, [])
+
+
+def test_truncated_inside_the_header_is_not_avro(tmp_path, events):
+    write(tmp_path, events[:5])
+    [stream] = discover(tmp_path)
+    path = stream.segments[0]
+    header_end = block_ends(path)[0]
+    data = path.read_bytes()
+    for cut in (3, 4, 50, header_end // 2, header_end - 1):
+        path.write_bytes(data[:cut])
+        got, problems = read_one(path)
+        assert got == []
+        assert [(p.reason, p.events_read) for p in problems] == [("not_avro", 0)], cut
+
+
+def test_non_avro_file(tmp_path):
+    path = tmp_path / "1-000001.avro"
+    path.write_text('{"engine_id": "e", "seq": 0}\n' * 20)
+    assert [(p.reason, p.events_read) for p in read_one(path)[1]] == [("not_avro", 0)]
+    path.write_bytes(b"Obj\x01" + b"\xff" * 200)  # the Avro magic, garbage after it
+    assert [(p.reason, p.events_read) for p in read_one(path)[1]] == [("not_avro", 0)]
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "1-000001.avro"
+    path.write_bytes(b"")
+    got, problems = read_one(path)
+    assert got == []
+    assert [(p.reason, p.events_read) for p in problems] == [("empty_file", 0)]
+
+
+def test_header_only_segment_is_fine(tmp_path, events):
+    """A writer killed right after rotating leaves a segment with a header and no block."""
+    write(tmp_path, events[:5], max_segment_bytes=1)
+    [stream] = discover(tmp_path)
+    assert len(stream.segments) == 2
+    assert read_one(stream.segments[1]) == ([], [])
+
+
+@pytest.mark.parametrize("codec", ["deflate", "null"])
+@pytest.mark.parametrize(
+    "fill",
+    [
+        "zeros",
+        "random",
+        "ones",
+    ],
+)
+def test_garbage_block_in_the_middle(tmp_path, events, codec, fill):
+    write(tmp_path, events[:40], codec=codec)
+    [stream] = discover(tmp_path)
+    path = stream.segments[0]
+    ends = block_ends(path)
+    data = bytearray(path.read_bytes())
+    k = 3  # blocks 0..2 stay intact; block 3 spans ends[3]..ends[4]
+    size = ends[k + 1] - ends[k]
+    garbage = {
+        "zeros": bytes(size),
+        "ones": b"\xff" * size,
+        "random": bytes((i * 167 + 13) % 256 for i in range(size)),
+    }[fill]
+    data[ends[k] : ends[k + 1]] = garbage
+    path.write_bytes(bytes(data))
+    got, problems = read_one(path)
+    [problem] = problems
+    assert problem.reason in ("truncated", "corrupt")
+    assert problem.events_read == len(got)
+    assert k * BATCH <= len(got) < 40
+    assert got[: k * BATCH] == events[: k * BATCH]
+
+
+def test_unreadable_paths_are_problems_not_exceptions(tmp_path):
+    for path in (tmp_path / "missing.avro", tmp_path):
+        got, problems = read_one(path)
+        assert got == []
+        assert len(problems) == 1 and problems[0].events_read == 0
+
+
+@pytest.fixture(scope="module")
+def small_segment(tmp_path_factory, events) -> bytes:
+    root = tmp_path_factory.mktemp("fuzz")
+    write(root, events[:12], batch=3, codec="null")
+    [stream] = discover(root)
+    return stream.segments[0].read_bytes()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_read_segment_never_raises(tmp_path, small_segment, events, data):
+    blob = bytearray(small_segment)
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(blob) - 1))
+        blob[at : at + 4] = data.draw(st.binary(min_size=1, max_size=4))
+    if data.draw(st.booleans()):
+        blob = blob[: data.draw(st.integers(0, len(blob)))]
+    path = tmp_path / "fuzz.avro"
+    path.write_bytes(bytes(blob))
+    got, problems = read_one(path)  # must not raise
+    assert len(problems) <= 1
+    if problems:
+        assert problems[0].events_read == len(got)
+        assert problems[0].reason in ("truncated", "corrupt", "not_avro", "empty_file")
