@@ -58,7 +58,7 @@ FAULT_KINDS = {
         "block_out_of_range",
     ),
     "rank_missing": ("rank_missing",),
-    "sequence_gap": ("sequence_gap", "rank_missing"),
+    "sequence_gap": ("sequence_gap",),
     "duplicate_event": ("duplicate_event",),
 }
 

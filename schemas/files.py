@@ -146,8 +146,13 @@ def same_schema(a, b) -> bool:
     return to_parsing_canonical_form(a) == to_parsing_canonical_form(b)
 
 
-def read_segment(path: Path, problems: list[ReadProblem]) -> Iterator[dict[str, Any]]:
-    """Yield the events of one segment; append a ReadProblem for what is unreadable."""
+def read_segment(
+    path: Path, problems: list[ReadProblem], progress: dict[Path, int] | None = None
+) -> Iterator[dict[str, Any]]:
+    """Yield the events of one segment; append a ReadProblem for what is unreadable.
+
+    `progress[path]`, when given, follows the bytes read so far.
+    """
     count = 0
     try:
         if os.path.getsize(path) == 0:
@@ -166,6 +171,8 @@ def read_segment(path: Path, problems: list[ReadProblem]) -> Iterator[dict[str, 
                 problems.append(ReadProblem(str(path), "not_avro", f"not an Avro container file: {exc}", 0))
                 return
             for block in blocks:
+                if progress is not None:
+                    progress[path] = block.offset + block.size
                 if block.num_records < 0:  # fastavro would take a garbage count as an empty block
                     problems.append(ReadProblem(str(path), "corrupt", f"block with {block.num_records} records", count))
                     return

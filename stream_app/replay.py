@@ -55,15 +55,25 @@ class Replay:
         }
 
 
-def _stream_events(stream: RankStream, problems: list[ReadProblem], sizes: dict) -> Iterator[tuple]:
-    """(sort step, event) of one rank stream, segments in order."""
+@dataclass(frozen=True)
+class StreamLost:
+    """Marker in the merged stream: the rest of this rank stream could not be read."""
+
+    stream: RankStream
+
+
+def _stream_events(stream: RankStream, problems: list[ReadProblem], done: dict) -> Iterator[tuple]:
+    """(sort step, event) of one rank stream, segments in order; StreamLost after an unreadable tail."""
     last_step = -1
-    for path in stream.segments:
-        for event in read_segment(path, problems):
+    for i, path in enumerate(stream.segments):
+        known = len(problems)
+        for event in read_segment(path, problems, progress=done):
             body = event["body"][1]
             last_step = body.get("step", last_step)
             yield last_step, event
-        sizes[path] = path.stat().st_size
+        done[path] = path.stat().st_size
+        if len(problems) > known and i == len(stream.segments) - 1:
+            yield last_step, StreamLost(stream)
 
 
 def iter_ledger(
@@ -110,6 +120,10 @@ def replay(
     streams, events = iter_ledger(root, problems, progress=progress)
     result = Replay(Ledger(), streams, problems=problems)
     for _, event in events:
+        if isinstance(event, StreamLost):
+            s = event.stream
+            result.ledger.stream_lost(s.engine_id, s.dp, s.tp, s.pp)
+            continue
         found = result.ledger.apply(event)
         if found:
             result.violations += found
@@ -150,6 +164,8 @@ def query(root: str | Path, engine_id: str, req_id: str, step: int | None = None
     for at, event in events:
         if step is not None and at > step:
             break  # merged by step: everything after is later too
+        if isinstance(event, StreamLost):
+            continue
         ledger.apply(event)
         key = RankKey(engine_id, event["dp_rank"], event["tp_rank"], event["pp_rank"])
         state = ledger.ranks[key].state

@@ -35,6 +35,7 @@ class RankSlot:
     desynced: bool = False  # events were lost: checks wait for a snapshot
     last_step: int = -1
     events_dropped: int = 0
+    gap_after_step: int | None = None  # last step seen before a sequence gap, until the next step
 
 
 @dataclass
@@ -46,6 +47,8 @@ class StepGroup:
     pending: dict[int, dict[tuple[int, int], tuple[bytes, bytes, bool]]] = field(default_factory=dict)
     last_step: dict[tuple[int, int], int] = field(default_factory=dict)
     missing_since: dict[tuple[int, int], int] = field(default_factory=dict)  # open runs of missed steps
+    # Steps a rank's records were lost for, (after, before) exclusive: not the rank's fault.
+    lost: dict[tuple[int, int], list[tuple[int, float]]] = field(default_factory=dict)
 
 
 def _fingerprint(parts) -> bytes:
@@ -143,6 +146,17 @@ class Ledger:
             group.missing_since.clear()
         return out
 
+    def stream_lost(self, engine_id: str, dp: int, tp: int, pp: int) -> None:
+        """The rest of a rank's stream is unreadable (e.g. a truncated file): its steps from
+        here on are unchecked, and its absence from them is not the rank's fault."""
+        slot = self.ranks.get(RankKey(engine_id, dp, tp, pp))
+        self._lost_steps(RankKey(engine_id, dp, tp, pp), slot.last_step if slot else -1, float("inf"))
+
+    def _lost_steps(self, key: RankKey, after: int, before: float) -> None:
+        group = self.step_groups.get((key.engine_id, key.dp))
+        if group is not None:
+            group.lost.setdefault((key.tp, key.pp), []).append((after, before))
+
     def snapshot(self) -> dict:
         """The whole state, for checkpoints (restore with `Ledger.restore`)."""
         return copy.deepcopy(self.__dict__)
@@ -186,6 +200,7 @@ class Ledger:
                 )
             )
             slot.desynced = True
+            slot.gap_after_step = slot.last_step
         slot.next_seq = seq + 1
         return slot
 
@@ -220,6 +235,9 @@ class Ledger:
             # them, so its tables may have missed their inputs.
             slot.desynced = True
             self.coverage.unchecked["steps_not_recorded"] += n - 1 - slot.last_step
+        if slot.gap_after_step is not None:
+            self._lost_steps(key, slot.gap_after_step, n)
+            slot.gap_after_step = None
         slot.last_step = n
         found = len(out)
         if slot.state is None or slot.desynced:
@@ -260,6 +278,9 @@ class Ledger:
         engine_id, dp = gkey
         self.coverage.checks["rank_compare"] += 1
         for rank in sorted(group.expected - entry.keys()):
+            if any(after < step < before for after, before in group.lost.get(rank, ())):
+                self.coverage.unchecked["rank_records_lost"] += 1
+                continue
             self.coverage.unchecked["rank_missing_steps"] += 1
             if group.missing_since.get(rank) is None:
                 group.missing_since[rank] = step

@@ -234,8 +234,9 @@ def test_truncated_segment_reports_what_was_read(clean, tmp_path):
     segment.write_bytes(data[: len(data) // 2])  # cut in the middle of a block
 
     proc, violations, summary = check_json(root)
-    assert proc.returncode == (1 if violations else 0), (proc.returncode, summary)
-    assert bool(summary["violations"]) == bool(violations)
+    # What could not be read is unchecked, not the rank's fault: the clean ledger stays clean.
+    assert proc.returncode == 0 and violations == [], (proc.returncode, summary)
+    assert summary["unchecked"]["rank_records_lost"] > 0
     assert proc.stderr == ""
     assert 0 < summary["events"] < len(sim.events)
     assert summary["ranks"] == 2
