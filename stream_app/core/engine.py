@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH, RANK_INFO, SNAPSHOT, STEP
+from kvledger.stream_app.core import batch
 from kvledger.stream_app.core.rank import RankState
 from kvledger.stream_app.core.violations import (
     DUPLICATE_EVENT,
@@ -106,12 +107,15 @@ def plan_fingerprint(plan: dict | None) -> bytes:
 class Ledger:
     """Replays ledger events of any number of engines and ranks."""
 
-    def __init__(self, *, rank_window: int = 256):
+    def __init__(self, *, rank_window: int = 256, batch_steps: int = 128):
         # Steps a rank may lag behind its peers before it is declared missing.
         self.rank_window = rank_window
+        # Longest run of step events `apply_many` checks at once.
+        self.batch_steps = batch_steps
         self.ranks: dict[RankKey, RankSlot] = {}
         self.step_groups: dict[tuple[str, int], StepGroup] = {}
         self.coverage = Coverage()
+        self._keys: dict[tuple, RankKey] = {}
         self.events = 0
         self.steps = 0
 
@@ -136,6 +140,84 @@ class Ledger:
         elif name == HEALTH:
             slot.events_dropped = body["events_dropped"]
         return out
+
+    def apply_many(self, events: list[dict]) -> list[Violation]:
+        """`apply` each event, in order; the same violations and coverage, faster.
+
+        Runs of steps are first tried on the batched fast path (core/batch.py),
+        which commits only when it proves the run clean; anything else goes
+        event by event.
+        """
+        out: list[Violation] = []
+        i = 0
+        while i < len(events):
+            j = i
+            while j < len(events) and j - i < self.batch_steps and events[j]["body"][0] == STEP:
+                j += 1
+            if j - i >= 2 and self._fast_run(events[i:j], out):
+                i = j
+                continue
+            for event in events[i : max(j, i + 1)]:
+                out += self.apply(event)
+            i = max(j, i + 1)
+        return out
+
+    def _fast_run(self, events: list[dict], out: list[Violation]) -> bool:
+        per_rank: dict[RankKey, list[dict]] = {}
+        expect: dict[RankKey, tuple[int, int]] = {}
+        seen: list[tuple[RankKey, int, dict]] = []
+        for event in events:
+            key = self._key(event)
+            body = event["body"][1]
+            if key not in expect:
+                slot = self.ranks.get(key)
+                if (
+                    slot is None
+                    or slot.state is None
+                    or slot.desynced
+                    or slot.gap_after_step is not None
+                    or slot.incarnation != event["incarnation"]
+                    or slot.last_step < 0
+                ):
+                    return False
+                expect[key] = (slot.next_seq, slot.last_step + 1)
+                per_rank[key] = []
+            seq, step = expect[key]
+            if event["seq"] != seq or body["step"] != step or event["incarnation"] != self.ranks[key].incarnation:
+                return False
+            expect[key] = (seq + 1, step + 1)
+            per_rank[key].append(body)
+            seen.append((key, seq, body))
+        planned = []
+        for key, steps in per_rank.items():
+            state = self.ranks[key].state
+            result = batch.plan_run(state, steps) if batch.eligible(state) else None
+            if result is None:
+                return False
+            planned.append(result)
+        for commit, checks in planned:
+            commit()
+            self.coverage.checks.update(checks)
+        # What `apply` does around a clean step, in order.
+        self.events += len(seen)
+        self.steps += len(seen)
+        self.coverage.checks["sequence"] += len(seen)
+        for key, (seq, step) in expect.items():
+            slot = self.ranks[key]
+            slot.next_seq, slot.last_step = seq, step - 1
+        cross = {k for k in per_rank if len(getattr(self.step_groups.get((k.engine_id, k.dp)), "expected", ())) > 1}
+        if cross:
+            for key, _, body in seen:
+                if key in cross:
+                    self._cross_rank(key, body, clean=True, out=out)
+        return True
+
+    def _key(self, event: dict) -> RankKey:
+        ident = (event["engine_id"], event["dp_rank"], event["tp_rank"], event["pp_rank"])
+        key = self._keys.get(ident)
+        if key is None:
+            key = self._keys[ident] = RankKey(*ident)
+        return key
 
     def finish(self) -> list[Violation]:
         """End of input: settle every step still waiting for ranks."""

@@ -59,6 +59,14 @@ class RankState:
             return self.row_of[indices]
         return np.where(inside, self.row_of[np.where(inside, indices, 0)], -1)
 
+    def grow_rows(self, n: int) -> None:
+        """Room for rows 0 .. n-1 in every per-row array."""
+        while n > self.computed.size:
+            self.computed = np.concatenate([self.computed, np.zeros_like(self.computed)])
+            self.scheduled = np.concatenate([self.scheduled, np.zeros_like(self.scheduled)])
+        for g in self.groups:
+            g.ensure_rows(n)
+
     def _new_row(self, req_index: int, req_id: str) -> int:
         if req_id in self.index_of:
             self._drop(req_id)
@@ -67,11 +75,7 @@ class RankState:
         else:
             row = self.num_rows
             self.num_rows += 1
-            if row >= self.computed.size:
-                self.computed = np.concatenate([self.computed, np.zeros_like(self.computed)])
-                self.scheduled = np.concatenate([self.scheduled, np.zeros_like(self.scheduled)])
-            for g in self.groups:
-                g.ensure_rows(row + 1)
+            self.grow_rows(row + 1)
         if req_index >= self.row_of.size:
             grown = np.full(max(req_index + 1, 2 * self.row_of.size), -1, np.int64)
             grown[: self.row_of.size] = self.row_of

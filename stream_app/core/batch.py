@@ -1,0 +1,394 @@
+"""The fast path: prove a run of one rank's steps clean in a few array passes.
+
+Checking step by step costs a fixed number of numpy calls per step, which
+bounds replay speed. Here a run of consecutive steps is checked at once: rows
+are append-only inside the run (a finished request's row is only recycled
+after it), so what a row held at step b is "its blocks before the run plus
+those appended at steps <= b", found with one sorted search for all tokens.
+
+All or nothing: `plan_run` either proves that the step-by-step path would
+report no violation and count exactly the checks returned, and hands back a
+commit, or returns None and has changed nothing that path reads. Anything
+unusual (a violation, preemption, resume, sliding window, an unknown
+request) sends the run down the step-by-step path, the reference.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from operator import itemgetter
+
+import numpy as np
+
+from kvledger.schemas.packing import length_term, mix_blocks, position_weights, unpack_i32, unpack_i64, unpack_u64
+from kvledger.stream_app.core.rank import RankState, expand_slot_runs
+from kvledger.stream_app.core.tables import NULL_BLOCK
+
+_FAST_KINDS = ("FULL_ATTENTION", "MLA")
+_LEN_UNIT = np.uint64(length_term(1))
+_EMPTY_DIGEST = np.uint64(length_term(0))
+
+
+def eligible(state: RankState) -> bool:
+    return all(g.kind in _FAST_KINDS for g in state.groups)
+
+
+# Per-run matrices are rows x steps: bound them (a long run over many rows goes in pieces).
+_MAX_CELLS = 1 << 21
+
+
+class _Run:
+    """Columns of a run, each concatenated over its steps (b = step index in the run)."""
+
+    steps: int
+    in_row: np.ndarray  # inputs: row, b, num_computed_tokens, num_scheduled_tokens
+    in_b: np.ndarray
+    in_comp: np.ndarray
+    in_sched: np.ndarray
+    g_row: list[np.ndarray]  # grants per group: row, b, count; blocks in entry order
+    g_b: list[np.ndarray]
+    g_cnt: list[np.ndarray]
+    g_blocks: list[np.ndarray]
+    rel_row: np.ndarray  # rows of requests finished in the run, and when
+    rel_b: np.ndarray
+    p_rows: np.ndarray  # plan: row, b, tokens, first position, per request
+    p_b: np.ndarray
+    p_ntok: np.ndarray
+    p_first: np.ndarray
+    p_real: list[np.ndarray]  # per group: slots of the scheduled tokens, row lengths, digests, padding
+    p_lens: list[np.ndarray]
+    p_digests: list[np.ndarray]
+    padding: list[np.ndarray]
+
+
+def _join(parts: list[bytes], unpack=unpack_i32) -> np.ndarray:
+    return unpack(b"".join(parts))
+
+
+def _step_of(sizes: list[int]) -> np.ndarray:
+    """The step index of each element of a column whose steps contributed `sizes` elements."""
+    return np.repeat(np.arange(len(sizes)), sizes)
+
+
+def plan_run(state: RankState, steps: list[dict]) -> tuple[Callable[[], None], Counter] | None:
+    """Check `steps` (consecutive, all with a plan) of one rank; a commit and the checks run, or None."""
+    ng = len(state.groups)
+    row_of = state.row_of.copy()  # req_index -> row; indices finished in the run keep theirs until commit
+    index_of = dict(state.index_of)
+    req_id_of = dict(state.req_id_of)
+    free = list(state.free_rows)
+    num_rows = state.num_rows
+    born: dict[int, int] = {}  # req_index -> step index it arrived at
+    died: dict[int, int] = {}  # req_index -> step index it finished at
+    new_in: list[tuple[int, int, int, int]] = []  # row, b, computed, scheduled
+    new_grants: list[list[tuple[int, int, np.ndarray]]] = [[] for _ in range(ng)]  # row, b, blocks
+    in_cols: list[tuple] = []  # per step, _INPUT_COLUMNS
+    plan_cols: list[tuple] = []  # per step, _PLAN_COLUMNS
+    group_cols: list[list[tuple]] = [[] for _ in range(ng)]  # per group and step, _GROUP_COLUMNS
+
+    # One pass in Python over what is not an array: request arrivals and departures.
+    for b, step in enumerate(steps):
+        inp, plan = step["input"], step["plan"]
+        if plan is None or len(plan["groups"]) != ng:
+            return None
+        if inp is None:
+            if step["kind"] == "REAL":
+                return None
+        else:
+            if inp["preempted_req_ids"] or inp["resumed_req_indices"]:
+                return None
+            for req_id in inp["finished_req_ids"]:
+                index = index_of.pop(req_id, None)
+                if index is not None:
+                    del req_id_of[index]
+                    died[index] = b
+            for req in inp["new_reqs"]:
+                index, req_id = req["req_index"], req["req_id"]
+                if req_id in index_of or len(req["block_ids"]) != ng:
+                    return None  # re-added request: step by step
+                if index >= row_of.size:
+                    row_of = np.concatenate([row_of, np.full(max(index + 1, row_of.size), -1, np.int64)])
+                if row_of[index] >= 0:
+                    return None
+                row = free.pop() if free else num_rows
+                num_rows += row == num_rows
+                row_of[index], index_of[req_id], req_id_of[index], born[index] = row, index, req_id, b
+                new_in.append((row, b, req["num_computed_tokens"], req["num_scheduled_tokens"]))
+                for gid, data in enumerate(req["block_ids"]):
+                    new_grants[gid].append((row, b, unpack_i32(data)))
+            in_cols.append(_input_columns(inp))
+        plan_cols.append(_plan_columns(plan))
+        for gid, gp in enumerate(plan["groups"]):
+            group_cols[gid].append(_group_columns(gp))
+
+    cols = dict(zip(_INPUT_COLUMNS, zip(*in_cols, strict=True), strict=False)) if in_cols else {}
+    cols.update(zip(_PLAN_COLUMNS, zip(*plan_cols, strict=True), strict=True))
+    for k in _INPUT_COLUMNS:
+        cols.setdefault(k, ())
+    groups = [dict(zip(_GROUP_COLUMNS, zip(*gc, strict=True), strict=True)) for gc in group_cols]
+    if any(set(gc["group_id"]) != {gid} for gid, gc in enumerate(groups)):
+        return None
+    size = row_of.size
+    born_at = np.full(size, -1, np.int64)
+    died_at = np.full(size, len(steps) + 1, np.int64)
+    born_at[list(born)] = list(born.values())
+    died_at[list(died)] = list(died.values())
+
+    def rows_at(indices: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+        """Rows of requests referenced at steps b, or None if one was not live then."""
+        if indices.size == 0:
+            return indices.astype(np.int64)
+        if indices.min() < 0 or indices.max() >= size:
+            return None
+        rows = row_of[indices]
+        if ((rows < 0) | (born_at[indices] > b) | (b >= died_at[indices])).any():
+            return None
+        return rows
+
+    run = _Run()
+    # Inputs of cached requests, then of new ones.
+    cached = _join(cols["cached_req_indices"])
+    c_b = _step_of([len(x) >> 2 for x in cols["cached_req_indices"]]) if cached.size else cached
+    c_rows = rows_at(cached, c_b)
+    if c_rows is None:
+        return None
+    new_arr = np.array(new_in, np.int64).reshape(-1, 4)
+    run.in_row = np.concatenate([c_rows, new_arr[:, 0]])
+    run.in_b = np.concatenate([c_b, new_arr[:, 1]])
+    run.in_comp = np.concatenate([_join(cols["cached_num_computed_tokens"]), new_arr[:, 2]])
+    run.in_sched = np.concatenate([_join(cols["cached_num_scheduled_tokens"]), new_arr[:, 3]])
+
+    # Blocks handed out: new requests' rows, then appends.
+    a_cnt = _join(cols["append_counts"])
+    a_idx = _join(cols["append_req_indices"])
+    a_gid = _join(cols["append_group_ids"])
+    a_blocks = _join(cols["append_block_ids"])
+    a_b = _step_of([len(x) >> 2 for x in cols["append_counts"]]) if a_cnt.size else a_cnt
+    a_rows = rows_at(a_idx, a_b)
+    if a_rows is None or (a_gid.size and (a_gid.min() < 0 or a_gid.max() >= ng)) or a_cnt.sum() != a_blocks.size:
+        return None
+    run.g_row, run.g_b, run.g_cnt, run.g_blocks = [], [], [], []
+    for gid in range(ng):
+        grants = new_grants[gid]
+        mine = a_gid == gid
+        run.g_row.append(np.concatenate([np.array([r for r, _, _ in grants], np.int64), a_rows[mine]]))
+        run.g_b.append(np.concatenate([np.array([b for _, b, _ in grants], np.int64), a_b[mine]]))
+        run.g_cnt.append(np.concatenate([np.array([x.size for _, _, x in grants], np.int64), a_cnt[mine]]))
+        run.g_blocks.append(np.concatenate([*(x for _, _, x in grants), a_blocks[np.repeat(mine, a_cnt)]]))
+    run.rel_row = row_of[list(died)].astype(np.int64) if died else np.empty(0, np.int64)
+    run.rel_b = np.array(list(died.values()), np.int64)
+
+    # The plan.
+    indices = _join(cols["req_indices"])
+    sizes = [len(x) >> 2 for x in cols["req_indices"]]
+    run.p_b = _step_of(sizes)
+    run.p_rows = rows_at(indices, run.p_b)
+    if run.p_rows is None:
+        return None
+    run.p_ntok = _join(cols["num_tokens"])
+    run.p_first = _join(cols["first_positions"])
+    if run.p_ntok.size != indices.size or run.p_first.size != indices.size:
+        return None
+    tokens_per_step = np.bincount(run.p_b, weights=run.p_ntok, minlength=len(steps)).astype(np.int64)
+    run.p_real, run.p_lens, run.p_digests, run.padding = [], [], [], []
+    for gc in groups:
+        real = np.array(gc["num_real"], np.int64)
+        width = real + np.array(gc["num_padding"], np.int64)
+        runs = _join(gc["slot_runs"], unpack_i64).reshape(-1, 2)
+        run_b = _step_of([len(x) >> 4 for x in gc["slot_runs"]])
+        if (real != tokens_per_step).any() or (np.bincount(run_b, runs[:, 1], len(steps)) != width).any():
+            return None
+        slots = expand_slot_runs(b"".join(gc["slot_runs"]))
+        offset = np.arange(slots.size) - np.repeat(np.cumsum(width) - width, width)
+        is_real = offset < np.repeat(real, width)
+        run.p_real.append(slots[is_real])
+        run.padding.append(slots[~is_real])
+        run.p_lens.append(_join(gc["row_lens"]))
+        run.p_digests.append(_join(gc["row_digests"], unpack_u64))
+        if run.p_lens[-1].size != indices.size or run.p_digests[-1].size != indices.size:
+            return None
+
+    checks = Counter(position=indices.size, write=indices.size * ng, read=indices.size * ng, padding=len(steps) * ng)
+    state.grow_rows(num_rows)  # room for rows opened in the run; unused cells are invisible
+    final_row_of = row_of.copy()
+    final_row_of[list(died)] = -1
+    run.steps = len(steps)
+    if num_rows * run.steps > _MAX_CELLS:
+        return None
+    return _check_and_commit(
+        state, run, checks, final_row_of, index_of, req_id_of, free, num_rows, run.rel_row.tolist()
+    )
+
+
+_INPUT_COLUMNS = (
+    "cached_req_indices",
+    "cached_num_computed_tokens",
+    "cached_num_scheduled_tokens",
+    "append_req_indices",
+    "append_group_ids",
+    "append_counts",
+    "append_block_ids",
+)
+_PLAN_COLUMNS = ("req_indices", "num_tokens", "first_positions")
+_GROUP_COLUMNS = ("group_id", "slot_runs", "num_real", "num_padding", "row_lens", "row_digests")
+_input_columns = itemgetter(*_INPUT_COLUMNS)
+_plan_columns = itemgetter(*_PLAN_COLUMNS)
+_group_columns = itemgetter(*_GROUP_COLUMNS)
+
+
+def _latest_per_cell(rows: np.ndarray, steps: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """For every (row, b): the last step <= b at which `rows`/`steps` has an entry, or -1."""
+    last = np.full(shape, -1, np.int64)
+    last[rows, steps] = steps
+    return np.maximum.accumulate(last, axis=1, out=last)
+
+
+def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num_rows, released_rows):
+    shape = (num_rows, run.steps)
+    # -- positions: plan vs the latest input of each row ------------------------------------------
+    p_rows, p_b = run.p_rows, run.p_b
+    last_in = _latest_per_cell(run.in_row, run.in_b, shape)
+    last = last_in[p_rows, p_b]
+    seen, last = last >= 0, np.maximum(last, 0)
+    comp_m, sched_m = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+    comp_m[run.in_row, run.in_b] = run.in_comp
+    sched_m[run.in_row, run.in_b] = run.in_sched
+    comp = np.where(seen, comp_m[p_rows, last], state.computed[p_rows])
+    sched = np.where(seen, sched_m[p_rows, last], state.scheduled[p_rows])
+    if (comp != run.p_first).any() or (sched != run.p_ntok).any():
+        return None
+
+    ntok = run.p_ntok.astype(np.int64)
+    if (ntok == 1).all():  # decode: one token per request
+        tok_rows, tok_b, tok_pos = p_rows, p_b, comp
+    else:
+        tok_rows, tok_b = np.repeat(p_rows, ntok), np.repeat(p_b, ntok)
+        tok_pos = np.repeat(comp, ntok) + (np.arange(tok_rows.size) - np.repeat(np.cumsum(ntok) - ntok, ntok))
+
+    commits = []
+    for gid, g in enumerate(state.groups):
+        result = _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos)
+        if result is None:
+            return None
+        commits.append(result)
+
+    def commit() -> None:
+        for apply in commits:
+            apply()
+        # Each row's last input wins: the latest step of every row that had one.
+        touched = np.flatnonzero(last_in[:, -1] >= 0)
+        state.computed[touched] = comp_m[touched, last_in[touched, -1]]
+        state.scheduled[touched] = sched_m[touched, last_in[touched, -1]]
+        state.row_of, state.index_of, state.req_id_of = row_of, index_of, req_id_of
+        state.free_rows = free + released_rows
+        state.num_rows = num_rows
+
+    return commit, checks
+
+
+def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos):
+    bs = g.block_size
+    if (run.padding[gid] >= bs).any():
+        return None
+    # -- grants: rows are append-only inside the run, one entry per (row, step) -------------------
+    rows_e, b_e, cnt = run.g_row[gid], run.g_b[gid], run.g_cnt[gid].astype(np.int64)
+    blocks = run.g_blocks[gid].astype(np.int64)
+    if blocks.size and ((blocks < 0).any() or (blocks >= g.num_blocks).any()):
+        return None
+    if rows_e.size and np.unique(rows_e * shape[1] + b_e).size != rows_e.size:
+        return None
+    appended = np.zeros(shape, np.int64)
+    appended[rows_e, b_e] = cnt
+    np.cumsum(appended, axis=1, out=appended)  # blocks appended to the row at steps <= b
+    entry_start = np.cumsum(cnt) - cnt  # offset of each entry's blocks in `blocks`
+    cols = np.repeat(g.lens[rows_e] + appended[rows_e, b_e] - cnt - entry_start, cnt) + np.arange(blocks.size)
+    blk_rows = np.repeat(rows_e, cnt)
+    end = int(cols.max()) + 1 if cols.size else 0
+    # Cells past a row's end are never read: writing them now is invisible to the step-by-step path.
+    g._ensure_cols(end)
+    g.table[blk_rows, cols] = blocks
+    with np.errstate(over="ignore"):
+        terms = np.append(mix_blocks(blocks) * position_weights(0, end)[cols], np.uint64(0))
+        inc = np.add.reduceat(terms, entry_start, dtype=np.uint64) if cnt.size else np.empty(0, np.uint64)
+        inc = np.where(cnt > 0, inc, np.uint64(0)) + cnt.astype(np.uint64) * _LEN_UNIT
+        digest_inc = np.zeros(shape, np.uint64)
+        digest_inc[rows_e, b_e] = inc
+        np.cumsum(digest_inc, axis=1, dtype=np.uint64, out=digest_inc)
+
+    # -- writes: every token against its row as it stood at its step ---------------------------------
+    col = tok_pos // bs
+    block = g.table[tok_rows, np.minimum(col, g.table.shape[1] - 1)]
+    if (
+        (col >= g.lens[tok_rows] + appended[tok_rows, tok_b]).any()
+        or (run.p_real[gid] != block * bs + (tok_pos - col * bs)).any()
+        or (block == NULL_BLOCK).any()
+    ):
+        return None
+    # -- reads: length and digest of each row as it stood ---------------------------------------------
+    p_rows, p_b = run.p_rows, run.p_b
+    with np.errstate(over="ignore"):
+        digest_at = g.digests[p_rows] + digest_inc[p_rows, p_b]
+    if (g.lens[p_rows] + appended[p_rows, p_b] != run.p_lens[gid]).any() or (digest_at != run.p_digests[gid]).any():
+        return None
+
+    # -- exclusivity: holders of each granted block right after its step's grants -------------------
+    rel_blocks, rel_cols, rel_time = _released_blocks(g, run.rel_row, run.rel_b, appended)
+    real_block = blocks > NULL_BLOCK
+    ev_block = np.concatenate([rel_blocks, blocks[real_block]])
+    ev_col = np.concatenate([rel_cols, cols[real_block]])
+    ev_time = np.concatenate([rel_time, 2 * np.repeat(b_e, cnt)[real_block] + 1])
+    ev_sign = np.concatenate([np.full(rel_blocks.size, -1), np.ones(int(real_block.sum()), np.int64)])
+    if real_block.any() and _grant_conflicts(g, ev_block, ev_col, ev_time, ev_sign):
+        return None
+
+    touched = np.unique(rows_e)
+
+    def commit() -> None:
+        g._hold(rel_blocks, rel_cols, -1)
+        g._hold(blocks, cols, +1)
+        g.lens[touched] += appended[touched, -1]
+        with np.errstate(over="ignore"):
+            g.digests[touched] += digest_inc[touched, -1]
+        if run.rel_row.size:
+            g.lens[run.rel_row] = 0
+            g.released[run.rel_row] = 0
+            g.digests[run.rel_row] = _EMPTY_DIGEST
+
+    return commit
+
+
+def _grant_conflicts(g, ev_block, ev_col, ev_time, ev_sign) -> bool:
+    """Whether a granted block is, right after its step's grants, held elsewhere or by a pending send."""
+    order = np.lexsort((ev_time, ev_block))
+    eb, et, ec, es = ev_block[order], ev_time[order], ev_col[order], ev_sign[order]
+    grant = es > 0
+    # Running totals within each block, read at the end of each (block, time) group.
+    n = eb.size
+    new_block = np.r_[True, eb[1:] != eb[:-1]]
+    group_end = np.r_[(eb[1:] != eb[:-1]) | (et[1:] != et[:-1]), True]
+    start = np.maximum.accumulate(np.where(new_block, np.arange(n), 0))
+    end_idx = np.minimum.accumulate(np.where(group_end, np.arange(n), n)[::-1])[::-1]
+    totals = []
+    for base, delta in ((g.hold_count, es), (g.hold_sum, es * ec), (g.hold_sumsq, es * ec * ec)):
+        running = np.cumsum(delta)
+        within = running - (running[start] - delta[start])
+        totals.append((base[eb] + within[end_idx])[grant])
+    count, s1, s2 = totals
+    pos = ec[grant]
+    return bool(((s1 != count * pos) | (s2 != count * pos * pos) | (g.send_hold[eb[grant]] > 0)).any())
+
+
+def _released_blocks(g, rel_rows, rel_b, appended):
+    """Blocks (with positions and event times) held by rows finished in the run, as they stood then."""
+    if rel_rows.size == 0:
+        empty = np.empty(0, np.int64)
+        return empty, empty, empty
+    lens = g.lens[rel_rows] + appended[rel_rows, rel_b]
+    starts = g.released[rel_rows]
+    n = np.maximum(lens - starts, 0)
+    row_of_blk = np.repeat(rel_rows, n)
+    cols = np.repeat(starts, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+    blocks = g.table[row_of_blk, cols]
+    held = (blocks > NULL_BLOCK) & (blocks < g.num_blocks)  # as GroupTable._hold counts them
+    return blocks[held], cols[held], np.repeat(2 * rel_b, n)[held]

@@ -1,0 +1,93 @@
+"""The batched fast path is invisible: `apply_many` == `apply`, event for event.
+
+`kvledger check` replays through `Ledger.apply_many`, which proves runs of
+steps clean in a few array passes and falls back to the step-by-step path
+for anything else; the in-engine raise mode uses `Ledger.apply`. Both must
+give the same violations, in the same order, and the same coverage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvledger.producer.synthetic import FAULTS, FaultSpec, SimConfig, simulate
+from kvledger.stream_app.core import Ledger, batch
+
+from .test_detectors import MULTI_RANK_FAULTS, configs
+
+DECODE_HEAVY = SimConfig(
+    seed=1,
+    steps=400,
+    max_num_seqs=48,
+    max_batched_tokens=2048,
+    arrival_rate=6,
+    prompt_len=(16, 64),
+    output_len=(100, 300),
+    num_blocks=3000,
+    prefix_caching=False,
+)
+
+
+def both(events, batch_steps=64):
+    one = Ledger()
+    stepwise = [v for e in events for v in one.apply(e)] + one.finish()
+    many = Ledger(batch_steps=batch_steps)
+    batched = many.apply_many(events) + many.finish()
+    return (stepwise, one), (batched, many)
+
+
+def assert_same(events, batch_steps=64):
+    (a, one), (b, many) = both(events, batch_steps)
+    assert b == a
+    assert (many.coverage.checks, many.coverage.unchecked) == (one.coverage.checks, one.coverage.unchecked)
+    assert (many.events, many.steps) == (one.events, one.steps)
+    return a
+
+
+@pytest.fixture
+def fast_runs(monkeypatch):
+    """Counts runs the fast path committed, so a test can insist it was exercised."""
+    committed = []
+    original = batch.plan_run
+
+    def spy(state, steps):
+        result = original(state, steps)
+        if result is not None:
+            committed.append(len(steps))
+        return result
+
+    monkeypatch.setattr(batch, "plan_run", spy)
+    return committed
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(configs(), st.sampled_from((None, *FAULTS)), st.integers(5, 35), st.sampled_from([2, 7, 64]))
+def test_batched_equals_stepwise(config, fault, step, batch_steps):
+    if fault is not None:
+        tp = 1 if fault in MULTI_RANK_FAULTS and config.tp_size > 1 else 0
+        config = dataclasses.replace(config, faults=(FaultSpec(fault, step, tp_rank=tp),))
+    assert_same(simulate(config).events, batch_steps)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fast_path_carries_clean_decode(fast_runs, tp):
+    events = simulate(dataclasses.replace(DECODE_HEAVY, tp_size=tp)).events
+    assert assert_same(events) == []
+    assert sum(fast_runs) > 0.8 * len(events)  # nearly every step went the fast way
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_fast_path_hands_faulty_runs_to_the_reference(fast_runs, fault):
+    tp = 1 if fault in MULTI_RANK_FAULTS else 0
+    config = dataclasses.replace(DECODE_HEAVY, tp_size=2, faults=(FaultSpec(fault, 250, tp_rank=tp),))
+    sim = simulate(config)
+    assert not sim.unplaced_faults
+    violations = assert_same(sim.events)
+    assert {e.kind for e in sim.expected} <= {v.kind for v in violations}
+    assert fast_runs  # the clean stretches still went fast
