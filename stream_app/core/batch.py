@@ -268,7 +268,7 @@ def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num
 
     commits = []
     for gid, g in enumerate(state.groups):
-        result = _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos)
+        result = _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, checks)
         if result is None:
             return None
         commits.append(result)
@@ -287,7 +287,7 @@ def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num
     return commit, checks
 
 
-def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos):
+def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, checks):
     bs = g.block_size
     if (run.padding[gid] >= bs).any():
         return None
@@ -335,6 +335,7 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos):
     # -- exclusivity: holders of each granted block right after its step's grants -------------------
     rel_blocks, rel_cols, rel_time = _released_blocks(g, run.rel_row, run.rel_b, appended)
     real_block = blocks > NULL_BLOCK
+    checks["exclusivity"] += int(real_block.sum())
     ev_block = np.concatenate([rel_blocks, blocks[real_block]])
     ev_col = np.concatenate([rel_cols, cols[real_block]])
     ev_time = np.concatenate([rel_time, 2 * np.repeat(b_e, cnt)[real_block] + 1])

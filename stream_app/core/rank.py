@@ -131,7 +131,7 @@ class RankState:
         self._appends(inp, grants, cov)
         for g, grant in zip(self.groups, grants, strict=True):
             if grant:
-                self._grant(step, g, *grant, out)
+                self._grant(step, g, *grant, out, cov)
 
     def _new_requests(self, new_reqs: list[dict]) -> list[list | None]:
         """Rows for new requests; returns per group the blocks to grant: (rows, counts, blocks)."""
@@ -169,7 +169,7 @@ class RankState:
             else:
                 grant[2] += [blocks[e - c : e] for e, c in zip(ends[mine], counts[mine], strict=True)]
 
-    def _grant(self, step: int, g: GroupTable, rows: list[int], counts: list[int], blocks: list, out) -> None:
+    def _grant(self, step: int, g: GroupTable, rows: list[int], counts: list[int], blocks: list, out, cov) -> None:
         """Hand blocks to rows; report blocks outside the pool or held by someone else."""
         flat = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
         rows_arr, counts_arr = np.asarray(rows, np.int64), np.asarray(counts, np.int64)
@@ -178,6 +178,7 @@ class RankState:
         suspect = ~inside
         real = inside & (flat != NULL_BLOCK)
         suspect[real] = g.held_elsewhere(flat[real], cols[real]) | (g.send_hold[flat[real]] > 0)
+        cov.checks["exclusivity"] += int(real.sum())
         if not suspect.any():
             return
         owner = np.repeat(rows_arr, counts_arr)
