@@ -362,7 +362,6 @@ class SyntheticEngine:
             if fault.group != g or not new or fault.kind not in ("recycled_block", "block_out_of_range"):
                 continue
             if fault.kind == "block_out_of_range":
-                self._pending_faults.remove(fault)
                 self._expect_on_all_ranks(fault, "block_out_of_range", step, req.req_id, g)
                 self.pool.release(new[-1:])
                 return [*new[:-1], self.cfg.num_blocks + 7]
@@ -379,7 +378,6 @@ class SyntheticEngine:
                     self.pool.release([new[0]])
                     self.pool.share(victim)
                     new = [victim, *new[1:]]
-                    self._pending_faults.remove(fault)
                     self._expect_on_all_ranks(fault, "foreign_block_write", step, req.req_id, g)
                     return new
         return new

@@ -366,19 +366,8 @@ class Ledger:
             self.coverage.unchecked["rank_missing_steps"] += 1
             if group.missing_since.get(rank) is None:
                 group.missing_since[rank] = step
-                out.append(
-                    Violation(
-                        RANK_MISSING,
-                        engine_id,
-                        dp,
-                        rank[0],
-                        rank[1],
-                        step,
-                        None,
-                        None,
-                        f"rank never reported step {step}, which {len(entry)} other rank(s) did",
-                    )
-                )
+                detail = f"rank never reported step {step}, which {len(entry)} other rank(s) did"
+                out.append(Violation.at(RANK_MISSING, RankKey(engine_id, dp, *rank), step, detail))
         for part, what in ((0, "step input"), (1, "step plan")):
             holders: dict[bytes, list[tuple[int, int]]] = {}
             for rank in sorted(entry):
@@ -393,20 +382,11 @@ class Ledger:
                 if value_ranks is majority:
                     continue
                 for rank in value_ranks:
-                    out.append(
-                        Violation(
-                            RANK_DIVERGENCE,
-                            engine_id,
-                            dp,
-                            rank[0],
-                            rank[1],
-                            step,
-                            None,
-                            None,
-                            f"{what} differs from tp{ref[0]}-pp{ref[1]}'s "
-                            f"({len(majority)} of {len(entry)} ranks agree on it)",
-                        )
+                    detail = (
+                        f"{what} differs from tp{ref[0]}-pp{ref[1]}'s "
+                        f"({len(majority)} of {len(entry)} ranks agree on it)"
                     )
+                    out.append(Violation.at(RANK_DIVERGENCE, RankKey(engine_id, dp, *rank), step, detail))
 
 
 def _has_tokens(inp: dict) -> bool:
