@@ -177,10 +177,10 @@ class Ledger:
                     or slot.desynced
                     or slot.gap_after_step is not None
                     or slot.incarnation != event["incarnation"]
-                    or slot.last_step < 0
                 ):
                     return False
-                expect[key] = (slot.next_seq, slot.last_step + 1)
+                # A rank's first step may have any number; after that they must follow on.
+                expect[key] = (slot.next_seq, slot.last_step + 1 if slot.last_step >= 0 else body["step"])
                 per_rank[key] = []
             seq, step = expect[key]
             if event["seq"] != seq or body["step"] != step or event["incarnation"] != self.ranks[key].incarnation:
