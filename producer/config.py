@@ -1,0 +1,108 @@
+"""The `kv_trace` engine option, validated up front.
+
+    vllm serve MODEL --additional-config '{"kv_trace": {"enabled": true, "action": "log",
+                                                         "sink": "kafka://127.0.0.1:9092"}}'
+
+A bad value fails at engine start with the key it is about, never later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+DEFAULT_TOPIC = "kvledger.events"
+_KEYS = {"enabled", "action", "sink", "kafka", "buffer_events", "snapshot_interval", "full_rows", "transfer_digests"}
+
+
+class TraceConfigError(ValueError):
+    """An invalid `kv_trace` setting; the message names the key."""
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    kind: str  # "file" or "kafka"
+    path: Path | None = None  # file: the ledger root
+    bootstrap: str | None = None  # kafka: HOST:PORT[,HOST:PORT...]
+    topic: str = DEFAULT_TOPIC
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    enabled: bool = False
+    action: str = "log"  # "log" | "raise"
+    sink: SinkSpec = field(default_factory=lambda: SinkSpec("file", Path("kvledger-ledger").absolute()))
+    kafka: dict[str, Any] = field(default_factory=dict)  # passed to the Kafka client as is
+    buffer_events: int = 4096
+    snapshot_interval: int = 256  # steps between snapshots (0: none)
+    full_rows: bool = False
+    transfer_digests: float = 0.0
+
+    @classmethod
+    def from_additional_config(cls, additional_config: dict | None) -> TraceConfig:
+        raw = (additional_config or {}).get("kv_trace")
+        if raw is None:
+            return cls()
+        if not isinstance(raw, dict):
+            raise TraceConfigError(f"kv_trace: expected an object, got {type(raw).__name__}")
+        unknown = sorted(set(raw) - _KEYS)
+        if unknown:
+            raise TraceConfigError(f"kv_trace.{unknown[0]}: unknown key (known: {', '.join(sorted(_KEYS))})")
+        return cls(
+            enabled=_typed(raw, "enabled", bool, False),
+            action=_choice(raw, "action", ("log", "raise"), "log"),
+            sink=parse_sink(raw["sink"]) if "sink" in raw else cls().sink,
+            kafka=_typed(raw, "kafka", dict, {}),
+            buffer_events=_positive(raw, "buffer_events", 4096),
+            snapshot_interval=_typed(raw, "snapshot_interval", int, 256, minimum=0),
+            full_rows=_typed(raw, "full_rows", bool, False),
+            transfer_digests=_fraction(raw, "transfer_digests"),
+        )
+
+
+def parse_sink(value: Any) -> SinkSpec:
+    if not isinstance(value, str):
+        raise TraceConfigError(f"kv_trace.sink: expected a string URL, got {type(value).__name__}")
+    url = urlsplit(value)
+    if url.scheme == "file":
+        if url.netloc or not url.path.startswith("/"):
+            raise TraceConfigError(f"kv_trace.sink: file sinks need an absolute path, file:///abs/dir (got {value!r})")
+        return SinkSpec("file", path=Path(url.path))
+    if url.scheme == "kafka":
+        if not url.netloc:
+            raise TraceConfigError(f"kv_trace.sink: kafka sinks need kafka://HOST:PORT[/topic] (got {value!r})")
+        topic = url.path.strip("/") or DEFAULT_TOPIC
+        return SinkSpec("kafka", bootstrap=url.netloc, topic=topic)
+    raise TraceConfigError(
+        f"kv_trace.sink: unsupported scheme {url.scheme!r} (use file:///abs/dir or kafka://HOST:PORT)"
+    )
+
+
+def _typed(raw: dict, key: str, kind: type, default: Any, *, minimum: int | None = None) -> Any:
+    value = raw.get(key, default)
+    # bool is an int in Python: do not let `true` pass as a number or 1 as a flag.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TraceConfigError(f"kv_trace.{key}: expected {kind.__name__}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise TraceConfigError(f"kv_trace.{key}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _positive(raw: dict, key: str, default: int) -> int:
+    return _typed(raw, key, int, default, minimum=1)
+
+
+def _choice(raw: dict, key: str, choices: tuple[str, ...], default: str) -> str:
+    value = raw.get(key, default)
+    if value not in choices:
+        raise TraceConfigError(f"kv_trace.{key}: expected one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _fraction(raw: dict, key: str) -> float:
+    value = raw.get(key, 0.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+        raise TraceConfigError(f"kv_trace.{key}: expected a fraction between 0.0 and 1.0, got {value!r}")
+    return float(value)

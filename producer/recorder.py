@@ -1,0 +1,113 @@
+"""Per-rank capture: sequence numbers, a bounded buffer, a drain thread.
+
+The engine thread calls `capture` and goes on: it stamps the event, appends
+it to a bounded buffer and returns. A full buffer drops the event and counts
+it, like a perf buffer's lost counter; nothing here blocks the engine or
+raises into it. A drain thread wraps events in their envelope and hands them
+to the sink. Sequence numbers are taken at capture, so every loss, in the
+buffer or in the sink, shows in the ledger as a gap, and `Health` events
+carry the counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Protocol
+
+from kvledger.producer import records
+from kvledger.producer.records import RankIdentity
+
+log = logging.getLogger("kvledger.producer")
+
+
+class Sink(Protocol):
+    def write(self, events: list[dict]) -> None: ...
+
+    def close(self, timeout: float) -> None: ...
+
+    @property
+    def lost(self) -> int: ...
+
+
+class RankRecorder:
+    def __init__(self, identity: RankIdentity, sink: Sink, *, capacity: int = 4096, drain_interval: float = 0.05):
+        self.identity = identity
+        self.sink = sink
+        self.capacity = capacity
+        self.captured = 0
+        self.dropped_full = 0  # events the full buffer turned away
+        self.sink_failed = 0  # events in batches the sink refused
+        self.probe_ns = 0  # time the probes spent on the hot path, reported in Health
+        self.high_water = 0
+        self._seq = 0
+        self._buffer: deque[tuple[int, int, tuple[str, dict]]] = deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._drain_interval = drain_interval
+        self._thread = threading.Thread(target=self._drain, name=f"kvledger-drain-tp{identity.tp_rank}", daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        """Every event captured that will not reach the ledger, wherever it was lost."""
+        return self.dropped_full + self.sink_failed + self.sink.lost
+
+    # -- hot path ------------------------------------------------------------------------
+    def capture(self, body: tuple[str, dict]) -> None:
+        """Stamp and buffer one event; never blocks, never raises."""
+        seq = self._seq
+        self._seq = seq + 1
+        self.captured += 1
+        buffered = len(self._buffer)
+        if buffered >= self.capacity:
+            self.dropped_full += 1
+            return
+        self._buffer.append((seq, time.time_ns() // 1000, body))
+        if buffered >= self.high_water:
+            self.high_water = buffered + 1
+
+    def health(self, step: int) -> tuple[str, dict]:
+        return records.health(step, self.captured, self.dropped, self.probe_ns, self.capacity, self.high_water)
+
+    # -- drain thread -----------------------------------------------------------------------
+    def _drain(self) -> None:
+        while True:
+            self._wake.wait(self._drain_interval)
+            self._wake.clear()
+            self._flush_buffer()
+            if self._stop:
+                self._flush_buffer()
+                return
+
+    def _flush_buffer(self) -> None:
+        batch = []
+        while self._buffer:
+            seq, at_us, body = self._buffer.popleft()
+            batch.append(records.envelope(self.identity, seq, at_us, *body))
+        if not batch:
+            return
+        try:
+            self.sink.write(batch)
+        except Exception as exc:  # the ledger loses them; the engine must not notice
+            if not self.sink_failed:
+                log.warning(
+                    "kv_trace: the sink refused %d event(s): %s (further failures counted only)", len(batch), exc
+                )
+            self.sink_failed += len(batch)
+
+    def close(self, step: int, timeout: float = 5.0) -> None:
+        """Record a last Health event, drain, and close the sink within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        self._wake.set()
+        while self._buffer and time.monotonic() < deadline:  # room for the last word
+            time.sleep(0.001)
+        self.capture(self.health(step))
+        self._stop = True
+        self._wake.set()
+        self._thread.join(max(deadline - time.monotonic(), 0.0))
+        self.sink.close(max(deadline - time.monotonic(), 0.0))
+        if self.dropped:
+            log.warning("kv_trace: %s lost %d of %d captured event(s)", self.identity, self.dropped, self.captured)

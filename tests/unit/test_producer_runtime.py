@@ -1,0 +1,165 @@
+"""The producer's runtime: the kv_trace option, capture, buffering, loss accounting, the file sink."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvledger.producer.config import DEFAULT_TOPIC, TraceConfig, TraceConfigError, parse_sink
+from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.records import RankIdentity
+from kvledger.producer.sinks import FileSink
+from kvledger.producer.synthetic import SimConfig, simulate
+from kvledger.stream_app.core import Ledger
+from kvledger.stream_app.replay import replay
+
+RANK = RankIdentity("eng-1", 0, 1, 0, incarnation=42)
+
+
+# -- the kv_trace option ----------------------------------------------------------------------------
+def test_disabled_unless_asked():
+    assert TraceConfig.from_additional_config(None).enabled is False
+    assert TraceConfig.from_additional_config({"other": 1}).enabled is False
+    assert TraceConfig.from_additional_config({"kv_trace": {}}).enabled is False
+
+
+def test_full_config():
+    config = TraceConfig.from_additional_config(
+        {
+            "kv_trace": {
+                "enabled": True,
+                "action": "raise",
+                "sink": "kafka://10.0.0.1:9093,10.0.0.2:9093/prod.kv",
+                "kafka": {"security.protocol": "SASL_SSL"},
+                "buffer_events": 64,
+                "snapshot_interval": 0,
+                "full_rows": True,
+                "transfer_digests": 0.25,
+            }
+        }
+    )
+    assert config.enabled and config.action == "raise" and config.full_rows
+    assert (config.sink.kind, config.sink.bootstrap, config.sink.topic) == (
+        "kafka",
+        "10.0.0.1:9093,10.0.0.2:9093",
+        "prod.kv",
+    )
+    assert config.kafka == {"security.protocol": "SASL_SSL"}
+    assert (config.buffer_events, config.snapshot_interval, config.transfer_digests) == (64, 0, 0.25)
+
+
+def test_sinks():
+    assert parse_sink("file:///var/lib/kv").path == Path("/var/lib/kv")
+    assert parse_sink("kafka://broker:9092").topic == DEFAULT_TOPIC
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"enabled": "yes"}, "enabled"),
+        ({"action": "panic"}, "action"),
+        ({"sink": "file://relative/dir"}, "sink"),
+        ({"sink": "file:relative"}, "sink"),
+        ({"sink": "s3://bucket"}, "sink"),
+        ({"sink": "kafka:///topic-only"}, "sink"),
+        ({"sink": 5}, "sink"),
+        ({"kafka": "security.protocol=SSL"}, "kafka"),
+        ({"buffer_events": 0}, "buffer_events"),
+        ({"buffer_events": True}, "buffer_events"),
+        ({"snapshot_interval": -1}, "snapshot_interval"),
+        ({"transfer_digests": 1.5}, "transfer_digests"),
+        ({"transfer_digest": 0.5}, "transfer_digest"),
+    ],
+)
+def test_bad_settings_name_their_key(raw, key):
+    with pytest.raises(TraceConfigError, match=rf"^kv_trace\.{key}: "):
+        TraceConfig.from_additional_config({"kv_trace": {"enabled": True, **raw}})
+
+
+def test_kv_trace_must_be_an_object():
+    with pytest.raises(TraceConfigError, match=r"^kv_trace: expected an object"):
+        TraceConfig.from_additional_config({"kv_trace": True})
+
+
+# -- capture and loss accounting ------------------------------------------------------------------------
+class ListSink:
+    lost = 0
+
+    def __init__(self, gate: threading.Event | None = None, fail: bool = False):
+        self.events: list[dict] = []
+        self.gate, self.fail = gate, fail
+
+    def write(self, events):
+        if self.gate is not None:
+            self.gate.wait()
+        if self.fail:
+            raise OSError("disk full")
+        self.events += events
+
+    def close(self, timeout):
+        pass
+
+
+def bodies(n: int):
+    return [
+        e["body"]
+        for e in simulate(SimConfig(seed=3, steps=n, snapshot_interval=0, health_interval=0)).events
+        if e["tp_rank"] == 0
+    ][:n]
+
+
+def test_events_are_stamped_in_capture_order():
+    sink = ListSink()
+    recorder = RankRecorder(RANK, sink)
+    for body in bodies(30):
+        recorder.capture(body)
+    recorder.close(step=29)
+    assert [e["seq"] for e in sink.events] == list(range(31))  # 30 events and the closing Health
+    assert {(e["engine_id"], e["dp_rank"], e["tp_rank"], e["pp_rank"], e["incarnation"]) for e in sink.events} == {
+        ("eng-1", 0, 1, 0, 42)
+    }
+    name, health = sink.events[-1]["body"]
+    assert name == "kvledger.Health" and health["events_captured"] == 30 and health["events_dropped"] == 0
+    assert recorder.dropped == 0
+
+
+def test_full_buffer_drops_and_counts_without_blocking():
+    gate = threading.Event()  # the sink hangs until the test opens the gate
+    sink = ListSink(gate)
+    recorder = RankRecorder(RANK, sink, capacity=8, drain_interval=0.001)
+    events = bodies(100)
+    for body in events:  # would hang here (and time out) if capture ever waited for the sink
+        recorder.capture(body)
+    gate.set()
+    recorder.close(step=99)
+    assert recorder.captured == 101
+    assert recorder.dropped_full == recorder.captured - len(sink.events) > 0
+    # The ledger sees exactly that loss: gaps in the sequence, and the count in the last Health.
+    ledger = Ledger()
+    violations = [v for e in sink.events for v in ledger.apply(e)]
+    assert {v.kind for v in violations} <= {"sequence_gap"} and violations
+    assert sink.events[-1]["body"][1]["events_dropped"] == recorder.dropped_full
+    assert ledger.producer_dropped == recorder.dropped_full
+
+
+def test_a_failing_sink_is_counted_not_raised():
+    recorder = RankRecorder(RANK, ListSink(fail=True))
+    for body in bodies(10):
+        recorder.capture(body)
+    recorder.close(step=9)
+    assert recorder.sink_failed == recorder.dropped == 11
+
+
+def test_file_sink_end_to_end(tmp_path):
+    sim = simulate(SimConfig(seed=5, steps=120, tp_size=2, snapshot_interval=30))
+    recorders = {tp: RankRecorder(RankIdentity("sim-engine", 0, tp, 0, 1), FileSink(tmp_path)) for tp in (0, 1)}
+    for event in sim.events:
+        recorders[event["tp_rank"]].capture(event["body"])
+    for recorder in recorders.values():
+        recorder.close(step=119)
+    result = replay(tmp_path)
+    assert result.violations == []
+    assert result.ledger.events == len(sim.events) + 2
+    assert result.ledger.coverage.checks["write"] > 0 and not result.unchecked
