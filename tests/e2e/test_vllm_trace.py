@@ -1,0 +1,103 @@
+"""Real vLLM engines traced by the kv_trace plugin, then checked by `kvledger check`'s replay.
+
+Clean runs under preemption pressure, prefix-cache hits, chunked prefill and
+mixed lengths must be silent with checks really run; faults injected below
+the runner (the test plugin in plugins/) must be caught with the right kind,
+request and step.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvledger.schemas.files import discover, read_segment
+from kvledger.stream_app.replay import replay
+
+pytestmark = pytest.mark.e2e
+
+PREFIX = list(range(3, 3 + 70))  # shared by several prompts: prefix-cache hits
+PROMPTS = [
+    [*PREFIX, 100, 101, 102],
+    [*PREFIX, 200, 201],
+    list(range(300, 300 + 180)),  # longer than the token budget: chunked prefill
+    [7, 8, 9],
+    PREFIX + [250] * 40,
+    list(range(50, 50 + 90)),
+]
+PRESSURE = {
+    "prompts": PROMPTS,
+    "max_tokens": 40,
+    "num_blocks": 14,
+    "max_model_len": 384,
+    "max_num_batched_tokens": 128,
+    "max_num_seqs": 6,
+}
+
+
+def traced(tmp_path, **spec):
+    return {
+        **PRESSURE,
+        **spec,
+        "kv_trace": {"enabled": True, "sink": f"file://{tmp_path}/ledger", "snapshot_interval": 16},
+    }
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory, engine):
+    root = tmp_path_factory.mktemp("clean")
+    return engine(traced(root)), replay(root / "ledger"), root / "ledger"
+
+
+def step_inputs(ledger_root):
+    for stream in discover(ledger_root):
+        for path in stream.segments:
+            for event in read_segment(path, []):
+                name, body = event["body"]
+                if name == "kvledger.Step" and body["input"] is not None:
+                    yield body["input"]
+
+
+def test_clean_run_is_silent_and_checked(clean_run):
+    _, result, _ = clean_run
+    assert result.violations == []
+    checks = result.ledger.coverage.checks
+    assert checks["write"] > 50 and checks["read"] > 50 and checks["position"] > 50
+    assert checks["resync"] == 0 and not result.unchecked, result.unchecked
+    assert len(result.streams) == 1 and result.ledger.steps > 20
+
+
+def test_clean_run_really_preempted_hit_the_prefix_cache_and_chunked(clean_run):
+    _, _, ledger_root = clean_run
+    inputs = list(step_inputs(ledger_root))
+    new = [r for inp in inputs for r in inp["new_reqs"]]
+    assert any(inp["preempted_req_ids"] for inp in inputs), "no preemption"
+    assert any(len(inp["resumed_req_indices"]) for inp in inputs), "no resume"
+    assert any(r["num_computed_tokens"] > 0 for r in new), "no prefix-cache hit"
+    assert any(r["num_scheduled_tokens"] < r["num_prompt_tokens"] - r["num_computed_tokens"] for r in new), (
+        "no chunked prefill"
+    )
+
+
+def test_outputs_identical_with_tracing_on_and_off(clean_run, engine):
+    run, _, _ = clean_run
+    assert engine(PRESSURE).outputs == run.outputs
+
+
+@pytest.mark.parametrize(
+    ("fault", "kind"),
+    [
+        ("slot_shift", "write_target_mismatch"),
+        ("block_swap", "read_target_mismatch"),
+        ("foreign_write", "foreign_block_write"),
+    ],
+)
+def test_injected_fault_is_caught_in_place(tmp_path, engine, fault, kind):
+    run = engine(traced(tmp_path, max_tokens=12, num_blocks=64), fault=fault, fault_step=6)
+    [injected] = run.faults
+    result = replay(tmp_path / "ledger")
+    hits = [v for v in result.violations if v.kind == kind]
+    assert hits, result.violations
+    assert any(v.step == int(injected["step"]) and v.req_id == injected["req"] and v.group == 0 for v in hits), (
+        injected,
+        hits,
+    )
