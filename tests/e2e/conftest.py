@@ -50,12 +50,16 @@ class EngineRun:
     faults: list[dict]  # what the test fault plugin injected
 
 
-def run_engine(spec: dict, *, fault: str | None = None, fault_step: int = 3, timeout: float = 600) -> EngineRun:
+def run_engine(
+    spec: dict, *, fault: str | None = None, fault_step: int = 3, fault_tp_rank: int | None = None, timeout: float = 600
+) -> EngineRun:
     env = {**os.environ, "PYTHONPATH": str(TEST_PLUGINS), "VLLM_CPU_KVCACHE_SPACE": "1"}
     if spec.get("tp", 1) > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     if fault:
         env.update(KVLEDGER_TEST_FAULT=fault, KVLEDGER_TEST_FAULT_STEP=str(fault_step))
+        if fault_tp_rank is not None:
+            env["KVLEDGER_TEST_FAULT_TP_RANK"] = str(fault_tp_rank)
     proc = subprocess.run(
         [vllm_python(), str(ENGINE_SCRIPT), json.dumps(spec)],
         env=env,

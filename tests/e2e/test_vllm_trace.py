@@ -101,3 +101,20 @@ def test_injected_fault_is_caught_in_place(tmp_path, engine, fault, kind):
         injected,
         hits,
     )
+
+
+def test_two_tensor_parallel_ranks(tmp_path, engine):
+    """TP=2: both ranks recorded and agreeing on a clean run; a fault on one rank only is a divergence."""
+    clean = tmp_path / "clean"
+    engine(traced(clean, tp=2, max_tokens=12, num_blocks=64))
+    result = replay(clean / "ledger")
+    assert result.violations == [] and len(result.streams) == 2
+    assert result.ledger.coverage.checks["rank_compare"] == result.ledger.steps // 2 > 10
+
+    faulty = tmp_path / "faulty"
+    run = engine(traced(faulty, tp=2, max_tokens=12, num_blocks=64), fault="slot_shift", fault_step=6, fault_tp_rank=1)
+    [injected] = run.faults
+    result = replay(faulty / "ledger")
+    divergent = [v for v in result.violations if v.kind == "rank_divergence"]
+    assert [(v.tp_rank, v.step) for v in divergent] == [(1, int(injected["step"]))]
+    assert {(v.kind, v.tp_rank) for v in result.violations} == {("rank_divergence", 1), ("write_target_mismatch", 1)}

@@ -1,6 +1,7 @@
 """Test-only vLLM plugin: injects one KV addressing fault where vLLM computes the plan.
 
     KVLEDGER_TEST_FAULT=slot_shift|block_swap|foreign_write   KVLEDGER_TEST_FAULT_STEP=N
+    KVLEDGER_TEST_FAULT_TP_RANK=R   (optional: only on that tensor-parallel rank)
 
 It corrupts, at the runner's N-th step, what the real runner hands attention
 (the slot mapping tensors, or the block table rows), so the trace probes see
@@ -37,9 +38,17 @@ def register():
 
     def faulty_get_slot_mappings(self, *args, **kwargs):
         by_gid, by_layer = get_slot_mappings(self, *args, **kwargs)
-        if state["step"] == at_step and by_gid:
+        if state["step"] == at_step and by_gid and on_this_rank():
             inject(self, fault, by_gid)
         return by_gid, by_layer
+
+    def on_this_rank():
+        only = os.environ.get("KVLEDGER_TEST_FAULT_TP_RANK")
+        if only is None:
+            return True
+        from vllm.distributed import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_rank() == int(only)
 
     def inject(runner, kind, by_gid):
         batch = runner.input_batch
