@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-LOCAL_KAFKA = Path(__file__).resolve().parents[2] / "infra" / "local-kafka"
+LOCAL_KAFKA = Path(__file__).resolve().parents[1] / "infra" / "local-kafka"
 # A cold first `up` downloads ~45 MB of jars through Maven.
 UP_TIMEOUT = 900
 
