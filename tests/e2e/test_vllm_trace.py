@@ -8,6 +8,9 @@ request and step.
 
 from __future__ import annotations
 
+import re
+import socket
+
 import pytest
 from confluent_kafka import Consumer
 
@@ -146,3 +149,19 @@ def test_trace_to_kafka(kafka_bootstrap, tmp_path, engine):
     assert events[-1]["body"][0] == "kvledger.Health" and events[-1]["body"][1]["events_dropped"] == 0
     assert [v for e in events for v in ledger.apply(e)] + ledger.finish() == []
     assert ledger.coverage.checks["write"] > 10
+
+
+def test_broker_down_leaves_the_engine_alone(tmp_path, engine):
+    """Kafka unreachable: the engine serves the same tokens, and the rank counts every event it lost."""
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = {**PRESSURE, "max_tokens": 12, "num_blocks": 64}
+    traced_down = {
+        **spec,
+        "kv_trace": {"enabled": True, "sink": f"kafka://127.0.0.1:{port}", "kafka": {"message.timeout.ms": 1000}},
+    }
+    run = engine(traced_down)
+    assert run.outputs == engine(spec).outputs
+    [(lost, captured)] = re.findall(r"kv_trace: .* lost (\d+) of (\d+) captured event", run.stderr)
+    assert lost == captured and int(captured) > 10
