@@ -34,7 +34,15 @@ class Sink(Protocol):
 
 
 class RankRecorder:
-    def __init__(self, identity: RankIdentity, sink: Sink, *, capacity: int = 4096, drain_interval: float = 0.05):
+    def __init__(
+        self,
+        identity: RankIdentity,
+        sink: Sink,
+        *,
+        capacity: int = 4096,
+        drain_interval: float = 0.05,
+        observer: Callable[[dict], None] | None = None,
+    ):
         self.identity = identity
         self.sink = sink
         self.capacity = capacity
@@ -48,6 +56,7 @@ class RankRecorder:
         self._wake = threading.Event()
         self._stop = False
         self._drain_interval = drain_interval
+        self._observer = observer  # sees every event on the drain thread (in-process checks)
         self._thread = threading.Thread(target=self._drain, name=f"kvledger-drain-tp{identity.tp_rank}", daemon=True)
         self._thread.start()
 
@@ -57,8 +66,8 @@ class RankRecorder:
         return self.dropped_full + self.sink_failed + self.sink.lost
 
     # -- hot path ------------------------------------------------------------------------
-    def capture(self, body: tuple[str, dict] | Callable[[], tuple[str, dict]]) -> None:
-        """Stamp and buffer one event; never blocks, never raises.
+    def capture(self, body: tuple[str, dict] | Callable[[], tuple[str, dict]]) -> int:
+        """Stamp and buffer one event; never blocks, never raises. Returns its sequence number.
 
         `body` may be a function that builds it: it runs on the drain thread.
         """
@@ -68,10 +77,11 @@ class RankRecorder:
         buffered = len(self._buffer)
         if buffered >= self.capacity:
             self.dropped_full += 1
-            return
+            return seq
         self._buffer.append((seq, time.time_ns() // 1000, body))
         if buffered >= self.high_water:
             self.high_water = buffered + 1
+        return seq
 
     def health(self, step: int) -> tuple[str, dict]:
         return records.health(step, self.captured, self.dropped, self.probe_ns, self.capacity, self.high_water)
@@ -97,7 +107,14 @@ class RankRecorder:
                     log.exception("kv_trace: could not build an event")
                     self.sink_failed += 1
                     continue
-            batch.append(records.envelope(self.identity, seq, at_us, *body))
+            event = records.envelope(self.identity, seq, at_us, *body)
+            batch.append(event)
+            if self._observer is not None:
+                try:
+                    self._observer(event)
+                except Exception:
+                    log.exception("kv_trace: in-process check failed")
+                    self._observer = None
         if not batch:
             return
         try:

@@ -114,6 +114,39 @@ def step_input(so: Any, index: RequestIndex) -> dict:
     )
 
 
+class KVTraceViolation(RuntimeError):
+    """`action: raise`: this step's KV addressing disagrees with the ledger."""
+
+    def __init__(self, violations: list):
+        self.violations = violations
+        lines = [f"{v.kind} at step {v.step}, req {v.req_id}, group {v.group}: {v.detail}" for v in violations[:5]]
+        super().__init__(
+            "kv_trace: " + "; ".join(lines) + (f" (+{len(violations) - 5} more)" if len(violations) > 5 else "")
+        )
+
+
+class _ViolationLogger:
+    """`action: log`: replays the rank's own events on the drain thread and logs what it finds."""
+
+    def __init__(self, ledger):
+        self.ledger = ledger
+
+    def __call__(self, event: dict) -> None:
+        for v in self.ledger.apply(event):
+            log.warning(
+                "kv_trace: %s at step %s, req %s, group %s on %s dp%d/tp%d/pp%d: %s",
+                v.kind,
+                v.step,
+                v.req_id,
+                v.group,
+                v.engine_id,
+                v.dp_rank,
+                v.tp_rank,
+                v.pp_rank,
+                v.detail,
+            )
+
+
 class V1RunnerProbe:
     """Records one runner's steps into a per-rank recorder."""
 
@@ -127,6 +160,8 @@ class V1RunnerProbe:
         self._plan: Any = None
         self._dummy_kind: str | None = None
         self._broken = False
+        self._checker = None  # the ledger core, in raise mode
+        self._violations: list = []
 
     # -- attach ----------------------------------------------------------------------------
     def attach(self) -> None:
@@ -137,9 +172,13 @@ class V1RunnerProbe:
         def traced_execute_model(scheduler_output, *args, **kwargs):
             self._guard(self._before_step, scheduler_output)
             try:
-                return execute_model(scheduler_output, *args, **kwargs)
+                result = execute_model(scheduler_output, *args, **kwargs)
             finally:
                 self._guard(self._after_step)
+            if self._violations:
+                found, self._violations = self._violations, []
+                raise KVTraceViolation(found)
+            return result
 
         def traced_build_metadata(*args, **kwargs):
             result = build_metadata(*args, **kwargs)
@@ -157,10 +196,22 @@ class V1RunnerProbe:
         runner.execute_model = traced_execute_model
         runner._build_attention_metadata = traced_build_metadata
         runner._dummy_run = traced_dummy_run
+        # Both actions run the ledger core in this process: `log` on the drain thread,
+        # off the hot path; `raise` on the engine thread, so a step can fail.
+        from kvledger.stream_app.core import Ledger
+
+        observer = None
+        if self.config.action == "raise":
+            self._checker = Ledger()
+        else:
+            observer = _ViolationLogger(Ledger())
         self.recorder = RankRecorder(
-            self._identity(), open_sink(self.config.sink, self.config.kafka), capacity=self.config.buffer_events
+            self._identity(),
+            open_sink(self.config.sink, self.config.kafka),
+            capacity=self.config.buffer_events,
+            observer=observer,
         )
-        self.recorder.capture(self._rank_info())
+        self._record(self._rank_info())
 
     def close(self, timeout: float = 5.0) -> None:
         if self.recorder is not None:
@@ -237,9 +288,9 @@ class V1RunnerProbe:
         self._emit(body, plan)
         interval = self.config.snapshot_interval
         if interval and self.step % interval == interval - 1:
-            self.recorder.capture(self._rank_info())
-            self.recorder.capture(self._snapshot())
-            self.recorder.capture(self.recorder.health(self.step))
+            self._record(self._rank_info())
+            self._record(self._snapshot())
+            self._record(self.recorder.health(self.step))
 
     def _before_dummy(self, kind: str) -> None:
         self.step += 1
@@ -253,11 +304,22 @@ class V1RunnerProbe:
 
     def _emit(self, body: tuple[str, dict], plan) -> None:
         if plan is None:
-            self.recorder.capture(body)
+            self._record(body)
             return
         name, step = body
         # Pack on the drain thread: the engine only paid for the copies.
-        self.recorder.capture(lambda: (name, {**step, "plan": _plan_record(plan, self.config.full_rows)}))
+        self._record(lambda: (name, {**step, "plan": _plan_record(plan, self.config.full_rows)}))
+
+    def _record(self, body) -> None:
+        if self._checker is None:
+            self.recorder.capture(body)
+            return
+        # raise: check on the engine thread, before the step's output is returned.
+        body = body() if callable(body) else body
+        seq = self.recorder.capture(body)
+        found = self._checker.apply(records.envelope(self.recorder.identity, seq, 0, *body))
+        if found:
+            self._violations += found
 
     def _capture_plan(self, kwargs: dict) -> None:
         """Copy what attention reads and writes this step (the buffers are reused next step)."""

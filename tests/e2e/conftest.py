@@ -46,12 +46,18 @@ def vllm_python() -> str:
 @dataclass
 class EngineRun:
     outputs: list[list[int]]
-    stderr: str
+    log: str  # stdout and stderr (vLLM logs to stdout, our probes and plugins to stderr)
     faults: list[dict]  # what the test fault plugin injected
 
 
 def run_engine(
-    spec: dict, *, fault: str | None = None, fault_step: int = 3, fault_tp_rank: int | None = None, timeout: float = 600
+    spec: dict,
+    *,
+    fault: str | None = None,
+    fault_step: int = 3,
+    fault_tp_rank: int | None = None,
+    timeout: float = 600,
+    expect_failure: bool = False,
 ) -> EngineRun:
     env = {**os.environ, "PYTHONPATH": str(TEST_PLUGINS), "VLLM_CPU_KVCACHE_SPACE": "1"}
     if spec.get("tp", 1) > 1:
@@ -69,10 +75,17 @@ def run_engine(
         cwd=ROOT,
     )
     found = re.search(r"^OUTPUTS (.*)$", proc.stdout, re.M)
+    log = proc.stdout + proc.stderr
+    if expect_failure:
+        assert proc.returncode != 0 and not found, "the engine was expected to fail"
+        return EngineRun([], log, _faults(proc.stderr))
     if proc.returncode != 0 or not found:
-        pytest.fail(f"engine failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", pytrace=False)
-    faults = [dict(kv.split("=", 1) for kv in m.split()) for m in re.findall(r"^FAULT (.*)$", proc.stderr, re.M)]
-    return EngineRun(json.loads(found[1]), proc.stderr, faults)
+        pytest.fail(f"engine failed (exit {proc.returncode}):\n{log[-3000:]}", pytrace=False)
+    return EngineRun(json.loads(found[1]), log, _faults(proc.stderr))
+
+
+def _faults(stderr: str) -> list[dict]:
+    return [dict(kv.split("=", 1) for kv in m.split()) for m in re.findall(r"^FAULT (.*)$", stderr, re.M)]
 
 
 @pytest.fixture(scope="session")

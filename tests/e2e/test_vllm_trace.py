@@ -40,18 +40,16 @@ PRESSURE = {
 }
 
 
-def traced(tmp_path, **spec):
-    return {
-        **PRESSURE,
-        **spec,
-        "kv_trace": {"enabled": True, "sink": f"file://{tmp_path}/ledger", "snapshot_interval": 16},
-    }
+def traced(tmp_path, action="log", **spec):
+    kv_trace = {"enabled": True, "sink": f"file://{tmp_path}/ledger", "snapshot_interval": 16, "action": action}
+    return {**PRESSURE, **spec, "kv_trace": kv_trace}
 
 
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory, engine):
     root = tmp_path_factory.mktemp("clean")
-    return engine(traced(root)), replay(root / "ledger"), root / "ledger"
+    # In raise mode: a false alarm in the engine itself would fail this run.
+    return engine(traced(root, action="raise")), replay(root / "ledger"), root / "ledger"
 
 
 def step_inputs(ledger_root):
@@ -103,6 +101,8 @@ def test_injected_fault_is_caught_in_place(tmp_path, engine, fault, kind):
     result = replay(tmp_path / "ledger")
     hits = [v for v in result.violations if v.kind == kind]
     assert hits, result.violations
+    # action "log": the rank's own ledger said it in the engine log too.
+    assert f"kv_trace: {kind} at step {injected['step']}, req {injected['req']}" in run.log
     assert any(v.step == int(injected["step"]) and v.req_id == injected["req"] and v.group == 0 for v in hits), (
         injected,
         hits,
@@ -163,5 +163,17 @@ def test_broker_down_leaves_the_engine_alone(tmp_path, engine):
     }
     run = engine(traced_down)
     assert run.outputs == engine(spec).outputs
-    [(lost, captured)] = re.findall(r"kv_trace: .* lost (\d+) of (\d+) captured event", run.stderr)
+    [(lost, captured)] = re.findall(r"kv_trace: .* lost (\d+) of (\d+) captured event", run.log)
     assert lost == captured and int(captured) > 10
+
+
+def test_raise_mode_fails_the_step_naming_the_violation(tmp_path, engine):
+    run = engine(
+        traced(tmp_path, action="raise", max_tokens=12, num_blocks=64),
+        fault="slot_shift",
+        fault_step=6,
+        expect_failure=True,
+    )
+    [injected] = run.faults
+    assert "KVTraceViolation" in run.log
+    assert f"kv_trace: write_target_mismatch at step {injected['step']}, req {injected['req']}, group 0" in run.log
