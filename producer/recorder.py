@@ -88,13 +88,11 @@ class RankRecorder:
 
     # -- drain thread -----------------------------------------------------------------------
     def _drain(self) -> None:
-        while True:
+        while not self._stop:
             self._wake.wait(self._drain_interval)
             self._wake.clear()
             self._flush_buffer()
-            if self._stop:
-                self._flush_buffer()
-                return
+        self._flush_buffer()  # what arrived with the stop
 
     def _flush_buffer(self) -> None:
         batch = []

@@ -65,7 +65,7 @@ def kv_group_kind(spec: Any) -> tuple[str, int | None]:
         return "SLIDING_WINDOW", window
     if "MLAAttentionSpec" in names:
         return "MLA", None
-    if "FullAttentionSpec" in names or "AttentionSpec" in names:
+    if "AttentionSpec" in names:  # FullAttentionSpec and friends
         return "FULL_ATTENTION", None
     return "OTHER", None
 
@@ -114,12 +114,17 @@ def step_input(so: Any, index: RequestIndex) -> dict:
     )
 
 
+def describe(v) -> str:
+    """Where a violation is, as both actions report it."""
+    return f"{v.kind} at step {v.step}, req {v.req_id}, group {v.group}"
+
+
 class KVTraceViolation(RuntimeError):
     """`action: raise`: this step's KV addressing disagrees with the ledger."""
 
     def __init__(self, violations: list):
         self.violations = violations
-        lines = [f"{v.kind} at step {v.step}, req {v.req_id}, group {v.group}: {v.detail}" for v in violations[:5]]
+        lines = [f"{describe(v)}: {v.detail}" for v in violations[:5]]
         super().__init__(
             "kv_trace: " + "; ".join(lines) + (f" (+{len(violations) - 5} more)" if len(violations) > 5 else "")
         )
@@ -134,11 +139,8 @@ class _ViolationLogger:
     def __call__(self, event: dict) -> None:
         for v in self.ledger.apply(event):
             log.warning(
-                "kv_trace: %s at step %s, req %s, group %s on %s dp%d/tp%d/pp%d: %s",
-                v.kind,
-                v.step,
-                v.req_id,
-                v.group,
+                "kv_trace: %s on %s dp%d/tp%d/pp%d: %s",
+                describe(v),
                 v.engine_id,
                 v.dp_rank,
                 v.tp_rank,
@@ -331,7 +333,7 @@ class V1RunnerProbe:
         batch = runner.input_batch
         qsl = runner.query_start_loc.cpu[: num_reqs + 1].numpy().copy()
         positions = runner.positions[:num_tokens].cpu().numpy()
-        first = positions[qsl[:-1]] if num_reqs else np.empty(0, np.int64)
+        first = positions[qsl[:-1]]  # fancy indexing copies
         groups = []
         for gid in sorted(slot_mappings):
             table = batch.block_table[gid]
@@ -343,7 +345,7 @@ class V1RunnerProbe:
                     np.asarray(table.num_blocks_per_row[:num_reqs]).copy(),
                 )
             )
-        self._plan = ([self.index(r) for r in batch.req_ids[:num_reqs]], np.diff(qsl), first.copy(), num_tokens, groups)
+        self._plan = ([self.index(r) for r in batch.req_ids[:num_reqs]], np.diff(qsl), first, num_tokens, groups)
 
     def _snapshot(self) -> tuple[str, dict]:
         requests = []

@@ -111,12 +111,3 @@ class ConfluentCodec:
             raise UnknownSchemaError(f"unknown schema id {schema_id}")
         reader = self.reader if self.reader is not None and writer is not self.reader else None
         return _read_body(data, 5, writer, reader)
-
-
-def register_with_registry(url: str, subject: str, schema_json: str) -> int:
-    """Register a schema with a Confluent-compatible Schema Registry; returns its id."""
-    from confluent_kafka.schema_registry import Schema as RegistrySchema
-    from confluent_kafka.schema_registry import SchemaRegistryClient
-
-    client = SchemaRegistryClient({"url": url})
-    return client.register_schema(subject, RegistrySchema(schema_json, "AVRO"))

@@ -216,9 +216,7 @@ def plan_run(state: RankState, steps: list[dict]) -> tuple[Callable[[], None], C
     run.steps = len(steps)
     if num_rows * run.steps > _MAX_CELLS:
         return None
-    return _check_and_commit(
-        state, run, checks, final_row_of, index_of, req_id_of, free, num_rows, run.rel_row.tolist()
-    )
+    return _check_and_commit(state, run, checks, final_row_of, index_of, req_id_of, free, num_rows)
 
 
 _INPUT_COLUMNS = (
@@ -244,7 +242,7 @@ def _latest_per_cell(rows: np.ndarray, steps: np.ndarray, shape: tuple[int, int]
     return np.maximum.accumulate(last, axis=1, out=last)
 
 
-def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num_rows, released_rows):
+def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num_rows):
     shape = (num_rows, run.steps)
     # -- positions: plan vs the latest input of each row ------------------------------------------
     p_rows, p_b = run.p_rows, run.p_b
@@ -281,7 +279,7 @@ def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num
         state.computed[touched] = comp_m[touched, last_in[touched, -1]]
         state.scheduled[touched] = sched_m[touched, last_in[touched, -1]]
         state.row_of, state.index_of, state.req_id_of = row_of, index_of, req_id_of
-        state.free_rows = free + released_rows
+        state.free_rows = free + run.rel_row.tolist()  # rows of finished requests: free after the run
         state.num_rows = num_rows
 
     return commit, checks

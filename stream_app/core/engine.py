@@ -122,7 +122,7 @@ class Ledger:
     # -- entry points -------------------------------------------------------------------
     def apply(self, event: dict) -> list[Violation]:
         out: list[Violation] = []
-        key = RankKey(event["engine_id"], event["dp_rank"], event["tp_rank"], event["pp_rank"])
+        key = self._key(event)
         self.events += 1
         slot = self._sequence(key, event, out)
         if slot is None:
@@ -231,8 +231,9 @@ class Ledger:
     def stream_lost(self, engine_id: str, dp: int, tp: int, pp: int) -> None:
         """The rest of a rank's stream is unreadable (e.g. a truncated file): its steps from
         here on are unchecked, and its absence from them is not the rank's fault."""
-        slot = self.ranks.get(RankKey(engine_id, dp, tp, pp))
-        self._lost_steps(RankKey(engine_id, dp, tp, pp), slot.last_step if slot else -1, float("inf"))
+        key = RankKey(engine_id, dp, tp, pp)
+        slot = self.ranks.get(key)
+        self._lost_steps(key, slot.last_step if slot else -1, float("inf"))
 
     def _lost_steps(self, key: RankKey, after: int, before: float) -> None:
         group = self.step_groups.get((key.engine_id, key.dp))
@@ -326,7 +327,6 @@ class Ledger:
             self.coverage.unchecked["after_gap" if slot.desynced else "no_rank_info"] += 1
         else:
             state = slot.state
-            state.key = key
             if step["input"] is not None:
                 state.apply_input(n, step["input"], out, self.coverage)
             if step["plan"] is not None:

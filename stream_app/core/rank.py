@@ -90,9 +90,12 @@ class RankState:
         del self.req_id_of[index]
         row = int(self.row_of[index])
         self.row_of[index] = -1
+        self._clear_row(row)
+        self.free_rows.append(row)
+
+    def _clear_row(self, row: int) -> None:
         for g in self.groups:
             g.clear(row)
-        self.free_rows.append(row)
 
     def _violation(self, kind, step, detail, req_id=None, group=None) -> Violation:
         return Violation.at(kind, self.key, step, detail, req_id=req_id, group=group)
@@ -107,9 +110,7 @@ class RankState:
                 self._drop(req_id)
         for req_id in inp["preempted_req_ids"]:
             if req_id in self.index_of:
-                row = int(self.row_of[self.index_of[req_id]])
-                for g in self.groups:
-                    g.clear(row)
+                self._clear_row(int(self.row_of[self.index_of[req_id]]))
 
         indices = unpack_i32(inp["cached_req_indices"])
         rows = self._rows(indices)
@@ -121,8 +122,7 @@ class RankState:
         self.scheduled[rows] = unpack_i32(inp["cached_num_scheduled_tokens"])[known]
         for row in self._rows(unpack_i32(inp["resumed_req_indices"])).tolist():
             if row >= 0:  # resumed: its new block ids replace the row
-                for g in self.groups:
-                    g.clear(row)
+                self._clear_row(row)
         for g in self.groups:  # before grants: the scheduler frees, then allocates
             if g.window is not None and rows.size:
                 g.release_out_of_window(rows, self.computed[rows] + self.scheduled[rows])
