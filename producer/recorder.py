@@ -41,7 +41,7 @@ class RankRecorder:
         *,
         capacity: int = 4096,
         drain_interval: float = 0.05,
-        observer: Callable[[dict], None] | None = None,
+        observer: Callable[[list[dict]], None] | None = None,
     ):
         self.identity = identity
         self.sink = sink
@@ -56,7 +56,7 @@ class RankRecorder:
         self._wake = threading.Event()
         self._stop = False
         self._drain_interval = drain_interval
-        self._observer = observer  # sees every event on the drain thread (in-process checks)
+        self._observer = observer  # sees every batch on the drain thread (in-process checks)
         self._thread = threading.Thread(target=self._drain, name=f"kvledger-drain-tp{identity.tp_rank}", daemon=True)
         self._thread.start()
 
@@ -105,16 +105,15 @@ class RankRecorder:
                     log.exception("kv_trace: could not build an event")
                     self.sink_failed += 1
                     continue
-            event = records.envelope(self.identity, seq, at_us, *body)
-            batch.append(event)
-            if self._observer is not None:
-                try:
-                    self._observer(event)
-                except Exception:
-                    log.exception("kv_trace: in-process check failed")
-                    self._observer = None
+            batch.append(records.envelope(self.identity, seq, at_us, *body))
         if not batch:
             return
+        if self._observer is not None:
+            try:
+                self._observer(batch)
+            except Exception:
+                log.exception("kv_trace: in-process check failed; it stops")
+                self._observer = None
         try:
             self.sink.write(batch)
         except Exception as exc:  # the ledger loses them; the engine must not notice

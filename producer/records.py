@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvledger.schemas import pack_i32, pack_i64, pack_u64
+from kvledger.schemas import pack_digests, pack_i32, pack_i64
 from kvledger.schemas.packing import length_term, mix_blocks, position_weights
-from kvledger.schemas.registry import HEALTH, RANK_INFO, SNAPSHOT, STEP
+from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH, RANK_INFO, SNAPSHOT, STEP
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def group_plan(
         "num_real": int(num_real),
         "num_padding": int(len(slot_mapping) - num_real),
         "row_lens": lens.tobytes(),
-        "row_digests": pack_u64(row_digests(rows)),
+        "row_digests": pack_digests(row_digests(rows)),
         "rows": pack_i32(np.concatenate(rows)) if full_rows and len(rows) else (b"" if full_rows else None),
     }
 
@@ -212,4 +212,32 @@ def health(step: int, captured: int, dropped: int, probe_ns: int, capacity: int,
         "probe_ns": probe_ns,
         "buffer_capacity": capacity,
         "buffer_high_water": high_water,
+    }
+
+
+def connector_event(
+    step: int,
+    connector: str,
+    kind: str,
+    *,
+    req_id: str | None = None,
+    transfer_id: str | None = None,
+    remote_engine_id: str | None = None,
+    block_ids: Sequence[Sequence[int]] = (),
+    num_tokens: int | None = None,
+    digest: bytes | None = None,
+    detail: str | None = None,
+) -> tuple[str, dict]:
+    """A ConnectorEvent record; block_ids per KV cache group."""
+    return CONNECTOR_EVENT, {
+        "step": step,
+        "connector": connector,
+        "kind": kind,
+        "req_id": req_id,
+        "transfer_id": transfer_id,
+        "remote_engine_id": remote_engine_id,
+        "block_ids": [pack_i32(b) for b in block_ids],
+        "num_tokens": num_tokens,
+        "digest": digest,
+        "detail": detail,
     }

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from kvledger.producer.config import TraceConfig
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import open_sink
+from kvledger.producer.staging import Staged, StagingPool
 
 log = logging.getLogger("kvledger.producer")
 RUNNER = "v1"
@@ -47,6 +49,9 @@ class RequestIndex:
             index = self._index[req_id] = self._next
             self._next += 1
         return index
+
+    def get(self, req_id: str) -> int | None:
+        return self._index.get(req_id)
 
     def forget(self, req_id: str) -> None:
         self._index.pop(req_id, None)
@@ -70,27 +75,50 @@ def kv_group_kind(spec: Any) -> tuple[str, int | None]:
     return "OTHER", None
 
 
-def step_input(so: Any, index: RequestIndex) -> dict:
-    """A StepInput record from a vLLM SchedulerOutput."""
+@dataclass
+class KeptBlockIds:
+    """Copies of the block-id lists the runner keeps as request state and extends in place
+    on later steps (new requests', resumed requests'): read later, they would be wrong."""
+
+    new: list[list[list[int]]]
+    resumed: dict[str, list[list[int]]]
+
+    @classmethod
+    def of(cls, so: Any) -> KeptBlockIds:
+        new = [[list(g) for g in r.block_ids] for r in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        resumed_ids = getattr(cached, "resumed_req_ids", None) or ()
+        resumed = {}
+        if resumed_ids:
+            for req_id, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
+                if req_id in resumed_ids and groups is not None:
+                    resumed[req_id] = [list(g) for g in groups]
+        return cls(new, resumed)
+
+
+def step_input(so: Any, index: RequestIndex, kept: KeptBlockIds | None = None) -> dict:
+    """A StepInput record from a vLLM SchedulerOutput (block-id lists from `kept` when given)."""
+    kept = kept or KeptBlockIds([r.block_ids for r in so.scheduled_new_reqs], {})
     num_scheduled = so.num_scheduled_tokens
     new_reqs = [
         records.new_request(
             index(r.req_id),
             r.req_id,
-            r.block_ids,
+            block_ids,
             r.num_computed_tokens,
             len(r.prompt_token_ids or ()),
             num_scheduled.get(r.req_id, 0),
         )
-        for r in so.scheduled_new_reqs
+        for r, block_ids in zip(so.scheduled_new_reqs, kept.new, strict=True)
     ]
     cached = so.scheduled_cached_reqs
     indices = [index(req_id) for req_id in cached.req_ids]
     resumed = {index(r) for r in (getattr(cached, "resumed_req_ids", None) or ())}
+    new_block_ids = [kept.resumed.get(r, g) for r, g in zip(cached.req_ids, cached.new_block_ids, strict=True)]
     # A resumed request's blocks replace its row, so its groups count even when empty.
     appends = [
         (i, group, blocks)
-        for i, groups in zip(indices, cached.new_block_ids, strict=True)
+        for i, groups in zip(indices, new_block_ids, strict=True)
         if groups is not None
         for group, blocks in enumerate(groups)
         if blocks or i in resumed
@@ -136,8 +164,8 @@ class _ViolationLogger:
     def __init__(self, ledger):
         self.ledger = ledger
 
-    def __call__(self, event: dict) -> None:
-        for v in self.ledger.apply(event):
+    def __call__(self, events: list[dict]) -> None:
+        for v in self.ledger.apply_many(events):
             log.warning(
                 "kv_trace: %s on %s dp%d/tp%d/pp%d: %s",
                 describe(v),
@@ -158,8 +186,9 @@ class V1RunnerProbe:
         self.index = RequestIndex()
         self.step = -1
         self.recorder: RankRecorder | None = None
-        self._input: dict | None = None
-        self._plan: Any = None
+        self._input: Any = None  # this step's SchedulerOutput
+        self._plan: PlanCapture | None = None
+        self.staging = StagingPool()
         self._dummy_kind: str | None = None
         self._broken = False
         self._checker = None  # the ledger core, in raise mode
@@ -279,20 +308,33 @@ class V1RunnerProbe:
         )
 
     # -- steps -------------------------------------------------------------------------------------
+    # The engine thread only keeps references and copies; every builder below runs later,
+    # in capture order, on the drain thread (or at once in raise mode), so the request
+    # index is only ever used by one thread at a time and always in step order.
     def _before_step(self, scheduler_output) -> None:
         self.step += 1
         self._plan = None
-        self._input = step_input(scheduler_output, self.index)
+        # vLLM builds a new SchedulerOutput every step; the runner only reads it, except
+        # for block-id lists it adopts as request state: those are copied now.
+        self._input = (scheduler_output, KeptBlockIds.of(scheduler_output))
 
     def _after_step(self) -> None:
-        plan, self._plan = self._plan, None
-        body = records.step(self.step, "REAL", self._input, None)
-        self._emit(body, plan)
+        step, (so, kept), plan = self.step, self._input, self._plan
+        self._input = self._plan = None
+        index, full_rows = self.index, self.config.full_rows
+
+        def build() -> tuple[str, dict]:
+            name, body = records.step(step, "REAL", step_input(so, index, kept), None)
+            if plan is not None:
+                body["plan"] = _plan_record(plan, index, full_rows)
+            return name, body
+
+        self._record(build)
         interval = self.config.snapshot_interval
-        if interval and self.step % interval == interval - 1:
+        if interval and step % interval == interval - 1:
             self._record(self._rank_info())
             self._record(self._snapshot())
-            self._record(self.recorder.health(self.step))
+            self._record(self.recorder.health(step))
 
     def _before_dummy(self, kind: str) -> None:
         self.step += 1
@@ -300,17 +342,17 @@ class V1RunnerProbe:
         self._dummy_kind = kind
 
     def _after_dummy(self) -> None:
-        plan, self._plan = self._plan, None
-        self._emit(records.step(self.step, self._dummy_kind, None, None), plan)
-        self._dummy_kind = None
+        step, kind, plan = self.step, self._dummy_kind, self._plan
+        self._plan = self._dummy_kind = None
+        index, full_rows = self.index, self.config.full_rows
 
-    def _emit(self, body: tuple[str, dict], plan) -> None:
-        if plan is None:
-            self._record(body)
-            return
-        name, step = body
-        # Pack on the drain thread: the engine only paid for the copies.
-        self._record(lambda: (name, {**step, "plan": _plan_record(plan, self.config.full_rows)}))
+        def build() -> tuple[str, dict]:
+            name, body = records.step(step, kind, None, None)
+            if plan is not None:
+                body["plan"] = _plan_record(plan, index, full_rows)
+            return name, body
+
+        self._record(build)
 
     def _record(self, body) -> None:
         if self._checker is None:
@@ -329,37 +371,54 @@ class V1RunnerProbe:
         num_reqs, num_tokens = kwargs.get("num_reqs"), kwargs.get("num_tokens")
         if not slot_mappings or num_reqs is None or num_tokens is None:
             return
-        runner = self.runner
+        runner, stage = self.runner, self.staging.stage
         batch = runner.input_batch
-        qsl = runner.query_start_loc.cpu[: num_reqs + 1].numpy().copy()
-        positions = runner.positions[:num_tokens].cpu().numpy()
-        first = positions[qsl[:-1]]  # fancy indexing copies
         groups = []
         for gid in sorted(slot_mappings):
             table = batch.block_table[gid]
-            groups.append(
-                (
-                    gid,
-                    slot_mappings[gid].cpu().numpy().copy(),
-                    table.block_table.np[:num_reqs].copy(),
-                    np.asarray(table.num_blocks_per_row[:num_reqs]).copy(),
-                )
-            )
-        self._plan = ([self.index(r) for r in batch.req_ids[:num_reqs]], np.diff(qsl), first, num_tokens, groups)
+            lens = table.num_blocks_per_row[:num_reqs].copy()
+            width = int(lens.max()) if num_reqs else 0  # rows are far shorter than the table
+            groups.append((gid, stage(slot_mappings[gid]), table.block_table.np[:num_reqs, :width].copy(), lens))
+        self._plan = PlanCapture(
+            req_ids=batch.req_ids[:num_reqs],
+            query_start_loc=runner.query_start_loc.np[: num_reqs + 1].copy(),
+            positions=stage(runner.positions[:num_tokens]),
+            num_tokens=num_tokens,
+            groups=groups,
+        )
 
     def _snapshot(self) -> tuple[str, dict]:
-        requests = []
-        for req_id, index in list(self.index.items()):
-            state = self.runner.requests.get(req_id)
-            if state is not None:
-                requests.append((index, req_id, state.num_computed_tokens, [np.asarray(b) for b in state.block_ids]))
-        return records.snapshot(self.step, requests)
+        # The runner's request states change next step: copy them now, index them later.
+        states = [
+            (req_id, state.num_computed_tokens, [np.array(b, dtype=np.int32) for b in state.block_ids])
+            for req_id, state in self.runner.requests.items()
+        ]
+        step, index = self.step, self.index
+
+        def build() -> tuple[str, dict]:
+            known = ((index.get(req_id), req_id, computed, blocks) for req_id, computed, blocks in states)
+            return records.snapshot(step, [r for r in known if r[0] is not None])
+
+        return build
 
 
-def _plan_record(plan, full_rows: bool) -> dict:
-    indices, num_tokens, first, num_real, groups = plan
+@dataclass
+class PlanCapture:
+    """What the hot path copied of one step's plan; packed later by `_plan_record`."""
+
+    req_ids: list[str]
+    query_start_loc: np.ndarray
+    positions: Staged
+    num_tokens: int
+    groups: list[tuple[int, Staged, np.ndarray, np.ndarray]]  # group id, slot mapping, table rows, row lengths
+
+
+def _plan_record(plan: PlanCapture, index: RequestIndex, full_rows: bool) -> dict:
+    qsl = plan.query_start_loc
+    first = plan.positions.numpy()[qsl[:-1]]
     group_records = []
-    for gid, slots, table, lens in groups:
+    for gid, slots, table, lens in plan.groups:
+        slots = slots.numpy()
         rows = [table[i, : lens[i]] for i in range(len(lens))]
-        group_records.append(records.group_plan(gid, slots, min(num_real, len(slots)), rows, full_rows))
-    return records.step_plan(indices, num_tokens, first, group_records)
+        group_records.append(records.group_plan(gid, slots, min(plan.num_tokens, len(slots)), rows, full_rows))
+    return records.step_plan([index(r) for r in plan.req_ids], np.diff(qsl), first, group_records)

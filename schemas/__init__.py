@@ -11,10 +11,12 @@ from kvledger.schemas.codec import (
     UnknownSchemaError,
 )
 from kvledger.schemas.packing import (
+    pack_digests,
     pack_i32,
     pack_i64,
     pack_u64,
     row_digest,
+    unpack_digests,
     unpack_i32,
     unpack_i64,
     unpack_u64,
@@ -31,9 +33,11 @@ __all__ = [
     "load_schema",
     "pack_i32",
     "pack_i64",
+    "pack_digests",
     "pack_u64",
     "row_digest",
     "unpack_i32",
     "unpack_i64",
+    "unpack_digests",
     "unpack_u64",
 ]

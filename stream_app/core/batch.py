@@ -21,7 +21,15 @@ from operator import itemgetter
 
 import numpy as np
 
-from kvledger.schemas.packing import length_term, mix_blocks, position_weights, unpack_i32, unpack_i64, unpack_u64
+from kvledger.schemas.packing import (
+    length_term,
+    mix_blocks,
+    position_weights,
+    unpack_digests,
+    unpack_i32,
+    unpack_i64,
+    wire_digests,
+)
 from kvledger.stream_app.core.rank import RankState, expand_slot_runs
 from kvledger.stream_app.core.tables import NULL_BLOCK
 
@@ -205,7 +213,7 @@ def plan_run(state: RankState, steps: list[dict]) -> tuple[Callable[[], None], C
         run.p_real.append(slots[is_real])
         run.padding.append(slots[~is_real])
         run.p_lens.append(_join(gc["row_lens"]))
-        run.p_digests.append(_join(gc["row_digests"], unpack_u64))
+        run.p_digests.append(_join(gc["row_digests"], unpack_digests))
         if run.p_lens[-1].size != indices.size or run.p_digests[-1].size != indices.size:
             return None
 
@@ -327,7 +335,8 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, checks):
     p_rows, p_b = run.p_rows, run.p_b
     with np.errstate(over="ignore"):
         digest_at = g.digests[p_rows] + digest_inc[p_rows, p_b]
-    if (g.lens[p_rows] + appended[p_rows, p_b] != run.p_lens[gid]).any() or (digest_at != run.p_digests[gid]).any():
+    lens_at = g.lens[p_rows] + appended[p_rows, p_b]
+    if (lens_at != run.p_lens[gid]).any() or (wire_digests(digest_at) != run.p_digests[gid]).any():
         return None
 
     # -- exclusivity: holders of each granted block right after its step's grants -------------------

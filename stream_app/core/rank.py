@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvledger.schemas.packing import unpack_i32, unpack_i64, unpack_u64
+from kvledger.schemas.packing import unpack_digests, unpack_i32, unpack_i64, wire_digests
 from kvledger.stream_app.core.tables import NULL_BLOCK, GroupTable
 from kvledger.stream_app.core.violations import (
     BLOCK_OUT_OF_RANGE,
@@ -395,11 +395,11 @@ class RankState:
 
     def _check_reads(self, step, g: GroupTable, gp, indices, rows, known, all_known, out, cov) -> None:
         row_lens = unpack_i32(gp["row_lens"])
-        digests = unpack_u64(gp["row_digests"])
+        digests = unpack_digests(gp["row_digests"])
         if row_lens.size != rows.size or digests.size != rows.size:
             cov.unchecked["malformed_plan"] += 1
             return
-        bad = (row_lens != g.lens[rows]) | (digests != g.digests[rows])
+        bad = (row_lens != g.lens[rows]) | (digests != wire_digests(g.digests[rows]))
         if not all_known:
             bad &= known
         if not bad.any():

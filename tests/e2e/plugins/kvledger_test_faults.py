@@ -2,6 +2,7 @@
 
     KVLEDGER_TEST_FAULT=slot_shift|block_swap|foreign_write   KVLEDGER_TEST_FAULT_STEP=N
     KVLEDGER_TEST_FAULT_TP_RANK=R   (optional: only on that tensor-parallel rank)
+    KVLEDGER_TEST_FAULT_PP_RANK=R   (optional: only on that pipeline stage)
 
 It corrupts, at the runner's N-th step, what the real runner hands attention
 (the slot mapping tensors, or the block table rows), so the trace probes see
@@ -43,12 +44,12 @@ def register():
         return by_gid, by_layer
 
     def on_this_rank():
-        only = os.environ.get("KVLEDGER_TEST_FAULT_TP_RANK")
-        if only is None:
-            return True
         from vllm.distributed import parallel_state
 
-        return parallel_state.get_tensor_model_parallel_rank() == int(only)
+        tp, pp = os.environ.get("KVLEDGER_TEST_FAULT_TP_RANK"), os.environ.get("KVLEDGER_TEST_FAULT_PP_RANK")
+        if tp is not None and parallel_state.get_tensor_model_parallel_rank() != int(tp):
+            return False
+        return pp is None or parallel_state.get_pp_group().rank_in_group == int(pp)
 
     def inject(runner, kind, by_gid):
         batch = runner.input_batch
