@@ -1,55 +1,80 @@
 """The `vllm.general_plugins` entry point.
 
 vLLM calls `register()` in every process it starts. The one thing it does
-is wrap `GPUModelRunner.initialize_kv_cache`: once a runner has its KV cache
-(and so its layout), the wrapper reads the engine's `kv_trace` option and,
-only when it is enabled, attaches probes to that runner instance
-(`kvledger.producer.vllm_v1`). Engines without the option run untouched
-runner code. An invalid option fails the engine start with the key's name.
+is wrap `WorkerWrapperBase.initialize_from_config`, which every worker of
+every executor goes through once its KV cache layout is known (and its KV
+connector exists). The wrapper reads the engine's `kv_trace` option and,
+only when it is enabled, attaches the probes of the worker's model runner:
+the V1 runner (`kvledger.producer.vllm_v1`) or Model Runner V2 and its
+subclasses such as vllm-ascend's NPU runner (`kvledger.producer.vllm_mrv2`).
+Engines without the option run untouched code. An invalid option fails the
+engine start with the key's name.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+from typing import Any
 
 from kvledger.producer.config import TraceConfig
 
 log = logging.getLogger("kvledger.producer")
 _probes: list = []
+V1_MODULE = "vllm.v1.worker.gpu_model_runner"
+MRV2_MODULE = "vllm.v1.worker.gpu.model_runner"
 
 
 def register() -> None:
     try:
-        from vllm.v1.worker import gpu_model_runner
-    except Exception as exc:  # not a vLLM with the V1 runner: report, never break the engine
-        log.warning("kv_trace: V1 model runner unavailable (%s); probes not installed", exc)
+        from vllm.v1.worker.worker_base import WorkerWrapperBase
+    except Exception as exc:  # not a vLLM with V1 workers: report, never break the engine
+        log.warning("kv_trace: vLLM's V1 worker is unavailable (%s); probes not installed", exc)
         return
-    runner_class = gpu_model_runner.GPUModelRunner
-    if getattr(runner_class, "_kvledger_hooked", False):
+    if getattr(WorkerWrapperBase, "_kvledger_hooked", False):
         return
-    initialize_kv_cache = runner_class.initialize_kv_cache
+    initialize_from_config = WorkerWrapperBase.initialize_from_config
 
-    def initialize_kv_cache_then_trace(self, *args, **kwargs):
-        result = initialize_kv_cache(self, *args, **kwargs)
+    def initialize_from_config_then_trace(self, *args, **kwargs):
+        result = initialize_from_config(self, *args, **kwargs)
         config = TraceConfig.from_additional_config(self.vllm_config.additional_config)
         if config.enabled:
-            attach(self, config)
+            runner = getattr(getattr(self, "worker", None), "model_runner", None)
+            if runner is None:
+                log.warning("kv_trace: this worker has no model runner; nothing recorded")
+            else:
+                attach(runner, config)
         return result
 
-    runner_class.initialize_kv_cache = initialize_kv_cache_then_trace
-    runner_class._kvledger_hooked = True
+    WorkerWrapperBase.initialize_from_config = initialize_from_config_then_trace
+    WorkerWrapperBase._kvledger_hooked = True
+
+
+def probe_class(runner: Any) -> type | None:
+    """The adapter for a model runner, by the vLLM class it derives from."""
+    modules = [c.__module__ for c in type(runner).__mro__]
+    if MRV2_MODULE in modules:
+        from kvledger.producer.vllm_mrv2 import MRV2RunnerProbe
+
+        return MRV2RunnerProbe
+    if V1_MODULE in modules:
+        from kvledger.producer.vllm_v1 import V1RunnerProbe
+
+        return V1RunnerProbe
+    return None
 
 
 def attach(runner, config: TraceConfig):
-    from kvledger.producer.vllm_v1 import V1RunnerProbe
-
-    probe = V1RunnerProbe(runner, config)
+    adapter = probe_class(runner)
+    if adapter is None:
+        log.warning("kv_trace: no probes for model runner %s; nothing recorded", type(runner).__qualname__)
+        return None
+    probe = adapter(runner, config)
     probe.attach()
     if not _probes:
         atexit.register(close_all)
     _probes.append(probe)
-    log.info("kv_trace: recording %s to %s", probe.recorder.identity, config.sink)
+    log.info("kv_trace: recording %s to %s (%s runner)", probe.recorder.identity, config.sink, probe.runner_name)
     return probe
 
 

@@ -17,9 +17,11 @@ the engine: a failure is logged once and the probe stops recording.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +32,10 @@ from kvledger.producer.config import TraceConfig
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import open_sink
-from kvledger.producer.staging import Staged, StagingPool
+from kvledger.producer.staging import Staged, StagingFull, StagingPool
+from kvledger.producer.vllm_connector import attach_connector_probe
 
 log = logging.getLogger("kvledger.producer")
-RUNNER = "v1"
 
 
 class RequestIndex:
@@ -177,8 +179,32 @@ class _ViolationLogger:
             )
 
 
+@dataclass(frozen=True)
+class AttachPoint:
+    """A runner method a probe wraps, and the capability it records."""
+
+    method: str
+    capability: str
+    params: tuple[str, ...] = ()  # parameters the wrapper reads
+
+    def missing(self, runner: Any) -> str | None:
+        """Why this vLLM's runner cannot be probed here, or None."""
+        where = f"{type(runner).__name__}.{self.method}"
+        target = getattr(runner, self.method, None)
+        if not callable(target):
+            return f"{where} not found"
+        try:
+            names = inspect.signature(target).parameters
+        except (TypeError, ValueError):  # a C function or the like: trust it
+            return None
+        absent = [p for p in self.params if p not in names]
+        return f"{where} has no parameter {', '.join(absent)}" if absent else None
+
+
 class V1RunnerProbe:
     """Records one runner's steps into a per-rank recorder."""
+
+    runner_name = "v1"
 
     def __init__(self, runner: Any, config: TraceConfig):
         self.runner = runner
@@ -195,38 +221,26 @@ class V1RunnerProbe:
         self._violations: list = []
 
     # -- attach ----------------------------------------------------------------------------
+    def attach_points(self) -> list[tuple[AttachPoint, Callable]]:
+        """The runner methods this adapter wraps, each with its wrapper factory."""
+        return [
+            (AttachPoint("execute_model", "step_input", ("scheduler_output",)), self._wrap_execute_model),
+            (
+                AttachPoint("_build_attention_metadata", "step_plan", ("num_tokens", "num_reqs", "slot_mappings")),
+                self._wrap_build_metadata,
+            ),
+            (AttachPoint("_dummy_run", "dummy_runs", ("num_tokens", "is_profile")), self._wrap_dummy_run),
+        ]
+
     def attach(self) -> None:
-        runner = self.runner
-        execute_model, build_metadata = runner.execute_model, runner._build_attention_metadata
-        dummy_run = runner._dummy_run
-
-        def traced_execute_model(scheduler_output, *args, **kwargs):
-            self._guard(self._before_step, scheduler_output)
-            try:
-                result = execute_model(scheduler_output, *args, **kwargs)
-            finally:
-                self._guard(self._after_step)
-            if self._violations:
-                found, self._violations = self._violations, []
-                raise KVTraceViolation(found)
-            return result
-
-        def traced_build_metadata(*args, **kwargs):
-            result = build_metadata(*args, **kwargs)
-            self._guard(self._capture_plan, kwargs)
-            return result
-
-        def traced_dummy_run(num_tokens, *args, **kwargs):
-            kind = "PROFILE" if kwargs.get("is_profile") else "WARMUP" if kwargs.get("is_graph_capturing") else "DUMMY"
-            self._guard(self._before_dummy, kind)
-            try:
-                return dummy_run(num_tokens, *args, **kwargs)
-            finally:
-                self._guard(self._after_dummy)
-
-        runner.execute_model = traced_execute_model
-        runner._build_attention_metadata = traced_build_metadata
-        runner._dummy_run = traced_dummy_run
+        self.unavailable: dict[str, str] = {}
+        for point, wrap in self.attach_points():
+            why = point.missing(self.runner)
+            if why is not None:  # this vLLM lacks the target: report it, record the rest
+                self.unavailable[point.capability] = why
+                log.warning("kv_trace: %s not recorded: %s", point.capability, why)
+                continue
+            setattr(self.runner, point.method, wrap(getattr(self.runner, point.method)))
         # Both actions run the ledger core in this process: `log` on the drain thread,
         # off the hot path; `raise` on the engine thread, so a step can fail.
         from kvledger.stream_app.core import Ledger
@@ -242,7 +256,50 @@ class V1RunnerProbe:
             capacity=self.config.buffer_events,
             observer=observer,
         )
+        self.connector_capabilities = attach_connector_probe(self.runner, self._record, lambda: self.step)
         self._record(self._rank_info())
+
+    def capabilities(self) -> list[tuple[str, bool, str | None]]:
+        points = [point.capability for point, _ in self.attach_points()]
+        own = [(name, name not in self.unavailable, self.unavailable.get(name)) for name in points]
+        return own + self.connector_capabilities
+
+    def _wrap_execute_model(self, execute_model: Callable) -> Callable:
+        def traced_execute_model(scheduler_output, *args, **kwargs):
+            self._guard(self._before_step, scheduler_output)
+            try:
+                result = execute_model(scheduler_output, *args, **kwargs)
+            finally:
+                self._guard(self._after_step)
+            self._raise_found()
+            return result
+
+        return traced_execute_model
+
+    def _wrap_build_metadata(self, build_metadata: Callable) -> Callable:
+        def traced_build_metadata(*args, **kwargs):
+            result = build_metadata(*args, **kwargs)
+            self._guard(self._capture_plan, kwargs)
+            return result
+
+        return traced_build_metadata
+
+    def _wrap_dummy_run(self, dummy_run: Callable) -> Callable:
+        def traced_dummy_run(num_tokens, *args, **kwargs):
+            kind = "PROFILE" if kwargs.get("is_profile") else "WARMUP" if kwargs.get("is_graph_capturing") else "DUMMY"
+            self._guard(self._before_dummy, kind)
+            try:
+                return dummy_run(num_tokens, *args, **kwargs)
+            finally:
+                self._guard(self._after_dummy)
+
+        return traced_dummy_run
+
+    def _raise_found(self) -> None:
+        """`raise`: fail the step, before its output is returned, with what the check found."""
+        if self._violations:
+            found, self._violations = self._violations, []
+            raise KVTraceViolation(found)
 
     def close(self, timeout: float = 5.0) -> None:
         if self.recorder is not None:
@@ -296,13 +353,9 @@ class V1RunnerProbe:
             pp_size=parallel.pipeline_parallel_size,
             kv_groups=groups,
             vllm_version=vllm.__version__,
-            runner=RUNNER,
+            runner=self.runner_name,
             pd_role=role,
-            capabilities=[
-                ("step_input", True, None),
-                ("step_plan", True, None),
-                ("connector", False, "not recorded by this runner adapter yet"),
-            ],
+            capabilities=self.capabilities(),
             full_rows=self.config.full_rows,
             snapshot_interval=self.config.snapshot_interval,
         )
@@ -333,7 +386,9 @@ class V1RunnerProbe:
         interval = self.config.snapshot_interval
         if interval and step % interval == interval - 1:
             self._record(self._rank_info())
-            self._record(self._snapshot())
+            snapshot = self._snapshot()
+            if snapshot is not None:
+                self._record(snapshot)
             self._record(self.recorder.health(step))
 
     def _before_dummy(self, kind: str) -> None:
@@ -374,15 +429,20 @@ class V1RunnerProbe:
         runner, stage = self.runner, self.staging.stage
         batch = runner.input_batch
         groups = []
-        for gid in sorted(slot_mappings):
-            table = batch.block_table[gid]
-            lens = table.num_blocks_per_row[:num_reqs].copy()
-            width = int(lens.max()) if num_reqs else 0  # rows are far shorter than the table
-            groups.append((gid, stage(slot_mappings[gid]), table.block_table.np[:num_reqs, :width].copy(), lens))
+        try:
+            for gid in sorted(slot_mappings):
+                table = batch.block_table[gid]
+                lens = table.num_blocks_per_row[:num_reqs].copy()
+                width = int(lens.max()) if num_reqs else 0  # rows are far shorter than the table
+                groups.append((gid, stage(slot_mappings[gid]), table.block_table.np[:num_reqs, :width].copy(), lens))
+            positions = stage(runner.positions[:num_tokens])
+        except StagingFull as exc:  # the drain thread is behind: this step goes without a plan
+            log.warning("kv_trace: step %d recorded without its plan: %s", self.step, exc)
+            return
         self._plan = PlanCapture(
             req_ids=batch.req_ids[:num_reqs],
             query_start_loc=runner.query_start_loc.np[: num_reqs + 1].copy(),
-            positions=stage(runner.positions[:num_tokens]),
+            positions=positions,
             num_tokens=num_tokens,
             groups=groups,
         )
@@ -410,7 +470,8 @@ class PlanCapture:
     query_start_loc: np.ndarray
     positions: Staged
     num_tokens: int
-    groups: list[tuple[int, Staged, np.ndarray, np.ndarray]]  # group id, slot mapping, table rows, row lengths
+    # Per group: id, slot mapping, block-table rows (a host copy or staged), row lengths.
+    groups: list[tuple[int, Staged, np.ndarray | Staged, np.ndarray]]
 
 
 def _plan_record(plan: PlanCapture, index: RequestIndex, full_rows: bool) -> dict:
@@ -419,6 +480,7 @@ def _plan_record(plan: PlanCapture, index: RequestIndex, full_rows: bool) -> dic
     group_records = []
     for gid, slots, table, lens in plan.groups:
         slots = slots.numpy()
+        table = table.numpy() if isinstance(table, Staged) else table
         rows = [table[i, : lens[i]] for i in range(len(lens))]
         group_records.append(records.group_plan(gid, slots, min(plan.num_tokens, len(slots)), rows, full_rows))
     return records.step_plan([index(r) for r in plan.req_ids], np.diff(qsl), first, group_records)

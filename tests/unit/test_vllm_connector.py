@@ -1,0 +1,213 @@
+"""The KV connector probe on stand-ins shaped like vLLM 0.32's connectors (no vLLM needed).
+
+The real thing, on a real Mooncake pair, is tested in tests/e2e/test_pd_pair.py;
+here the paths a clean pair never takes: failed receives, invalid blocks,
+expired sends, connectors no adapter knows, and missing attach targets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from kvledger.producer import records
+from kvledger.producer.records import RankIdentity
+from kvledger.producer.vllm_connector import ConnectorProbe, MooncakeAdapter, adapter_for
+from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec, unpack_i32
+
+
+@dataclass
+class PullReqMeta:  # vLLM's, same fields the adapter reads
+    d_req_id: str
+    transfer_id: str
+    local_block_ids: list[list[int]]
+    remote_engine_id: str
+
+
+@dataclass
+class Metadata:
+    reqs_to_send: dict = field(default_factory=dict)
+    reqs_to_recv: dict = field(default_factory=dict)
+    reqs_not_processed: set = field(default_factory=set)
+
+
+@dataclass
+class Results:  # KVConnectorTransferResults
+    finished_sending: set = field(default_factory=set)
+    finished_recving: set = field(default_factory=set)
+    failed_recving: set = field(default_factory=set)
+
+
+class Worker:
+    """MooncakeConnectorWorker's sending side: sent requests, and sends that expired."""
+
+    def __init__(self):
+        self.finished_sending_reqs: set[str] = set()
+        self.expiring: set[str] = set()
+
+    async def fetch_finished_sending_reqs(self) -> set[str]:
+        finished, self.finished_sending_reqs = self.finished_sending_reqs | self.expiring, set()
+        self.expiring = set()
+        return finished
+
+
+class V1Connector:
+    """The three v1 worker methods the runner calls each step, on a Mooncake-like worker."""
+
+    def __init__(self):
+        self.connector_worker = Worker()
+        self.bound = None
+        self.next_results = Results()
+        self.next_invalid: set[int] = set()
+
+    def bind_connector_metadata(self, metadata):
+        self.bound = metadata
+
+    def get_transfer_results(self, finished_req_ids):
+        sent = asyncio.run(self.connector_worker.fetch_finished_sending_reqs())
+        results, self.next_results = self.next_results, Results()
+        results.finished_sending |= sent
+        return results
+
+    def get_block_ids_with_load_errors(self):
+        invalid, self.next_invalid = self.next_invalid, set()
+        return invalid
+
+
+class MooncakeConnector(V1Connector):
+    """Named like vLLM's, as the adapter matches by class name (no vLLM import needed)."""
+
+
+class OtherConnector(V1Connector):
+    pass
+
+
+class Recording:
+    def __init__(self):
+        self.events: list[dict] = []
+        self.codec = SingleObjectCodec(LEDGER_EVENT)
+
+    def __call__(self, body):
+        name, fields = body() if callable(body) else body
+        event = records.envelope(RankIdentity("eng"), len(self.events), 0, name, fields)
+        self.codec.decode(self.codec.encode(event))  # every event is valid Avro
+        self.events.append(fields)
+
+    def kinds(self) -> list[tuple[str, str | None, str | None]]:
+        return [(e["kind"], e["req_id"], e["transfer_id"]) for e in self.events]
+
+
+def probe_on(connector) -> tuple[ConnectorProbe, Recording, list]:
+    recording = Recording()
+    probe = ConnectorProbe(connector, adapter_for(connector), recording, lambda: 7)
+    return probe, recording, probe.attach()
+
+
+def step(connector, metadata=None):
+    connector.bind_connector_metadata(metadata or Metadata())
+    connector.get_transfer_results(set())
+    connector.get_block_ids_with_load_errors()
+
+
+def test_a_send_is_recorded_from_intent_to_completion():
+    connector = MooncakeConnector()
+    _, recording, capabilities = probe_on(connector)
+    assert ("connector", True, None) in capabilities and ("connector_expiry", True, None) in capabilities
+    # Registered before its prefill finished (no blocks yet): not an intent.
+    step(connector, Metadata(reqs_to_send={"p1": ("t1", [])}))
+    step(connector, Metadata(reqs_to_send={"p1": ("t1", [[4, 5]])}))
+    connector.connector_worker.finished_sending_reqs.add("p1")
+    step(connector)
+    assert recording.kinds() == [("SEND_INTENT", "p1", "t1"), ("SEND_DONE", "p1", "t1")]
+    assert [unpack_i32(b).tolist() for b in recording.events[1]["block_ids"]] == [[4, 5]]
+    assert recording.events[0]["step"] == 7 and recording.events[0]["connector"] == "MooncakeConnector"
+    assert connector.bound is not None  # the connector itself still got its metadata
+
+
+def test_an_expired_send_is_not_a_completed_one():
+    connector = MooncakeConnector()
+    _, recording, _ = probe_on(connector)
+    step(connector, Metadata(reqs_to_send={"p1": ("t1", [[4]]), "p2": ("t2", [[6]])}))
+    connector.connector_worker.finished_sending_reqs.add("p1")
+    connector.connector_worker.expiring.add("p2")
+    step(connector)
+    assert recording.kinds()[2:] == [("SEND_DONE", "p1", "t1"), ("EXPIRED", "p2", "t2")]
+
+
+def test_receives_done_failed_and_with_invalid_blocks():
+    connector = MooncakeConnector()
+    _, recording, _ = probe_on(connector)
+    pulls = {f"d{i}": PullReqMeta(f"d{i}", f"t{i}", [[10 * i, 10 * i + 1]], "prefill-0") for i in (1, 2, 3)}
+    pulls["d4"] = PullReqMeta("d4", "t4", [[]], "prefill-0")
+    step(connector, Metadata(reqs_to_recv={"prefill-0": pulls}))
+    # d1 arrived; d2 reported failed (HMA path); d3 "finished" but its blocks failed to load.
+    connector.next_results = Results(finished_recving={"d1", "d2", "d3"}, failed_recving={"d2"})
+    connector.next_invalid = {31}
+    step(connector)
+    assert recording.kinds() == [
+        ("RECV_INTENT", "d1", "t1"),
+        ("RECV_INTENT", "d2", "t2"),
+        ("RECV_INTENT", "d3", "t3"),
+        ("OTHER", "d4", "t4"),  # a pull without blocks only releases the prefill side's
+        ("INVALID_BLOCKS", None, None),
+        ("RECV_DONE", "d1", "t1"),
+        ("RECV_FAILED", "d2", "t2"),
+        ("RECV_FAILED", "d3", "t3"),
+    ]
+    assert recording.events[0]["remote_engine_id"] == "prefill-0"
+    assert recording.events[3]["detail"] == "release_only"
+    assert [unpack_i32(b).tolist() for b in recording.events[4]["block_ids"]] == [[31]]
+    assert recording.events[7]["detail"] == "1 block(s) failed to load"
+
+
+def test_a_cancelled_send_is_recorded():
+    connector = MooncakeConnector()
+    _, recording, _ = probe_on(connector)
+    step(connector, Metadata(reqs_not_processed={"t9"}))
+    assert recording.kinds() == [("OTHER", None, "t9")] and recording.events[0]["detail"] == "send_cancelled"
+
+
+def test_completions_are_kept_when_load_errors_are_never_asked_for():
+    connector = MooncakeConnector()
+    _, recording, _ = probe_on(connector)
+    connector.bind_connector_metadata(Metadata(reqs_to_send={"p1": ("t1", [[4]])}))
+    connector.connector_worker.finished_sending_reqs.add("p1")
+    connector.get_transfer_results(set())
+    connector.bind_connector_metadata(Metadata())  # next step, no load-error call in between
+    assert recording.kinds() == [("SEND_INTENT", "p1", "t1"), ("SEND_DONE", "p1", "t1")]
+
+
+def test_an_unknown_connector_gets_completions_and_says_what_it_lacks():
+    other = OtherConnector()
+    assert adapter_for(other).name == "generic"
+    _, recording, capabilities = probe_on(other)
+    assert ("connector_intents", False, "no adapter reads OtherConnector's metadata") in capabilities
+    step(other, Metadata(reqs_to_send={"p1": ("t1", [[4]])}))
+    other.next_results = Results(finished_recving={"d1"})
+    step(other)
+    assert recording.kinds() == [("RECV_DONE", "d1", None)]
+
+
+def test_missing_targets_are_reported_not_raised():
+    bare = SimpleNamespace(bind_connector_metadata=lambda m: None)
+    _, _, capabilities = probe_on(bare)
+    assert capabilities == [
+        ("connector", False, "SimpleNamespace has no get_transfer_results, get_block_ids_with_load_errors")
+    ]
+    no_worker = MooncakeConnector()
+    no_worker.connector_worker = None
+    _, _, capabilities = probe_on(no_worker)
+    assert capabilities[0] == ("connector", True, None)
+    assert capabilities[1][:2] == ("connector_expiry", False)
+
+
+def test_a_failing_probe_goes_quiet_and_the_connector_goes_on():
+    connector = MooncakeConnector()
+    probe, recording, _ = probe_on(connector)
+    probe.adapter = MooncakeAdapter()
+    bad = Metadata(reqs_to_recv={"prefill-0": {"d1": object()}})  # not a PullReqMeta
+    step(connector, bad)
+    assert connector.bound is bad and probe._broken
+    step(connector, Metadata(reqs_to_send={"p1": ("t1", [[4]])}))
+    assert recording.events == []
