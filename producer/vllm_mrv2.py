@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from kvledger.producer.staging import StagingFull
 from kvledger.producer.vllm_v1 import AttachPoint, PlanCapture, V1RunnerProbe, log
 
@@ -65,11 +63,13 @@ class MRV2RunnerProbe(V1RunnerProbe):
         block_tables, slot_mappings = result
         num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
         padded = input_batch.num_tokens_after_padding
-        if self._dummy_kind is None:  # the host mirror of the device's row lengths, by request state
-            lens_by_group = self.runner.block_tables.num_blocks.np[:, input_batch.idx_mapping_np[:num_reqs]]
-        else:  # dummy runs read zeroed rows: no row is theirs
-            lens_by_group = np.zeros((len(block_tables), num_reqs), np.int32)
         stage = self.staging.stage
+        if self._dummy_kind is not None:  # made-up requests reading zeroed rows
+            slots = [(gid, stage(slot_mappings[gid, :padded])) for gid in range(len(block_tables))]
+            self._plan = PlanCapture.of_dummy_run(slots)
+            return
+        # The host mirror of the device's row lengths, by request state.
+        lens_by_group = self.runner.block_tables.num_blocks.np[:, input_batch.idx_mapping_np[:num_reqs]]
         groups = []
         try:
             for gid, table in enumerate(block_tables):

@@ -429,6 +429,9 @@ class V1RunnerProbe:
         runner, stage = self.runner, self.staging.stage
         batch = runner.input_batch
         groups = []
+        if self._dummy_kind is not None:  # the batch's rows belong to real requests, not to this run
+            self._plan = PlanCapture.of_dummy_run([(gid, stage(slot_mappings[gid])) for gid in sorted(slot_mappings)])
+            return
         try:
             for gid in sorted(slot_mappings):
                 table = batch.block_table[gid]
@@ -468,15 +471,21 @@ class PlanCapture:
 
     req_ids: list[str]
     query_start_loc: np.ndarray
-    positions: Staged
+    positions: Staged | None
     num_tokens: int
     # Per group: id, slot mapping, block-table rows (a host copy or staged), row lengths.
     groups: list[tuple[int, Staged, np.ndarray | Staged, np.ndarray]]
 
+    @classmethod
+    def of_dummy_run(cls, slot_mappings: list[tuple[int, Staged]]) -> PlanCapture:
+        """A dummy run serves no request: every slot it writes is padding (a real one is a fault)."""
+        no_rows, no_lens = np.zeros((0, 0), np.int32), np.zeros(0, np.int32)
+        return cls([], np.zeros(1, np.int32), None, 0, [(gid, slots, no_rows, no_lens) for gid, slots in slot_mappings])
+
 
 def _plan_record(plan: PlanCapture, index: RequestIndex, full_rows: bool) -> dict:
     qsl = plan.query_start_loc
-    first = plan.positions.numpy()[qsl[:-1]]
+    first = plan.positions.numpy()[qsl[:-1]] if plan.positions is not None else np.zeros(0, np.int64)
     group_records = []
     for gid, slots, table, lens in plan.groups:
         slots = slots.numpy()
