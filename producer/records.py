@@ -105,6 +105,39 @@ def row_digests(rows: Sequence[np.ndarray]) -> np.ndarray:
         return sums + lens.astype(np.uint64) * np.uint64(length_term(1))
 
 
+def table_digests(table: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Digests of the rows `table[i, :lens[i]]` of a 2-D block table, without a Python loop."""
+    width = table.shape[1]
+    lens = np.asarray(lens, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        terms = mix_blocks(table) * position_weights(0, width)
+        terms[np.arange(width) >= lens[:, None]] = 0
+        return terms.sum(axis=1, dtype=np.uint64) + lens.astype(np.uint64) * np.uint64(length_term(1))
+
+
+def group_plan_from_table(
+    group_id: int,
+    slot_mapping: np.ndarray,
+    num_real: int,
+    table: np.ndarray,
+    lens: np.ndarray,
+    full_rows: bool = False,
+) -> dict:
+    """A GroupPlan from block-table rows as runners hold them: `table[i, :lens[i]]`."""
+    rows = None
+    if full_rows:
+        rows = pack_i32(table[np.arange(table.shape[1]) < np.asarray(lens)[:, None]])
+    return {
+        "group_id": group_id,
+        "slot_runs": slot_runs(slot_mapping),
+        "num_real": int(num_real),
+        "num_padding": int(len(slot_mapping) - num_real),
+        "row_lens": pack_i32(lens),
+        "row_digests": pack_digests(table_digests(table, lens)),
+        "rows": rows,
+    }
+
+
 def group_plan(
     group_id: int,
     slot_mapping: np.ndarray,
@@ -146,6 +179,7 @@ def step_input(
     *,
     new_reqs: Sequence[dict] = (),
     cached: Sequence[tuple[int, int, int]] = (),
+    cached_columns: tuple[Sequence[int], Sequence[int], Sequence[int]] | None = None,
     resumed: Sequence[int] = (),
     appends: Sequence[tuple[int, int, Sequence[int]]] = (),
     finished: Sequence[str] = (),
@@ -155,15 +189,18 @@ def step_input(
 ) -> dict:
     """A StepInput record.
 
-    cached: (req_index, num_computed_tokens, num_scheduled_tokens) per cached request;
+    cached: (req_index, num_computed_tokens, num_scheduled_tokens) per cached request, or the
+    same as three columns in `cached_columns` (cheaper for a runner that holds them so);
     appends: (req_index, group_id, block ids) per cached request and group that got blocks.
     """
-    cols = np.array(cached, dtype=np.int64).reshape(-1, 3)
+    if cached_columns is None:
+        cached_columns = tuple(np.array(cached, dtype=np.int64).reshape(-1, 3).T)
+    indices, computed, scheduled = cached_columns
     return {
         "new_reqs": list(new_reqs),
-        "cached_req_indices": pack_i32(cols[:, 0]),
-        "cached_num_computed_tokens": pack_i32(cols[:, 1]),
-        "cached_num_scheduled_tokens": pack_i32(cols[:, 2]),
+        "cached_req_indices": pack_i32(indices),
+        "cached_num_computed_tokens": pack_i32(computed),
+        "cached_num_scheduled_tokens": pack_i32(scheduled),
         "resumed_req_indices": pack_i32(resumed),
         "append_req_indices": pack_i32([a[0] for a in appends]),
         "append_group_ids": pack_i32([a[1] for a in appends]),
@@ -241,3 +278,15 @@ def connector_event(
         "digest": digest,
         "detail": detail,
     }
+
+
+# -- transfer digests (their reader: kvledger.stream_app.core.transfers.parse_digest) -------------
+TRANSFER_DIGEST_VERSION = 1
+
+
+def transfer_digest(layout: bytes, block_digests: Sequence[int] | np.ndarray) -> bytes:
+    """ConnectorEvent.digest: version byte, 8-byte layout fingerprint, one LE uint64 per block."""
+    if len(layout) != 8:
+        raise ValueError("the layout fingerprint is 8 bytes")
+    blocks = np.asarray(block_digests, dtype="<u8")
+    return bytes([TRANSFER_DIGEST_VERSION]) + layout + blocks.tobytes()

@@ -20,14 +20,26 @@ log = logging.getLogger("kvledger.producer")
 
 
 class FileSink:
-    """Appends events to a file ledger, one segment stream per rank incarnation."""
+    """Appends events to a file ledger, one segment stream per rank incarnation.
+
+    Blocks of ~64 KiB compress several steps together; a block reaches the file
+    within `flush_interval` seconds (and at close), like a Kafka producer's linger.
+    """
 
     lost = 0  # a write either lands or raises
 
-    def __init__(self, root: str | Path, *, max_segment_bytes: int = 64 << 20, codec: str = "deflate"):
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        max_segment_bytes: int = 64 << 20,
+        codec: str = "deflate",
+        flush_interval: float = 1.0,
+    ):
         self.root = Path(root)
         self.max_segment_bytes = max_segment_bytes
         self.codec = codec
+        self.flush_interval = flush_interval
         self._writers: dict[tuple, SegmentWriter] = {}
 
     def write(self, events: Iterable[dict]) -> None:
@@ -39,7 +51,11 @@ class FileSink:
             writer = self._writers.get(key)
             if writer is None:
                 writer = self._writers[key] = SegmentWriter(
-                    self.root, *key, max_segment_bytes=self.max_segment_bytes, codec=self.codec
+                    self.root,
+                    *key,
+                    max_segment_bytes=self.max_segment_bytes,
+                    codec=self.codec,
+                    flush_interval=self.flush_interval,
                 )
             writer.write(batch)
 

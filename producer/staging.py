@@ -31,7 +31,7 @@ class StagingFull(RuntimeError):
 class Staged:
     """A host copy of a tensor (1-D or 2-D), ready once `event` (if any) has completed."""
 
-    buffer: Any  # the host tensor: a plain copy on CPU, a reused pinned buffer on a device
+    buffer: Any  # a numpy copy (CPU tensors) or a reused pinned host tensor (device tensors)
     shape: tuple[int, ...]
     event: Any = None
     pool: StagingPool | None = None
@@ -39,7 +39,7 @@ class Staged:
     def numpy(self) -> np.ndarray:
         """Wait for the copy (drain thread only), return an owned array, free the buffer."""
         if self.pool is None:
-            return self.buffer.numpy()
+            return self.buffer
         if self.event is not None:
             self.event.synchronize()
         # The pinned buffer goes back for reuse: keep a copy.
@@ -60,11 +60,12 @@ class StagingPool:
 
     def stage(self, tensor) -> Staged:
         """Start copying `tensor` to the host; never synchronises a device stream."""
+        if tensor.is_cpu:  # integer tensors (never requiring grad): numpy is the cheap copy
+            array = tensor.numpy().copy()
+            return Staged(array, array.shape)
         import torch
 
         shape = tuple(tensor.shape)
-        if tensor.device.type == "cpu":
-            return Staged(tensor.detach().clone(), shape)
         length = math.prod(shape)
         buffer = self._take(tensor.dtype, length)
         buffer[:length].view(shape).copy_(tensor, non_blocking=True)

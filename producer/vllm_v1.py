@@ -52,6 +52,11 @@ class RequestIndex:
             self._next += 1
         return index
 
+    def many(self, req_ids: list[str]) -> list[int]:
+        get = self._index.get
+        found = [get(r) for r in req_ids]
+        return found if None not in found else [self(r) for r in req_ids]
+
     def get(self, req_id: str) -> int | None:
         return self._index.get(req_id)
 
@@ -114,7 +119,7 @@ def step_input(so: Any, index: RequestIndex, kept: KeptBlockIds | None = None) -
         for r, block_ids in zip(so.scheduled_new_reqs, kept.new, strict=True)
     ]
     cached = so.scheduled_cached_reqs
-    indices = [index(req_id) for req_id in cached.req_ids]
+    indices = index.many(cached.req_ids)
     resumed = {index(r) for r in (getattr(cached, "resumed_req_ids", None) or ())}
     new_block_ids = [kept.resumed.get(r, g) for r, g in zip(cached.req_ids, cached.new_block_ids, strict=True)]
     # A resumed request's blocks replace its row, so its groups count even when empty.
@@ -131,11 +136,8 @@ def step_input(so: Any, index: RequestIndex, kept: KeptBlockIds | None = None) -
     copies = getattr(so, "kv_cache_block_copies", None) or ()
     return records.step_input(
         new_reqs=new_reqs,
-        cached=[
-            (i, c, num_scheduled.get(r, 0))
-            for i, r, c in zip(indices, cached.req_ids, cached.num_computed_tokens, strict=True)
-        ],
-        resumed=[i for i in indices if i in resumed],
+        cached_columns=(indices, cached.num_computed_tokens, [num_scheduled.get(r, 0) for r in cached.req_ids]),
+        resumed=[i for i in indices if i in resumed] if resumed else [],
         appends=appends,
         finished=finished,
         preempted=sorted(getattr(so, "preempted_req_ids", None) or ()),
@@ -215,6 +217,7 @@ class V1RunnerProbe:
         self._input: Any = None  # this step's SchedulerOutput
         self._plan: PlanCapture | None = None
         self.staging = StagingPool()
+        self._positions_np: np.ndarray | None = None
         self._dummy_kind: str | None = None
         self._broken = False
         self._checker = None  # the ledger core, in raise mode
@@ -438,7 +441,7 @@ class V1RunnerProbe:
                 lens = table.num_blocks_per_row[:num_reqs].copy()
                 width = int(lens.max()) if num_reqs else 0  # rows are far shorter than the table
                 groups.append((gid, stage(slot_mappings[gid]), table.block_table.np[:num_reqs, :width].copy(), lens))
-            positions = stage(runner.positions[:num_tokens])
+            positions = self._stage_positions(num_tokens)
         except StagingFull as exc:  # the drain thread is behind: this step goes without a plan
             log.warning("kv_trace: step %d recorded without its plan: %s", self.step, exc)
             return
@@ -449,6 +452,15 @@ class V1RunnerProbe:
             num_tokens=num_tokens,
             groups=groups,
         )
+
+    def _stage_positions(self, num_tokens: int) -> Staged:
+        positions = self.runner.positions
+        if positions.is_cpu:  # a persistent buffer: keep a numpy view of it
+            if self._positions_np is None:
+                self._positions_np = positions.numpy()
+            array = self._positions_np[:num_tokens].copy()
+            return Staged(array, array.shape)
+        return self.staging.stage(positions[:num_tokens])
 
     def _snapshot(self) -> tuple[str, dict]:
         # The runner's request states change next step: copy them now, index them later.
@@ -490,6 +502,6 @@ def _plan_record(plan: PlanCapture, index: RequestIndex, full_rows: bool) -> dic
     for gid, slots, table, lens in plan.groups:
         slots = slots.numpy()
         table = table.numpy() if isinstance(table, Staged) else table
-        rows = [table[i, : lens[i]] for i in range(len(lens))]
-        group_records.append(records.group_plan(gid, slots, min(plan.num_tokens, len(slots)), rows, full_rows))
-    return records.step_plan([index(r) for r in plan.req_ids], np.diff(qsl), first, group_records)
+        num_real = min(plan.num_tokens, len(slots))
+        group_records.append(records.group_plan_from_table(gid, slots, num_real, table, lens, full_rows))
+    return records.step_plan(index.many(plan.req_ids), np.diff(qsl), first, group_records)

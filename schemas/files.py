@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,13 @@ def rank_dir(root: Path, engine_id: str, dp: int, tp: int, pp: int) -> Path:
 
 
 class SegmentWriter:
-    """Appends events of one rank incarnation, rotating segments by size."""
+    """Appends events of one rank incarnation, rotating segments by size.
+
+    Events are cut into Avro blocks of about `block_bytes` (compression works
+    across the steps of a block) and every block reaches the file within
+    `flush_interval` seconds of its first event; `flush_interval=0` makes each
+    `write` durable at once.
+    """
 
     def __init__(
         self,
@@ -56,6 +63,8 @@ class SegmentWriter:
         *,
         max_segment_bytes: int = 64 << 20,
         codec: str = "deflate",
+        block_bytes: int = 64 << 10,
+        flush_interval: float = 0.0,
     ):
         if incarnation < 0:
             raise ValueError(f"incarnation must be >= 0, got {incarnation}")
@@ -64,6 +73,9 @@ class SegmentWriter:
         self.incarnation = incarnation
         self.max_segment_bytes = max_segment_bytes
         self.codec = codec
+        self.block_bytes = block_bytes
+        self.flush_interval = flush_interval
+        self._pending_since: float | None = None  # when the unflushed block got its first event
         self.segment = 0
         self._file = None
         self._writer: Writer | None = None
@@ -74,14 +86,19 @@ class SegmentWriter:
         self.segment += 1
         path = self.dir / f"{self.incarnation}-{self.segment:06d}{SEGMENT_SUFFIX}"
         self._file = open(path, "wb")  # noqa: SIM115 - closed on rotation/close
-        self._writer = Writer(self._file, LEDGER_EVENT, codec=self.codec)
+        self._writer = Writer(self._file, LEDGER_EVENT, codec=self.codec, sync_interval=self.block_bytes)
 
     def write(self, events: list[dict[str, Any]]) -> None:
-        """Append events and make them durable as one Avro block."""
+        """Append events; they are in the file within `flush_interval` seconds."""
         assert self._writer is not None, "writer is closed"
         for event in events:
             self._writer.write(event)
-        self._writer.flush()
+        now = time.monotonic()
+        if self._pending_since is None:
+            self._pending_since = now
+        if now - self._pending_since >= self.flush_interval:
+            self._writer.flush()
+            self._pending_since = None
         if self._file.tell() >= self.max_segment_bytes:
             self._open_next()
 
@@ -90,6 +107,7 @@ class SegmentWriter:
             self._writer.flush()
             self._file.close()
             self._writer = self._file = None
+        self._pending_since = None
 
 
 @dataclass(frozen=True)

@@ -756,3 +756,15 @@ def test_group_plans_of_real_streams_are_consistent(events):
             assert [row_digest(r) & 0xFFFFFFFF for r in rows] == digests.tolist()
             checked += 1
     assert checked > 50
+
+
+@given(st.lists(st.lists(st.integers(0, 5000), max_size=12), min_size=1, max_size=8), st.integers(0, 4))
+def test_table_digests_equal_row_digests(rows, extra_width):
+    width = max(len(r) for r in rows) + extra_width
+    table = np.full((len(rows), width), 77, dtype=np.int32)  # stale ids beyond each row's length
+    for i, row in enumerate(rows):
+        table[i, : len(row)] = row
+    lens = np.array([len(r) for r in rows], np.int32)
+    assert records.table_digests(table, lens).tolist() == [row_digest(r) for r in rows]
+    plan = records.group_plan_from_table(0, np.arange(3), 3, table, lens, full_rows=True)
+    assert plan == records.group_plan(0, np.arange(3), 3, [np.array(r, np.int32) for r in rows], full_rows=True)
