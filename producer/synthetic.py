@@ -674,3 +674,192 @@ def simulate(config: SimConfig) -> Simulation:
     engine = SyntheticEngine(config)
     events = list(engine.events())
     return Simulation(events, engine.expected, engine.stats, list(engine._pending_faults))
+
+
+# -- a prefill/decode pair ----------------------------------------------------------------------
+# Faults of a synthetic pair, each on one transfer, and the violation it must produce (first) or may.
+PD_FAULT_KINDS = {
+    "recv_failed": ("transfer_failed",),  # the receive fails; decode recomputes the prompt
+    "content": ("transfer_content_mismatch",),  # a received block's bytes differ from the sent ones
+    "block_count": ("transfer_block_mismatch",),  # decode expects one block more (the MTP extra block)
+    "send_reused": ("send_block_reused", "foreign_block_write"),  # a held block goes to the next request
+    "read_early": ("read_before_transfer",),  # decode computes in the step its receive completes
+    "orphan": ("orphan_transfer",),  # decode never hears of the transfer
+    "stuck": ("transfer_stuck",),  # neither side ever completes (both sides are stuck)
+}
+
+
+@dataclass(frozen=True)
+class PdConfig:
+    seed: int = 0
+    requests: int = 6
+    block_size: int = 16
+    num_blocks: int = 128
+    prompt_len: tuple[int, int] = (2, 90)
+    send_lag: int = 3  # steps from a prefill request's finish to its send completing
+    idle_steps: int = 4  # steps both engines run after the last request
+    digests: bool = True
+    faults: tuple[tuple[str, int], ...] = ()  # (fault, request number)
+    prefill_id: str = "sim-prefill"
+    decode_id: str = "sim-decode"
+
+
+@dataclass(frozen=True)
+class PdExpected:
+    fault: str
+    kind: str
+    engine_id: str
+    req_id: str
+    transfer_id: str
+
+
+@dataclass
+class PdSimulation:
+    events: list[dict]  # both engines, interleaved at random, each engine in its own order
+    expected: list[PdExpected]
+    transfer_ids: list[str]
+
+
+class _SimRank:
+    """One rank's envelope, step counter and FIFO block pool."""
+
+    def __init__(self, engine_id: str, role: str, cfg: PdConfig):
+        self.identity = RankIdentity(engine_id, incarnation=1)
+        self.cfg = cfg
+        self.events: list[dict] = []
+        self.step = 0
+        self.free: deque[int] = deque(range(1, cfg.num_blocks))
+        groups = [records.kv_group(0, "FULL_ATTENTION", cfg.block_size, cfg.num_blocks)]
+        info = records.rank_info(
+            dp_size=1,
+            tp_size=1,
+            pp_size=1,
+            kv_groups=groups,
+            vllm_version="synthetic",
+            runner="synthetic",
+            pd_role=role,
+        )
+        self.emit(info)
+
+    def emit(self, body: tuple[str, dict]) -> None:
+        n = len(self.events)
+        self.events.append(records.envelope(self.identity, n, 1_700_000_000_000_000 + n, *body))
+
+    def connector(self, kind: str, req_id: str, tid: str, blocks: list[int], **fields) -> None:
+        self.emit(
+            records.connector_event(
+                self.step, "SyntheticConnector", kind, req_id=req_id, transfer_id=tid, block_ids=[blocks], **fields
+            )
+        )
+
+    def run(self, new: tuple | None = None, finished: tuple[str, ...] = ()) -> None:
+        """One step: at most one new request (index, req id, blocks, computed, prompt length, scheduled)."""
+        plan = None
+        new_reqs = []
+        if new is not None:
+            index, req_id, blocks, computed, prompt, scheduled = new
+            new_reqs.append(records.new_request(index, req_id, [blocks], computed, prompt, scheduled))
+            pos = np.arange(computed, computed + scheduled)
+            bs = self.cfg.block_size
+            slots = np.asarray(blocks)[pos // bs] * bs + pos % bs
+            group = records.group_plan(0, slots, scheduled, [np.asarray(blocks)])
+            plan = records.step_plan([index], [scheduled], [computed], [group])
+        inp = records.step_input(new_reqs=new_reqs, finished=list(finished))
+        self.emit(records.step(self.step, "REAL", inp, plan))
+        self.step += 1
+
+    def take(self, n: int) -> list[int]:
+        return [self.free.popleft() for _ in range(n)]
+
+
+def _block_digests(prompt: list[int], n_blocks: int, bs: int) -> list[int]:
+    """What a block holds, as a digest: the tokens whose KV it carries (the same on both engines)."""
+    return [hash(tuple(prompt[i * bs : (i + 1) * bs])) & (2**64 - 1) for i in range(n_blocks)]
+
+
+def simulate_pd_pair(cfg: PdConfig) -> PdSimulation:
+    """Both engines of a pair serving `cfg.requests` prompts, one transfer each, with faults."""
+    rng = random.Random(cfg.seed)
+    bs, layout = cfg.block_size, b"synthlay"
+    faults = {n: f for f, n in cfg.faults}
+    prefill, decode = _SimRank(cfg.prefill_id, "PREFILL", cfg), _SimRank(cfg.decode_id, "DECODE", cfg)
+    expected: list[PdExpected] = []
+    tids = [f"tx-{i}" for i in range(cfg.requests)]
+    pending_free: list[tuple[int, list[int]]] = []  # (prefill step the blocks come back, blocks)
+    sends: list[tuple[int, int, list[int]]] = []  # (done step, request, blocks)
+
+    def prefill_step(**kw) -> None:
+        for due, blocks in [p for p in pending_free if p[0] <= prefill.step]:
+            prefill.free.extend(blocks)
+            pending_free.remove((due, blocks))
+        prefill.run(**kw)
+        for item in [s for s in sends if s[0] < prefill.step]:
+            sends.remove(item)
+            _, i, blocks = item
+            digest = records.transfer_digest(layout, _block_digests(prompts[i], len(blocks), bs))
+            prefill.step -= 1  # completions are seen within the step that reports them
+            prefill.connector("SEND_DONE", f"p-{i}", tids[i], blocks, digest=digest if cfg.digests else None)
+            prefill.step += 1
+            pending_free.append((prefill.step + 1, blocks))
+
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(*cfg.prompt_len))] for _ in range(cfg.requests)]
+    p_blocks: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        n = -(-len(prompt) // bs)
+        blocks = p_blocks[i] = prefill.take(n)
+        prefill_step(new=(i, f"p-{i}", blocks, 0, len(prompt), len(prompt)))
+        prefill.connector("SEND_INTENT", f"p-{i}", tids[i], blocks, num_tokens=len(prompt))
+        fault = faults.get(i)
+        if fault == "send_reused":
+            prefill.free.appendleft(blocks[0])  # freed while the send still reads it
+            expected.append(PdExpected(fault, "send_block_reused", cfg.prefill_id, f"p-{i}", tids[i]))
+        if fault not in ("orphan", "stuck"):
+            sends.append((prefill.step + cfg.send_lag, i, blocks))
+        prefill_step(finished=(f"p-{i}",))
+    for _ in range(cfg.send_lag + cfg.idle_steps):
+        prefill_step()
+
+    for i, prompt in enumerate(prompts):
+        fault = faults.get(i)
+        if fault == "orphan":
+            expected.append(PdExpected(fault, "orphan_transfer", cfg.prefill_id, f"p-{i}", tids[i]))
+            continue
+        n = len(p_blocks[i]) + (1 if fault == "block_count" else 0)
+        blocks, req = decode.take(n), f"d-{i}"
+        remote = {"remote_engine_id": cfg.prefill_id}
+        decode.connector("RECV_INTENT", req, tids[i], blocks, **remote)
+        decode.run()
+        if fault == "stuck":
+            expected.append(PdExpected(fault, "transfer_stuck", cfg.decode_id, req, tids[i]))
+            expected.append(PdExpected(fault, "transfer_stuck", cfg.prefill_id, f"p-{i}", tids[i]))
+            continue
+        digests = _block_digests(prompt, len(p_blocks[i]), bs)
+        if fault == "content":
+            digests[-1] ^= 1
+        digest = records.transfer_digest(layout, digests + [0] * (n - len(digests))) if cfg.digests else None
+        if fault == "recv_failed":
+            decode.connector("RECV_FAILED", req, tids[i], blocks, detail="synthetic failure", **remote)
+        else:
+            decode.connector("RECV_DONE", req, tids[i], blocks, digest=digest, **remote)
+        if fault != "read_early":
+            decode.run()
+        computed = 0 if fault == "recv_failed" else len(prompt) - 1
+        decode.run(new=(i, req, blocks, computed, len(prompt), len(prompt) - computed))
+        decode.run(finished=(req,))
+        decode.free.extend(blocks)
+        kind = {
+            "recv_failed": "transfer_failed",
+            "content": "transfer_content_mismatch",
+            "block_count": "transfer_block_mismatch",
+            "read_early": "read_before_transfer",
+        }.get(fault)
+        if kind:
+            expected.append(PdExpected(fault, kind, cfg.decode_id, req, tids[i]))
+    for _ in range(cfg.idle_steps):
+        decode.run()
+
+    merged, a, b = [], prefill.events, decode.events
+    while a or b:
+        source = a if b == [] or (a and rng.random() < 0.5) else b
+        merged.append(source.pop(0))
+    return PdSimulation(merged, expected, tids)

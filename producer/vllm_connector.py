@@ -19,16 +19,26 @@ decodes the metadata and may add connector-specific probes (Mooncake: sends
 it gave up on). Another connector is another adapter. A probe never raises
 into the engine, and a target missing in this vLLM version is reported as an
 unavailable capability, never a crash.
+
+Transfer digests (opt-in, `kv_trace.transfer_digests`: the share of
+transfers sampled, chosen by a hash of the transfer id so both engines pick
+the same ones): when a sampled send or receive completes, the probe hashes
+the bytes of the transferred blocks exactly as the connector moves them
+(an adapter knows where they are) and carries the per-block digests in the
+completion event. Both completions are seen on the engine thread before the
+scheduler learns of them, so the blocks cannot have changed hands yet.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvledger.producer import records
+from kvledger.producer.config import TraceConfig
 
 log = logging.getLogger("kvledger.producer")
 
@@ -75,6 +85,10 @@ class ConnectorAdapter:
         kind = type(connector).__name__
         return [("connector_intents", False, f"no adapter reads {kind}'s metadata")]
 
+    def digester(self, connector: Any) -> BlockDigester | None:
+        """What hashes the bytes this connector moves, or None when the adapter cannot tell."""
+        return None
+
 
 def _blocks(groups: Iterable[Iterable[int]]) -> list[list[int]]:
     return [[int(b) for b in group] for group in groups]
@@ -99,8 +113,9 @@ class MooncakeAdapter(ConnectorAdapter):
     def transfers(self, metadata: Any) -> list[Transfer]:
         found = [
             Transfer("SEND_INTENT", req_id, transfer_id, None, _blocks(groups))
-            for req_id, (transfer_id, groups) in (getattr(metadata, "reqs_to_send", None) or {}).items()
             if any(groups)
+            else Transfer("REGISTERED", req_id, transfer_id, None, [])  # prefill not finished yet
+            for req_id, (transfer_id, groups) in (getattr(metadata, "reqs_to_send", None) or {}).items()
         ]
         for remote_engine_id, pulls in (getattr(metadata, "reqs_to_recv", None) or {}).items():
             for pull in pulls.values():
@@ -130,6 +145,90 @@ class MooncakeAdapter(ConnectorAdapter):
         worker.fetch_finished_sending_reqs = fetch_noting_expiries
         return [("connector_expiry", True, None)]
 
+    def digester(self, connector: Any) -> BlockDigester | None:
+        worker = getattr(connector, "connector_worker", None)
+        needed = ("kv_caches_base_addr", "block_len_per_layer", "kv_block_len_per_layer", "device_kv_caches")
+        if worker is None or not all(hasattr(worker, name) for name in needed):
+            return None
+        return MooncakeRegions(worker)
+
+
+# -- transfer digests --------------------------------------------------------------------------
+def sampled(transfer_id: str, fraction: float) -> bool:
+    """Whether a transfer is digested: the same answer on every engine for the same id."""
+    if fraction <= 0.0:
+        return False
+    draw = int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=8).digest(), "little")
+    return draw < fraction * 2**64
+
+
+class BlockDigester:
+    """Hashes, per block, the KV bytes a transfer of these block ids moves (see records.transfer_digest)."""
+
+    def digest(self, block_ids: list[list[int]]) -> bytes:
+        raise NotImplementedError
+
+
+class MooncakeRegions(BlockDigester):
+    """The regions MooncakeConnectorWorker registered (register_kv_caches): per region a base
+    address, a block stride and the bytes a block moves, and the KV groups whose block ids
+    index it. A block's digest covers its bytes in every region of its group, in region order.
+    """
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self._views: list[tuple[Any, tuple[int, ...]]] | None = None
+        self.layout = b""
+
+    def _regions(self) -> list[tuple[Any, tuple[int, ...]]]:
+        """(bytes of region as [block, byte] view, groups) per region; built once, after registration."""
+        if self._views is not None:
+            return self._views
+        import torch
+
+        w = self.worker
+        storages = {
+            t.untyped_storage().data_ptr(): t for t in w.device_kv_caches.values() if isinstance(t, torch.Tensor)
+        }
+        shared = getattr(w, "region_shared_groups", None) or [(g,) for g in w.registered_group_indices]
+        views, shape = [], []
+        for base, stride, length, groups in zip(
+            w.kv_caches_base_addr, w.block_len_per_layer, w.kv_block_len_per_layer, shared, strict=True
+        ):
+            owner = next(t for ptr, t in storages.items() if ptr <= base < ptr + t.untyped_storage().nbytes())
+            storage = owner.untyped_storage()
+            flat = torch.empty(0, dtype=torch.uint8, device=owner.device).set_(storage)
+            offset = base - storage.data_ptr()
+            rows = (storage.nbytes() - offset - length) // stride + 1
+            views.append((flat.as_strided((rows, length), (stride, 1), offset), tuple(groups)))
+            shape.append((stride, length, tuple(groups)))
+        per_logical = getattr(w, "_physical_blocks_per_logical_kv_block", 1)
+        fingerprint = repr((shape, getattr(w, "tp_size", 1), per_logical)).encode()
+        self.layout = hashlib.blake2b(fingerprint, digest_size=8).digest()
+        self._views = views
+        return views
+
+    def digest(self, block_ids: list[list[int]]) -> bytes:
+        import torch
+
+        regions = self._regions()
+        per_logical = getattr(self.worker, "_physical_blocks_per_logical_kv_block", 1)
+        digests: list[int] = []
+        for group, blocks in enumerate(block_ids):
+            hashes = [hashlib.blake2b(digest_size=8) for _ in blocks]
+            ids = torch.tensor(blocks, dtype=torch.int64)
+            if per_logical > 1:  # kernel blocks of each logical block, as the connector expands them
+                ids = (ids[:, None] * per_logical + torch.arange(per_logical)).reshape(-1)
+            for view, groups in regions:
+                if group not in groups or not blocks:
+                    continue
+                rows = view[ids.to(view.device)].cpu().numpy().reshape(len(blocks), -1)
+                for h, row in zip(hashes, rows, strict=True):
+                    h.update(row)
+            # The null block holds nothing transferable; its bytes differ between engines.
+            digests += [int.from_bytes(h.digest(), "little") if b else 0 for b, h in zip(blocks, hashes, strict=True)]
+        return records.transfer_digest(self.layout, digests)
+
 
 ADAPTERS: list[ConnectorAdapter] = [MooncakeAdapter()]
 
@@ -142,7 +241,16 @@ def adapter_for(connector: Any) -> ConnectorAdapter:
 class ConnectorProbe:
     """Records one worker-side connector's transfers through the v1 API."""
 
-    def __init__(self, connector: Any, adapter: ConnectorAdapter, record: Record, current_step: Callable[[], int]):
+    def __init__(
+        self,
+        connector: Any,
+        adapter: ConnectorAdapter,
+        record: Record,
+        current_step: Callable[[], int],
+        *,
+        digest_fraction: float = 0.0,
+        prompt_tokens: Callable[[str], int | None] = lambda req_id: None,
+    ):
         self.connector = connector
         self.adapter = adapter
         self.name = type(connector).__name__
@@ -151,6 +259,10 @@ class ConnectorProbe:
         self.pending: dict[tuple[str, str], Transfer] = {}  # (intent kind, req id) -> the intent
         self.expired: set[str] = set()  # filled by adapters that can tell
         self.capabilities: list[Capability] = []
+        self.digest_fraction = digest_fraction
+        self.digester: BlockDigester | None = None
+        self.prompt_tokens = prompt_tokens  # the runner's count for a request it still holds
+        self.num_tokens: dict[str, int] = {}  # req id -> prompt tokens, noted while the runner had it
         self._completions: Completions | None = None
         self._broken = False
 
@@ -177,7 +289,15 @@ class ConnectorProbe:
         self.connector.bind_connector_metadata = traced_bind
         self.connector.get_transfer_results = traced_results
         self.connector.get_block_ids_with_load_errors = traced_load_errors
-        return [("connector", True, None), *self.adapter.attach(self.connector, self)]
+        return [("connector", True, None), *self.adapter.attach(self.connector, self), *self._attach_digests()]
+
+    def _attach_digests(self) -> list[Capability]:
+        if self.digest_fraction <= 0.0:
+            return []
+        self.digester = self.adapter.digester(self.connector)
+        if self.digester is None:
+            return [("transfer_digests", False, f"the {self.adapter.name} adapter cannot locate {self.name}'s blocks")]
+        return [("transfer_digests", True, None)]
 
     def _guard(self, fn: Callable, *args) -> None:
         """Run a probe; on failure log once and go quiet, never raise into the engine."""
@@ -189,11 +309,30 @@ class ConnectorProbe:
             self._broken = True
             log.exception("kv_trace: connector probe failed; this rank stops recording transfers")
 
+    def _digest(self, transfer: Transfer | None) -> bytes | None:
+        """Per-block digests of a completed transfer's blocks, when it is sampled. On the engine
+        thread, before the scheduler learns of the completion, so no other request has them yet."""
+        if self.digester is None or transfer is None or not transfer.transfer_id:
+            return None
+        if not sampled(transfer.transfer_id, self.digest_fraction):
+            return None
+        try:
+            return self.digester.digest(transfer.block_ids)
+        except Exception:  # a layout we misread: no digests from here on, the rest keeps recording
+            log.exception("kv_trace: transfer digests disabled on this rank")
+            self.digester = None
+            return None
+
     # -- what the connector was told and what it reported ------------------------------------------
     def _on_bind(self, metadata: Any) -> None:
         if self._completions is not None:  # a runner that never asked for load errors
             self._record_completions(set())
         for transfer in self.adapter.transfers(metadata):
+            if transfer.kind == "REGISTERED":  # the runner still holds the request: note its size
+                tokens = self.prompt_tokens(transfer.req_id)
+                if tokens is not None:
+                    self.num_tokens[transfer.req_id] = tokens
+                continue
             if transfer.kind != "OTHER":
                 self.pending[(transfer.kind, transfer.req_id)] = transfer
             self._emit(transfer.kind, transfer)
@@ -216,7 +355,9 @@ class ConnectorProbe:
         expired, self.expired = self.expired, set()
         for req_id in sorted(done.sent):
             kind = "EXPIRED" if req_id in expired else "SEND_DONE"
-            self._emit(kind, self.pending.pop(("SEND_INTENT", req_id), None), req_id)
+            intent = self.pending.pop(("SEND_INTENT", req_id), None)
+            self._emit(kind, intent, req_id, digest=self._digest(intent) if kind == "SEND_DONE" else None)
+            self.num_tokens.pop(req_id, None)
         for req_id in sorted(done.received | done.failed):
             intent = self.pending.pop(("RECV_INTENT", req_id), None)
             lost = sorted(invalid.intersection(b for group in intent.block_ids for b in group)) if intent else []
@@ -224,7 +365,7 @@ class ConnectorProbe:
                 detail = f"{len(lost)} block(s) failed to load" if lost else "reported failed"
                 self._emit("RECV_FAILED", intent, req_id, detail=detail)
             else:
-                self._emit("RECV_DONE", intent, req_id)
+                self._emit("RECV_DONE", intent, req_id, digest=self._digest(intent))
 
     def _emit(
         self,
@@ -234,14 +375,18 @@ class ConnectorProbe:
         *,
         blocks: list[list[int]] | None = None,
         detail: str | None = None,
+        digest: bytes | None = None,
     ) -> None:
         step, name = self.current_step(), self.name
+        req = req_id if transfer is None else transfer.req_id
         fields = {
             "req_id": req_id if transfer is None else transfer.req_id or None,
             "transfer_id": transfer.transfer_id if transfer else None,
             "remote_engine_id": transfer.remote_engine_id if transfer else None,
             "block_ids": blocks if blocks is not None else (transfer.block_ids if transfer else []),
             "detail": detail or (transfer.detail if transfer else None),
+            "num_tokens": self.num_tokens.get(req) if req and transfer and transfer.kind == "SEND_INTENT" else None,
+            "digest": digest,
         }
         # Packed on the drain thread; the block lists are our own copies.
         self.record(lambda: records.connector_event(step, name, kind, **fields))
@@ -267,7 +412,14 @@ def attach_connector_probe(runner: Any, record: Record, current_step: Callable[[
     if existing is not None:  # a second attach in the same worker: record to the new rank probe
         existing.record, existing.current_step = record, current_step
         return existing.capabilities
-    probe = ConnectorProbe(connector, adapter_for(connector), record, current_step)
+    probe = ConnectorProbe(
+        connector,
+        adapter_for(connector),
+        record,
+        current_step,
+        digest_fraction=_digest_fraction(runner),
+        prompt_tokens=_prompt_tokens(runner),
+    )
     try:
         probe.capabilities = probe.attach()
     except Exception as exc:  # a connector shaped unlike any we know: report, never crash
@@ -276,3 +428,19 @@ def attach_connector_probe(runner: Any, record: Record, current_step: Callable[[
     connector._kvledger_connector_probe = probe
     log.info("kv_trace: connector probe on %s (%s adapter)", probe.name, probe.adapter.name)
     return probe.capabilities
+
+
+def _digest_fraction(runner: Any) -> float:
+    try:
+        return TraceConfig.from_additional_config(runner.vllm_config.additional_config).transfer_digests
+    except Exception:  # validated at engine start already; never fail the attach over it
+        return 0.0
+
+
+def _prompt_tokens(runner: Any) -> Callable[[str], int | None]:
+    def count(req_id: str) -> int | None:
+        state = getattr(runner, "requests", {}).get(req_id)
+        prompt = getattr(state, "prompt_token_ids", None)
+        return len(prompt) if prompt is not None else None
+
+    return count

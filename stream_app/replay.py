@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,23 +79,36 @@ def _stream_events(stream: RankStream, problems: list[ReadProblem], done: dict) 
             yield last_step, StreamLost(stream)
 
 
+def _discover(roots: Sequence[str | Path]) -> list[RankStream]:
+    """Rank streams under every root; a root that holds ledger roots (one per engine of a
+    prefill/decode pair, say) is read as all of them, so transfers are joined across engines."""
+    streams: list[RankStream] = []
+    for root in roots:
+        found = discover(root)
+        if not found and Path(root).is_dir():
+            found = [s for sub in sorted(p for p in Path(root).iterdir() if p.is_dir()) for s in discover(sub)]
+        streams += found
+    return streams
+
+
 def iter_ledger(
-    root: str | Path,
+    root: str | Path | Sequence[str | Path],
     problems: list[ReadProblem],
     *,
     engine_id: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[RankStream], Iterator[tuple]]:
-    """Rank streams under `root` and an iterator of (step, event), merged by step."""
+    """Rank streams under `root` (one path or several) and an iterator of (step, event), merged by step."""
+    roots = [root] if isinstance(root, str | Path) else list(root)
     try:
-        streams = discover(root)
+        streams = _discover(roots)
     except LedgerPathError as exc:
         raise UnusableLedger(str(exc)) from exc
     if engine_id is not None:
         streams = [s for s in streams if s.engine_id == engine_id]
     if not streams:
         what = f"no rank streams of engine {engine_id!r}" if engine_id else "no ledger segments (*.avro)"
-        raise UnusableLedger(f"{what} under {root}")
+        raise UnusableLedger(f"{what} under {', '.join(map(str, roots))}")
     total = sum(p.stat().st_size for s in streams for p in s.segments)
     done: dict[Path, int] = {}
 
@@ -113,12 +126,13 @@ def iter_ledger(
 
 
 def replay(
-    root: str | Path,
+    root: str | Path | Sequence[str | Path],
     *,
     on_violation: Callable[[Violation], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Replay:
-    """Replay a whole file ledger. Raises UnusableLedger when nothing is readable."""
+    """Replay a whole file ledger (or several, e.g. both engines of a pair). Raises UnusableLedger
+    when nothing is readable."""
     problems: list[ReadProblem] = []
     streams, events = iter_ledger(root, problems, progress=progress)
     result = Replay(Ledger(), streams, problems=problems)

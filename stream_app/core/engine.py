@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH, RANK_INFO, SNAPSHOT, STEP
 from kvledger.stream_app.core import batch
 from kvledger.stream_app.core.rank import RankState
+from kvledger.stream_app.core.transfers import DEFAULT_DEADLINE_STEPS, TransferJoin, TransferUse
 from kvledger.stream_app.core.violations import (
     DUPLICATE_EVENT,
     RANK_DIVERGENCE,
@@ -107,7 +108,14 @@ def plan_fingerprint(plan: dict | None) -> bytes:
 class Ledger:
     """Replays ledger events of any number of engines and ranks."""
 
-    def __init__(self, *, rank_window: int = 256, batch_steps: int = 128):
+    def __init__(
+        self,
+        *,
+        rank_window: int = 256,
+        batch_steps: int = 128,
+        transfer_deadline_steps: int = DEFAULT_DEADLINE_STEPS,
+        join_transfers: bool = True,
+    ):
         # Steps a rank may lag behind its peers before it is declared missing.
         self.rank_window = rank_window
         # Longest run of step events `apply_many` checks at once.
@@ -115,6 +123,12 @@ class Ledger:
         self.ranks: dict[RankKey, RankSlot] = {}
         self.step_groups: dict[tuple[str, int], StepGroup] = {}
         self.coverage = Coverage()
+        # Transfers: each rank's own use of them, and (unless a stream worker runs the
+        # join on the transfer-keyed topic instead) both sides joined by transfer id.
+        self.transfer_use = TransferUse(self.coverage)
+        self.transfer_join = (
+            TransferJoin(deadline_steps=transfer_deadline_steps, coverage=self.coverage) if join_transfers else None
+        )
         self._keys: dict[tuple, RankKey] = {}
         self.events = 0
         self.steps = 0
@@ -139,7 +153,15 @@ class Ledger:
                 slot.state.apply_connector(body)
         elif name == HEALTH:
             slot.events_dropped = body["events_dropped"]
+        if name in _TRANSFER_BODIES:
+            self._transfers(key, event, out)
         return out
+
+    def _transfers(self, key: RankKey, event: dict, out: list[Violation]) -> None:
+        state = self.ranks[key].state
+        out += self.transfer_use.apply(event, state.req_id if state is not None else None)
+        if self.transfer_join is not None:
+            out += self.transfer_join.apply(event)
 
     def apply_many(self, events: list[dict]) -> list[Violation]:
         """`apply` each event, in order; the same violations and coverage, faster.
@@ -205,6 +227,8 @@ class Ledger:
         for key, (seq, step) in expect.items():
             slot = self.ranks[key]
             slot.next_seq, slot.last_step = seq, step - 1
+        for event in events:
+            self._transfers(self._key(event), event, out)
         cross = {k for k in per_rank if len(getattr(self.step_groups.get((k.engine_id, k.dp)), "expected", ())) > 1}
         if cross:
             for key, _, body in seen:
@@ -220,8 +244,10 @@ class Ledger:
         return key
 
     def finish(self) -> list[Violation]:
-        """End of input: settle every step still waiting for ranks."""
+        """End of input: settle every step still waiting for ranks, and transfers seen from one side."""
         out: list[Violation] = []
+        if self.transfer_join is not None:
+            out += self.transfer_join.finish()
         for gkey, group in self.step_groups.items():
             for step in sorted(group.pending):
                 self._settle(gkey, group, step, out)
@@ -387,6 +413,9 @@ class Ledger:
                         f"({len(majority)} of {len(entry)} ranks agree on it)"
                     )
                     out.append(Violation.at(RANK_DIVERGENCE, RankKey(engine_id, dp, *rank), step, detail))
+
+
+_TRANSFER_BODIES = (STEP, CONNECTOR_EVENT, RANK_INFO)
 
 
 def _has_tokens(inp: dict) -> bool:

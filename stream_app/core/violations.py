@@ -14,6 +14,14 @@ RANK_DIVERGENCE = "rank_divergence"
 RANK_MISSING = "rank_missing"
 SEQUENCE_GAP = "sequence_gap"
 DUPLICATE_EVENT = "duplicate_event"
+# Transfers between engines (core/transfers.py).
+TRANSFER_BLOCK_MISMATCH = "transfer_block_mismatch"
+TRANSFER_FAILED = "transfer_failed"
+TRANSFER_STUCK = "transfer_stuck"
+READ_BEFORE_TRANSFER = "read_before_transfer"
+SEND_BLOCK_REUSED = "send_block_reused"
+ORPHAN_TRANSFER = "orphan_transfer"
+TRANSFER_CONTENT_MISMATCH = "transfer_content_mismatch"
 
 KINDS = (
     WRITE_TARGET_MISMATCH,
@@ -25,6 +33,13 @@ KINDS = (
     RANK_MISSING,
     SEQUENCE_GAP,
     DUPLICATE_EVENT,
+    TRANSFER_BLOCK_MISMATCH,
+    TRANSFER_FAILED,
+    TRANSFER_STUCK,
+    READ_BEFORE_TRANSFER,
+    SEND_BLOCK_REUSED,
+    ORPHAN_TRANSFER,
+    TRANSFER_CONTENT_MISMATCH,
 )
 
 

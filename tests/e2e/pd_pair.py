@@ -19,8 +19,14 @@ outside. The driver runs both engines, each on its own core:
    computes nothing but the next token;
 3. a few idle prefill steps, so the prefill worker reports its finished sends.
 
+With "plain_prefill_prompts", the prefill engine serves those prompts alone
+(no transfer parameters) after step 1 and before step 2, while its sends
+still wait for the decode engine (the window where a held block must not be
+handed out again).
+
 Spec: {"prompts": [[token ids], ...], "max_tokens": 8, "ledger_root": "/abs" | null,
-"transfer_ids": [...] | null, "baseline": false, "transfer_digests": 0.0}. With "baseline", the
+"transfer_ids": [...] | null, "baseline": false, "transfer_digests": 0.0, "plain_prefill_prompts": [],
+"kv_load_failure_policy": null}. With "baseline", the
 prefill engine first serves the prompts alone (no transfer parameters), before any transfer. With a ledger root, both
 engines trace to file ledgers at ROOT/prefill and ROOT/decode.
 """
@@ -130,6 +136,7 @@ def _engine(model: str, role: str, engine_id: str, spec: dict):
         kv_role="kv_producer" if role == "prefill" else "kv_consumer",
         engine_id=engine_id,
         kv_connector_extra_config={"mooncake_protocol": "tcp"},
+        **({"kv_load_failure_policy": spec["kv_load_failure_policy"]} if spec.get("kv_load_failure_policy") else {}),
     )
     extra = {}
     if spec.get("ledger_root"):
@@ -200,6 +207,9 @@ def _drive(spec: dict) -> dict:
     started = time.perf_counter()
     prefill_params = [_params(1, {"do_remote_decode": True, "transfer_id": t}) for t in transfer_ids]
     prefill_outputs = prefill.generate([{"prompt_token_ids": p} for p in prompts], prefill_params, use_tqdm=False)
+    plain = spec.get("plain_prefill_prompts") or []
+    if plain:
+        prefill.generate([{"prompt_token_ids": p} for p in plain], _params(1, None), use_tqdm=False)
     decode_params = [
         _params(
             spec.get("max_tokens", 8),

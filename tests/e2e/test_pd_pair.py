@@ -6,11 +6,20 @@ answers, both engines' ledgers must replay clean with `kvledger check`, and
 the connector probes must show every transfer on both sides: what the
 prefill engine meant to send and sent, what the decode engine meant to
 receive and received, with the same transfer ids and block counts.
+Transfer digests are on (every transfer): both ledgers checked together join
+every transfer and find the received bytes equal to the sent ones.
+
+A second pair runs with one injected fault per transfer (plugins/
+kvledger_test_pd_faults.py): a failed receive, received blocks corrupted
+after the receive, a held prefill block handed to another request before its
+send completed, and a send one block short of what decode expects. Checked
+together, the two ledgers name each fault with its kind, transfer and request.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from collections import defaultdict
@@ -60,7 +69,8 @@ def _pair_ready() -> str:
 @pytest.fixture(scope="module")
 def clean_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-pair")
-    run = run_pd_pair(_pair_ready(), PROMPTS, max_tokens=MAX_TOKENS, ledger_root=root, extra={"baseline": True})
+    extra = {"baseline": True, "transfer_digests": 1.0}
+    run = run_pd_pair(_pair_ready(), PROMPTS, max_tokens=MAX_TOKENS, ledger_root=root, extra=extra)
     print("prefill/decode pair timings:", json.dumps({k: round(v, 1) for k, v in run.timings.items()}))
     return run
 
@@ -83,7 +93,7 @@ def connector_events(ledger_root) -> list[dict]:
 def by_transfer(events: list[dict]) -> dict[str, dict[str, dict]]:
     """transfer id -> kind -> the one event of that kind (a second one fails the test)."""
     found: dict[str, dict[str, dict]] = defaultdict(dict)
-    for event in events:
+    for event in (e for e in events if e["transfer_id"] is not None):
         kinds = found[event["transfer_id"]]
         assert event["kind"] not in kinds, f"two {event['kind']} events for transfer {event['transfer_id']}"
         kinds[event["kind"]] = event
@@ -122,11 +132,43 @@ def test_both_ledgers_written_and_checked_clean(clean_pair, side):
     assert info["pd_role"] == side.upper()
     capabilities = {c["name"]: (c["available"], c["reason"]) for c in info["capabilities"]}
     assert capabilities["connector"] == (True, None) and capabilities["connector_expiry"] == (True, None)
-    result = CliRunner().invoke(kvledger_cli, ["check", "--format", "json", str(ledger)])
-    assert result.exit_code == 0, result.output
-    summary = next(r for r in map(json.loads, result.output.splitlines()) if r.get("type") == "summary")
-    assert summary["violations"] == {} and summary["unchecked"] == {}, summary
+    assert capabilities["transfer_digests"] == (True, None)
+    summary = check(ledger)
+    assert summary["violations"] == {}, summary
+    # Alone, a ledger cannot join its transfers: counted, not hidden.
+    assert summary["unchecked"] == {"transfer_peer_not_in_input": len(PROMPTS)}, summary
     assert summary["checks"]["write"] > 0 and summary["checks"]["read"] > 0, summary
+
+
+def check(*paths) -> dict:
+    """`kvledger check` over the paths: the summary (the violations too, as "found")."""
+    result = CliRunner().invoke(kvledger_cli, ["check", "--format", "json", *map(str, paths)])
+    assert result.exit_code in (0, 1), result.output
+    lines = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    summary = next(r for r in lines if r.get("type") == "summary")
+    summary["found"] = [r for r in lines if r.get("type") == "violation"]
+    assert (result.exit_code == 1) == bool(summary["found"]), result.output
+    return summary
+
+
+def test_both_ledgers_checked_together_join_every_transfer(clean_pair):
+    root = clean_pair.prefill_ledger.parent  # holds both engines' ledgers
+    summary = check(root)
+    assert summary["violations"] == {} and summary["unchecked"] == {}, summary
+    assert summary["ranks"] == 2
+    n = len(PROMPTS)
+    assert summary["checks"]["transfer_join"] == summary["checks"]["transfer_blocks"] == n, summary
+    assert summary["checks"]["transfer_content"] == n and summary["checks"]["transfer_read"] == n, summary
+
+
+def test_received_bytes_equal_sent_bytes(clean_pair):
+    sends = by_transfer(connector_events(clean_pair.prefill_ledger))
+    recvs = by_transfer(connector_events(clean_pair.decode_ledger))
+    for transfer_id, prompt in zip(clean_pair.transfer_ids, PROMPTS, strict=True):
+        sent, received = sends[transfer_id]["SEND_DONE"]["digest"], recvs[transfer_id]["RECV_DONE"]["digest"]
+        assert sent and len(sent) == 9 + 8 * sum(block_counts(sends[transfer_id]["SEND_DONE"]))
+        assert received == sent, transfer_id
+        assert sends[transfer_id]["SEND_INTENT"]["num_tokens"] == len(prompt)
 
 
 def test_every_transfer_is_seen_whole_on_both_sides(clean_pair):
@@ -146,3 +188,72 @@ def test_every_transfer_is_seen_whole_on_both_sides(clean_pair):
         assert recv["RECV_INTENT"]["remote_engine_id"] == PREFILL_ENGINE_ID
         assert send["SEND_INTENT"]["step"] <= send["SEND_DONE"]["step"]
         assert recv["RECV_INTENT"]["step"] <= recv["RECV_DONE"]["step"]
+
+
+# -- injected faults --------------------------------------------------------------------------------
+FAULT_PROMPTS = [
+    list(range(5, 5 + 36)),  # xfer-0: the receive fails
+    [100, 101, 102],  # xfer-1: clean
+    list(range(200, 200 + 64)),  # xfer-2: received blocks corrupted
+    list(range(10, 10 + 100)),  # xfer-3: prefill sends one block fewer than decode expects
+    list(range(300, 300 + 70)),  # xfer-4: a held block handed to the plain request below
+]
+PLAIN_PROMPT = list(range(400, 440))
+FAULTS = {
+    "KVLEDGER_PD_FAULT_RECV_FAIL": "xfer-0",
+    "KVLEDGER_PD_FAULT_CORRUPT": "xfer-2",
+    "KVLEDGER_PD_FAULT_SHORT_SEND": "xfer-3",
+    "KVLEDGER_PD_FAULT_REUSE": "xfer-4",
+}
+
+
+@pytest.fixture(scope="module")
+def faulty_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd-pair-faults")
+    extra = {
+        "transfer_digests": 1.0,
+        "plain_prefill_prompts": [PLAIN_PROMPT],
+        "kv_load_failure_policy": "recompute",  # a failed receive is recomputed, not fatal
+    }
+    run = run_pd_pair(_pair_ready(), FAULT_PROMPTS, max_tokens=4, ledger_root=root, extra=extra, env=FAULTS)
+    print("faulty prefill/decode pair timings:", json.dumps({k: round(v, 1) for k, v in run.timings.items()}))
+    return run
+
+
+def test_every_fault_was_injected(faulty_pair):
+    injected = dict(re.findall(r"^PD_FAULT kind=(\w+) transfer=(\S+)", faulty_pair.log, re.M))
+    assert injected == {
+        "recv_fail": "xfer-0",
+        "corrupt": "xfer-2",
+        "short_send": "xfer-3",
+        "reuse": "xfer-4",
+    }, faulty_pair.log[-3000:]
+
+
+def test_each_fault_caught_with_its_kind_transfer_and_request(faulty_pair):
+    sends = by_transfer(connector_events(faulty_pair.prefill_ledger))
+    recvs = by_transfer(connector_events(faulty_pair.decode_ledger))
+    prefill_req = {t: kinds["SEND_INTENT"]["req_id"] for t, kinds in sends.items()}
+    decode_req = {t: kinds["RECV_INTENT"]["req_id"] for t, kinds in recvs.items()}
+    summary = check(faulty_pair.prefill_ledger.parent)
+    caught = set()
+    for v in summary["found"]:
+        transfer = re.match(r"transfer (\S+):", v["detail"])
+        if transfer is None:
+            # The rank check sees the same reuse as a write into a block a send still reads.
+            assert v["kind"] == "foreign_block_write" and "pending KV send" in v["detail"], v
+            continue
+        caught.add((v["kind"], transfer[1], v["engine_id"], v["req_id"]))
+    # The short send stays pending while the prefill engine idles: past the deadline, it is stuck too.
+    caught.discard(("transfer_stuck", "xfer-3", PREFILL_ENGINE_ID, prefill_req["xfer-3"]))
+    assert caught == {
+        ("transfer_failed", "xfer-0", DECODE_ENGINE_ID, decode_req["xfer-0"]),
+        ("transfer_content_mismatch", "xfer-2", DECODE_ENGINE_ID, decode_req["xfer-2"]),
+        ("transfer_block_mismatch", "xfer-3", DECODE_ENGINE_ID, decode_req["xfer-3"]),
+        # Prefill cannot send fewer blocks than decode expects: the pull fails too.
+        ("transfer_failed", "xfer-3", DECODE_ENGINE_ID, decode_req["xfer-3"]),
+        ("send_block_reused", "xfer-4", PREFILL_ENGINE_ID, prefill_req["xfer-4"]),
+    }, summary["found"]
+    # The short send never completes: open at the end of the ledger, and said so.
+    assert summary["unchecked"] == {"transfer_open_at_end": 1}, summary
+    assert summary["checks"]["transfer_join"] == len(FAULT_PROMPTS), summary

@@ -1,0 +1,543 @@
+"""KV transfers between engines (prefill/decode pairs), checked from both sides.
+
+Two checkers, split by the state they need:
+
+* `TransferJoin`, keyed by transfer id: both engines' ConnectorEvents of one
+  transfer, in any interleaving, plus each rank's step progress (its clock).
+  It reports `transfer_block_mismatch`, `transfer_content_mismatch`,
+  `transfer_failed`, `transfer_stuck` and `orphan_transfer`.
+* `TransferUse`, per rank: a rank's own step inputs against its own pending
+  transfers. It reports `read_before_transfer` (decode schedules a request
+  before its receive completed, or on blocks whose receive failed) and
+  `send_block_reused` (prefill handed a block of a pending send to another
+  request, and the send then completed: it shipped the other request's KV).
+  The reuse itself is reported when it happens by the rank's own check
+  (`foreign_block_write`: "a pending KV send still reads it"); this kind adds
+  the transfer it damaged once the damage is certain.
+
+Deadlines count the ledger's own steps (a rank's step counter), never wall
+time, so every replay of the same events gives the same answers.
+
+Transfer digests (`ConnectorEvent.digest`, written by the producer's
+connector probe) have this layout: one version byte (1), an 8-byte
+fingerprint of the KV layout that was hashed (regions, their byte lengths,
+the TP size), then one little-endian uint64 per block, in the order of the
+event's `block_ids` (groups concatenated). Per-block digests let a decode
+engine that pulled only the tail of the prefill blocks (a prefix-cache hit)
+be compared block by block, and name the first block that differs.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvledger.schemas.packing import unpack_i32
+from kvledger.schemas.registry import CONNECTOR_EVENT, RANK_INFO, STEP
+from kvledger.stream_app.core.violations import (
+    ORPHAN_TRANSFER,
+    READ_BEFORE_TRANSFER,
+    SEND_BLOCK_REUSED,
+    TRANSFER_BLOCK_MISMATCH,
+    TRANSFER_CONTENT_MISMATCH,
+    TRANSFER_FAILED,
+    TRANSFER_STUCK,
+    Coverage,
+    RankKey,
+    Violation,
+)
+
+DIGEST_VERSION = 1
+DEFAULT_DEADLINE_STEPS = 4096  # a transfer still open this many rank steps after its intent is stuck
+SEND, RECV = "send", "recv"
+_ROLE = {
+    "SEND_INTENT": SEND,
+    "SEND_DONE": SEND,
+    "EXPIRED": SEND,
+    "RECV_INTENT": RECV,
+    "RECV_DONE": RECV,
+    "RECV_FAILED": RECV,
+}
+_OTHER_ROLE = {"release_only": RECV, "send_cancelled": SEND}  # OTHER events that close a side
+
+
+@dataclass(frozen=True)
+class TransferDigest:
+    layout: bytes
+    blocks: np.ndarray  # uint64, one per block, groups concatenated
+
+
+def parse_digest(data: bytes | None) -> TransferDigest | None:
+    """The digest of a ConnectorEvent, or None when absent or of an unknown version."""
+    if not data or data[0] != DIGEST_VERSION or (len(data) - 9) % 8:
+        return None
+    return TransferDigest(bytes(data[1:9]), np.frombuffer(data, "<u8", offset=9))
+
+
+def rank_key(event: dict) -> RankKey:
+    return RankKey(event["engine_id"], event["dp_rank"], event["tp_rank"], event["pp_rank"])
+
+
+def _blocks(body: dict) -> list[list[int]]:
+    return [unpack_i32(b).tolist() for b in body["block_ids"]]
+
+
+# -- the join by transfer id ------------------------------------------------------------------
+@dataclass
+class Side:
+    """One rank's view of one transfer (a prefill rank sends, a decode rank receives)."""
+
+    rank: RankKey
+    role: str
+    req_id: str | None = None
+    first_step: int = 0
+    intent_step: int | None = None
+    blocks: list[list[int]] | None = None  # per group
+    num_tokens: int | None = None
+    remote_engine_id: str | None = None
+    outcome: str | None = None  # DONE | FAILED | EXPIRED | RELEASED
+    done_step: int | None = None
+    digest: bytes | None = None
+    stuck: bool = False
+    open_counted: bool = False
+    peer_clock: int | None = None  # the peers' clock when this side was first seen
+
+    def where(self) -> str:
+        return f"{self.rank} req {self.req_id}"
+
+
+@dataclass
+class Transfer:
+    sides: dict[str, dict[RankKey, Side]] = field(default_factory=lambda: {SEND: {}, RECV: {}})
+    joined: bool = False
+    shape_checked: bool = False
+    compared: set[RankKey] = field(default_factory=set)  # receiving ranks whose digest was compared
+    orphan_settled: bool = False
+
+
+class TransferJoin:
+    """Joins the two sides of every transfer by transfer id; state keyed by transfer id.
+
+    Feeding it (offline, the Ledger does this): `apply(event)` with every
+    ConnectorEvent of every engine and every Step event (only its step number
+    is read: it is the rank's clock); `finish()` once, at the end of input.
+
+    Feeding it from a stream worker: consume the topic repartitioned by
+    transfer id (every ConnectorEvent with a transfer id, from any engine,
+    in any interleaving); `apply` each. The clock needs progress from every
+    rank in every partition: forward, to all partitions, a small progress
+    record per rank now and then (a Step event with `input` and `plan`
+    null will do; only `step` and the envelope's rank are read). Progress is
+    monotonic per rank, so a late, repeated or reordered progress record is
+    harmless. Never call `finish()` on a live stream: it settles orphans
+    as if the input had ended; the deadline reports them instead. State is a
+    plain object (checkpoint it with deepcopy/pickle, like the Ledger).
+    """
+
+    def __init__(self, *, deadline_steps: int = DEFAULT_DEADLINE_STEPS, coverage: Coverage | None = None):
+        self.deadline_steps = deadline_steps
+        self.coverage = coverage if coverage is not None else Coverage()
+        self.transfers: dict[str, Transfer] = {}
+        self.clock: dict[RankKey, int] = {}
+        self.engine_clock: dict[str, int] = {}  # max step of any rank of the engine
+        self.pulled_from: dict[str, set[str]] = {}  # prefill engine -> decode engines that pulled from it
+        self._due: dict[RankKey, list[tuple[int, str, str]]] = {}  # rank -> heap of (step, transfer, role)
+
+    # -- entry points ---------------------------------------------------------------------
+    def apply(self, event: dict) -> list[Violation]:
+        name, body = event["body"]
+        if name == STEP:
+            return self.advance(rank_key(event), body["step"])
+        if name != CONNECTOR_EVENT:
+            return []
+        key = rank_key(event)
+        out = self.advance(key, body["step"])
+        role = _ROLE.get(body["kind"]) or _OTHER_ROLE.get(body.get("detail") or "")
+        tid = body.get("transfer_id")
+        if role is None or tid is None:
+            return out
+        transfer = self.transfers.setdefault(tid, Transfer())
+        side = self._side(tid, transfer, role, key, body)
+        self._record(tid, side, body, out)
+        self._compare(tid, transfer, out)
+        return out
+
+    def advance(self, key: RankKey, step: int) -> list[Violation]:
+        """The rank reached `step`: report transfers whose deadline it passed."""
+        if step <= self.clock.get(key, -1):
+            return []
+        self.clock[key] = step
+        if step > self.engine_clock.get(key.engine_id, -1):
+            self.engine_clock[key.engine_id] = step
+        due, out = self._due.get(key), []
+        while due and due[0][0] <= step:
+            _, tid, role = heapq.heappop(due)
+            self._deadline(tid, role, key, step, out)
+        return out
+
+    def finish(self) -> list[Violation]:
+        """End of input: a transfer seen from one side only is an orphan, when its peer is in the input."""
+        out: list[Violation] = []
+        for tid, transfer in self.transfers.items():
+            for role in (SEND, RECV):
+                for side in transfer.sides[role].values():
+                    if side.outcome is None and not side.open_counted:
+                        side.open_counted = True
+                        self.coverage.unchecked["transfer_open_at_end"] += 1
+            lone = self._lone_side(transfer)
+            if lone is None or transfer.orphan_settled:
+                continue
+            transfer.orphan_settled = True
+            if self._peers_seen(lone):
+                out.append(self._orphan(tid, lone, "the input ended"))
+            else:
+                self.coverage.unchecked["transfer_peer_not_in_input"] += 1
+        return out
+
+    # -- sides -----------------------------------------------------------------------------
+    def _side(self, tid: str, transfer: Transfer, role: str, key: RankKey, body: dict) -> Side:
+        sides = transfer.sides[role]
+        side = sides.get(key)
+        if side is None:
+            side = sides[key] = Side(key, role, first_step=body["step"])
+            if role == RECV and body.get("remote_engine_id"):
+                side.remote_engine_id = body["remote_engine_id"]
+                self.pulled_from.setdefault(side.remote_engine_id, set()).add(key.engine_id)
+            side.peer_clock = self._peer_clock(side)
+            heapq.heappush(self._due.setdefault(key, []), (body["step"] + self.deadline_steps, tid, role))
+        return side
+
+    def _record(self, tid: str, side: Side, body: dict, out: list[Violation]) -> None:
+        kind, step = body["kind"], body["step"]
+        side.req_id = side.req_id or body.get("req_id") or None
+        if body.get("num_tokens") is not None:
+            side.num_tokens = body["num_tokens"]
+        if kind in ("SEND_INTENT", "RECV_INTENT"):
+            side.intent_step = step
+            side.blocks = _blocks(body)
+            return
+        if side.blocks is None and body["block_ids"]:
+            side.blocks = _blocks(body)
+        side.done_step = step
+        if kind in ("SEND_DONE", "RECV_DONE"):
+            side.outcome, side.digest = "DONE", body.get("digest")
+        elif kind == "OTHER":
+            side.outcome = "RELEASED"
+        else:  # RECV_FAILED, EXPIRED
+            side.outcome = "FAILED" if kind == "RECV_FAILED" else "EXPIRED"
+            what = "the receive failed" if kind == "RECV_FAILED" else "the prefill engine gave up on the send"
+            detail = f"transfer {tid}: {what}" + (f" ({body['detail']})" if body.get("detail") else "")
+            out.append(Violation.at(TRANSFER_FAILED, side.rank, step, detail, req_id=side.req_id))
+
+    # -- checks across the two sides -----------------------------------------------------------
+    def _compare(self, tid: str, transfer: Transfer, out: list[Violation]) -> None:
+        sends, recvs = transfer.sides[SEND], transfer.sides[RECV]
+        if not sends or not recvs:
+            return
+        if not transfer.joined:
+            transfer.joined = True
+            self.coverage.checks["transfer_join"] += 1
+        if not transfer.shape_checked:
+            send = next((s for s in sends.values() if s.blocks and s.outcome != "RELEASED"), None)
+            recv = next((r for r in recvs.values() if r.blocks and r.outcome != "RELEASED"), None)
+            if send is not None and recv is not None:
+                transfer.shape_checked = True
+                self._check_shape(tid, send, recv, out)
+        for recv in recvs.values():
+            if recv.digest is None or recv.rank in transfer.compared:
+                continue
+            send = self._digest_partner(recv, sends)
+            if send is not None:
+                transfer.compared.add(recv.rank)
+                self._check_content(tid, send, recv, out)
+
+    def _check_shape(self, tid: str, send: Side, recv: Side, out: list[Violation]) -> None:
+        self.coverage.checks["transfer_blocks"] += 1
+        sent, expected = [len(g) for g in send.blocks], [len(g) for g in recv.blocks]
+        problem = None
+        if len(sent) != len(expected) or any(e > s for s, e in zip(sent, expected, strict=True)):
+            problem = f"decode expects {expected} block(s) per group, prefill {send.where()} sends {sent}"
+        elif send.num_tokens is not None and recv.num_tokens is not None and send.num_tokens != recv.num_tokens:
+            problem = f"decode expects {recv.num_tokens} token(s), prefill {send.where()} sends {send.num_tokens}"
+        elif sent != expected:
+            self.coverage.unchecked["transfer_partial_pull"] += 1  # decode had a prefix hit: it pulls the tail
+        if problem:
+            step = recv.intent_step if recv.intent_step is not None else recv.first_step
+            detail = f"transfer {tid}: {problem}"
+            out.append(Violation.at(TRANSFER_BLOCK_MISMATCH, recv.rank, step, detail, req_id=recv.req_id))
+
+    def _digest_partner(self, recv: Side, sends: dict[RankKey, Side]) -> Side | None:
+        """The sending rank whose digest this receiving rank's must equal: same TP/PP position."""
+        done = [s for s in sends.values() if s.digest is not None]
+        same = [s for s in done if (s.rank.tp, s.rank.pp) == (recv.rank.tp, recv.rank.pp)]
+        return (same or done or [None])[0]
+
+    def _check_content(self, tid: str, send: Side, recv: Side, out: list[Violation]) -> None:
+        sd, rd = parse_digest(send.digest), parse_digest(recv.digest)
+        if sd is None or rd is None or send.blocks is None or recv.blocks is None:
+            self.coverage.unchecked["transfer_digest_unreadable"] += 1
+            return
+        if sd.layout != rd.layout:
+            self.coverage.unchecked["transfer_digest_layout_differs"] += 1
+            return
+        pairs = _aligned_blocks(send.blocks, recv.blocks)
+        sizes = (sd.blocks.size, rd.blocks.size) == (len(_flat(send.blocks)), len(_flat(recv.blocks)))
+        if pairs is None or not sizes:
+            self.coverage.unchecked["transfer_digest_unreadable"] += 1
+            return
+        self.coverage.checks["transfer_content"] += 1
+        s_at, r_at, groups = pairs
+        differ = np.flatnonzero(sd.blocks[s_at] != rd.blocks[r_at])
+        if differ.size == 0:
+            return
+        i = int(differ[0])
+        detail = (
+            f"transfer {tid}: {differ.size} of {len(s_at)} received block(s) differ from what prefill "
+            f"{send.where()} sent; first: decode block {_flat(recv.blocks)[r_at[i]]} (group {groups[i]}) "
+            f"vs prefill block {_flat(send.blocks)[s_at[i]]}"
+        )
+        out.append(Violation.at(TRANSFER_CONTENT_MISMATCH, recv.rank, recv.done_step, detail, req_id=recv.req_id))
+
+    # -- deadlines and orphans ---------------------------------------------------------------
+    def _deadline(self, tid: str, role: str, key: RankKey, step: int, out: list[Violation]) -> None:
+        transfer = self.transfers.get(tid)
+        side = transfer.sides[role].get(key) if transfer else None
+        if side is None:
+            return
+        start = side.intent_step if side.intent_step is not None else side.first_step
+        if side.outcome is None and not side.stuck:
+            side.stuck = True
+            what = "sent" if role == SEND else "received"
+            detail = (
+                f"transfer {tid}: not {what} {step - start} steps after its intent at step {start} "
+                f"(deadline {self.deadline_steps} steps)"
+            )
+            out.append(Violation.at(TRANSFER_STUCK, key, step, detail, req_id=side.req_id))
+        if transfer.orphan_settled or self._lone_side(transfer) is not side:
+            return
+        # An orphan only once the peers moved on too: a lagging peer stream is not a missing side.
+        now = self._peer_clock(side)
+        if side.peer_clock is None or now is None:
+            side.peer_clock = now
+        elif now - side.peer_clock >= self.deadline_steps:
+            transfer.orphan_settled = True
+            out.append(self._orphan(tid, side, f"{self.deadline_steps} steps passed on both engines"))
+            return
+        heapq.heappush(self._due[key], (step + self.deadline_steps, tid, role))
+
+    def _lone_side(self, transfer: Transfer) -> Side | None:
+        """The first side of a transfer only one role has seen."""
+        sends, recvs = transfer.sides[SEND], transfer.sides[RECV]
+        if bool(sends) == bool(recvs):
+            return None
+        return next(iter((sends or recvs).values()))
+
+    def _peers(self, side: Side) -> set[str]:
+        if side.role == RECV:
+            return {side.remote_engine_id} if side.remote_engine_id else set()
+        return self.pulled_from.get(side.rank.engine_id, set())
+
+    def _peers_seen(self, side: Side) -> bool:
+        return any(p in self.engine_clock for p in self._peers(side))
+
+    def _peer_clock(self, side: Side) -> int | None:
+        clocks = [self.engine_clock[p] for p in self._peers(side) if p in self.engine_clock]
+        return max(clocks) if clocks else None
+
+    def _orphan(self, tid: str, side: Side, why: str) -> Violation:
+        missing = "no decode engine received it" if side.role == SEND else f"{side.remote_engine_id} never sent it"
+        detail = f"transfer {tid}: seen only on {side.role} side, {missing} ({why})"
+        step = side.intent_step if side.intent_step is not None else side.first_step
+        return Violation.at(ORPHAN_TRANSFER, side.rank, step, detail, req_id=side.req_id)
+
+
+def _flat(groups: list[list[int]]) -> list[int]:
+    return [b for g in groups for b in g]
+
+
+def _aligned_blocks(sent: list[list[int]], received: list[list[int]]):
+    """Flat indices of the sent and received blocks that carry the same KV, and their group.
+
+    Per group, the receiver's blocks are the tail of the sender's (what Mooncake
+    copies when the decode engine had a prefix hit); None when they cannot be.
+    """
+    if len(sent) != len(received):
+        return None
+    s_at, r_at, groups = [], [], []
+    s_off = r_off = 0
+    for g, (s, r) in enumerate(zip(sent, received, strict=True)):
+        if len(r) > len(s):
+            return None
+        skip = len(s) - len(r)
+        s_at += range(s_off + skip, s_off + len(s))
+        r_at += range(r_off, r_off + len(r))
+        groups += [g] * len(r)
+        s_off, r_off = s_off + len(s), r_off + len(r)
+    return np.asarray(s_at, np.int64), np.asarray(r_at, np.int64), groups
+
+
+# -- the rank's own use of its transfers ---------------------------------------------------------
+@dataclass
+class HeldSend:
+    """Blocks a pending send still reads (prefill side)."""
+
+    transfer_id: str
+    req_id: str | None
+    intent_step: int
+    blocks: list[set[int]]  # per group
+    reused: list[tuple[int, int, str, int]] = field(default_factory=list)  # (step, group, request, block)
+
+
+@dataclass
+class PendingRecv:
+    """A receive a request waits for (decode side)."""
+
+    transfer_id: str
+    intent_step: int
+    blocks: list[list[int]]
+    done_step: int | None = None
+    failed_step: int | None = None
+
+
+@dataclass
+class RankTransfers:
+    sends: dict[str, HeldSend] = field(default_factory=dict)  # by transfer id
+    recvs: dict[str, PendingRecv] = field(default_factory=dict)  # by request id
+    block_sizes: list[int] = field(default_factory=list)
+
+
+class TransferUse:
+    """Checks a rank's step inputs against its own pending transfers.
+
+    Fed, per rank and in the rank's order, with its RankInfo, ConnectorEvent
+    and Step events (`apply`); a stream worker runs it where the engine's
+    events are (the topic keyed by engine id), beside the Ledger.
+    """
+
+    def __init__(self, coverage: Coverage | None = None):
+        self.coverage = coverage if coverage is not None else Coverage()
+        self.ranks: dict[RankKey, RankTransfers] = {}
+
+    def apply(self, event: dict, req_id_of=None) -> list[Violation]:
+        """`req_id_of(req_index)` names the rank's cached requests (the Ledger's RankState.req_id)."""
+        name, body = event["body"]
+        key = rank_key(event)
+        if name == RANK_INFO:
+            self.ranks.setdefault(key, RankTransfers()).block_sizes = [g["block_size"] for g in body["kv_groups"]]
+        elif name == CONNECTOR_EVENT:
+            return self._connector(key, body)
+        elif name == STEP and body["input"] is not None:
+            state = self.ranks.get(key)
+            if state is not None and (state.sends or state.recvs):
+                return self._step(key, state, body["step"], body["input"], req_id_of)
+        return []
+
+    def _connector(self, key: RankKey, body: dict) -> list[Violation]:
+        tid, kind, step = body.get("transfer_id"), body["kind"], body["step"]
+        if tid is None:
+            return []
+        state = self.ranks.setdefault(key, RankTransfers())
+        if kind == "SEND_INTENT" and tid not in state.sends:
+            blocks = [set(g) - {0} for g in _blocks(body)]
+            state.sends[tid] = HeldSend(tid, body.get("req_id"), step, blocks)
+        elif kind == "SEND_DONE" and tid in state.sends:
+            return self._shipped(key, state.sends.pop(tid), step)
+        elif kind == "EXPIRED" or (kind == "OTHER" and body.get("detail") == "send_cancelled"):
+            state.sends.pop(tid, None)
+        elif kind == "RECV_INTENT" and body.get("req_id"):
+            state.recvs[body["req_id"]] = PendingRecv(tid, step, _blocks(body))
+        elif kind in ("RECV_DONE", "RECV_FAILED") and body.get("req_id") in state.recvs:
+            recv = state.recvs[body["req_id"]]
+            if kind == "RECV_DONE":
+                recv.done_step = step
+            else:
+                recv.failed_step = step
+        return []
+
+    def _shipped(self, key: RankKey, send: HeldSend, done_step: int) -> list[Violation]:
+        """The send completed: blocks it read after another request got them held that request's KV."""
+        if not send.reused:
+            return []
+        step, group, req_id, block = send.reused[0]
+        detail = (
+            f"transfer {send.transfer_id}: block {block} of its pending send (intent at step {send.intent_step}) "
+            f"was handed to request {req_id} at step {step}; the send completed at step {done_step}"
+        )
+        return [Violation.at(SEND_BLOCK_REUSED, key, step, detail, req_id=send.req_id, group=group)]
+
+    def _step(self, key: RankKey, state: RankTransfers, step: int, inp: dict, req_id_of) -> list[Violation]:
+        out: list[Violation] = []
+        if state.sends:
+            self._check_grants(key, state, step, inp, req_id_of, out)
+        if state.recvs:
+            self._check_reads(key, state, step, inp, req_id_of, out)
+        return out
+
+    # -- prefill: blocks of a pending send handed to another request ---------------------------------
+    def _check_grants(self, key, state: RankTransfers, step: int, inp: dict, req_id_of, out) -> None:
+        held = [s for s in state.sends.values() if s.intent_step <= step]
+        if not held:
+            return
+        self.coverage.checks["send_hold"] += 1
+        for req_id, group, blocks in _grants(inp, req_id_of):
+            for send in held:
+                if req_id == send.req_id or group >= len(send.blocks):
+                    continue
+                taken = send.blocks[group].intersection(blocks)
+                if taken:  # reported once the send completes, with what it shipped
+                    send.reused.append((step, group, req_id, min(taken)))
+
+    # -- decode: computing before the receive completed ---------------------------------------------
+    def _check_reads(self, key, state: RankTransfers, step: int, inp: dict, req_id_of, out) -> None:
+        for req_id, computed, row in _scheduled(inp, req_id_of):
+            recv = state.recvs.get(req_id)
+            if recv is None:
+                continue
+            self.coverage.checks["transfer_read"] += 1
+            done = recv.done_step is not None and recv.done_step < step
+            failed = recv.failed_step is not None and recv.failed_step < step
+            problem = None
+            if not done and not failed:
+                since = f"its receive was bound at step {recv.intent_step}"
+                end = recv.done_step if recv.done_step is not None else recv.failed_step
+                problem = f"{since} and {'completes at step ' + str(end) if end is not None else 'has not completed'}"
+            elif failed and computed > 0 and row is not None and state.block_sizes:
+                covered = set(row[: -(-computed // state.block_sizes[0])])
+                lost = covered.intersection(recv.blocks[0] if recv.blocks else ())
+                if lost:
+                    problem = f"its receive failed at step {recv.failed_step}, yet it computes on block {min(lost)}"
+            if problem:
+                detail = f"transfer {recv.transfer_id}: scheduled with {computed} computed token(s), but {problem}"
+                out.append(Violation.at(READ_BEFORE_TRANSFER, key, step, detail, req_id=req_id))
+            del state.recvs[req_id]  # checked at its first schedule: later steps compute on its own KV
+
+
+def _grants(inp: dict, req_id_of):
+    """(req id, group, block ids) the step input hands out."""
+    for req in inp["new_reqs"]:
+        for group, data in enumerate(req["block_ids"]):
+            blocks = unpack_i32(data)
+            if blocks.size:
+                yield req["req_id"], group, blocks.tolist()
+    counts = unpack_i32(inp["append_counts"])
+    if counts.size:
+        indices, groups = unpack_i32(inp["append_req_indices"]), unpack_i32(inp["append_group_ids"])
+        blocks = unpack_i32(inp["append_block_ids"])
+        ends = np.cumsum(counts)
+        for i, n in enumerate(counts.tolist()):
+            name = req_id_of(int(indices[i])) if req_id_of else f"#{indices[i]}"
+            yield name, int(groups[i]), blocks[ends[i] - n : ends[i]].tolist()
+
+
+def _scheduled(inp: dict, req_id_of):
+    """(req id, computed tokens, first group's row or None) of every request the step input schedules."""
+    for req in inp["new_reqs"]:
+        row = unpack_i32(req["block_ids"][0]).tolist() if req["block_ids"] else None
+        yield req["req_id"], req["num_computed_tokens"], row
+    if req_id_of is not None:
+        indices = unpack_i32(inp["cached_req_indices"])
+        computed = unpack_i32(inp["cached_num_computed_tokens"])
+        for index, n in zip(indices.tolist(), computed.tolist(), strict=True):
+            yield req_id_of(index), n, None

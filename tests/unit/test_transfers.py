@@ -1,0 +1,155 @@
+"""Transfers joined across engines: silent on clean pairs, each fault named with its transfer and request.
+
+Streams come from the synthetic prefill/decode pair (producer/synthetic.py),
+both engines' events interleaved at random, as a transfer-keyed stream
+delivers them; hypothesis explores seeds and shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvledger.producer import records
+from kvledger.producer.synthetic import PD_FAULT_KINDS, PdConfig, simulate_pd_pair
+from kvledger.schemas.registry import CONNECTOR_EVENT
+from kvledger.stream_app.core import KINDS, Ledger, Violation
+from kvledger.stream_app.core.transfers import TransferJoin, parse_digest
+
+TRANSFER_KINDS = {k for kinds in PD_FAULT_KINDS.values() for k in kinds} - {"foreign_block_write"}
+
+
+def check(events, **ledger_args) -> tuple[list[Violation], Ledger]:
+    ledger = Ledger(**ledger_args)
+    found = ledger.apply_many(events)
+    return found + ledger.finish(), ledger
+
+
+def transfer_of(v: Violation) -> str | None:
+    found = re.match(r"transfer (\S+):", v.detail)
+    return found[1] if found else None
+
+
+def test_new_kinds_are_known():
+    assert TRANSFER_KINDS | {"transfer_content_mismatch"} <= set(KINDS)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**16),
+    requests=st.integers(1, 12),
+    block_size=st.sampled_from([4, 16, 32]),
+    send_lag=st.integers(1, 6),
+    digests=st.booleans(),
+)
+def test_clean_pair_is_silent_and_every_transfer_joined(seed, requests, block_size, send_lag, digests):
+    cfg = PdConfig(seed=seed, requests=requests, block_size=block_size, send_lag=send_lag, digests=digests)
+    sim = simulate_pd_pair(cfg)
+    found, ledger = check(sim.events)
+    assert found == []
+    checks = ledger.coverage.checks
+    assert checks["transfer_join"] == checks["transfer_blocks"] == checks["transfer_read"] == requests
+    assert checks["transfer_content"] == (requests if digests else 0)
+    assert not [k for k in ledger.coverage.unchecked if k.startswith("transfer")]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**16),
+    fault=st.sampled_from(sorted(set(PD_FAULT_KINDS) - {"stuck"})),
+    victim=st.integers(0, 4),
+    block_size=st.sampled_from([4, 16]),
+)
+def test_each_fault_is_caught_with_its_transfer_and_request(seed, fault, victim, block_size):
+    sim = simulate_pd_pair(PdConfig(seed=seed, requests=6, block_size=block_size, faults=((fault, victim),)))
+    found, _ = check(sim.events)
+    for e in sim.expected:
+        assert any(
+            (v.kind, v.engine_id, v.req_id, transfer_of(v)) == (e.kind, e.engine_id, e.req_id, e.transfer_id)
+            for v in found
+        ), (e, found)
+    assert {v.kind for v in found} <= set(PD_FAULT_KINDS[fault]), found
+    assert {transfer_of(v) for v in found if v.kind in TRANSFER_KINDS} == {sim.transfer_ids[victim]}
+
+
+def test_stuck_transfer_reported_on_both_sides_at_the_deadline():
+    cfg = PdConfig(seed=5, requests=3, idle_steps=30, faults=(("stuck", 1),))
+    sim = simulate_pd_pair(cfg)
+    found, _ = check(sim.events, transfer_deadline_steps=20)
+    assert {(v.kind, v.engine_id, v.req_id) for v in found} == {
+        (e.kind, e.engine_id, e.req_id) for e in sim.expected
+    }, found
+    assert all("deadline 20 steps" in v.detail and transfer_of(v) == "tx-1" for v in found)
+    # Without enough steps after it, the same transfer is only open at the end: counted, not reported.
+    found, ledger = check(sim.events)
+    assert found == [] and ledger.coverage.unchecked["transfer_open_at_end"] == 2
+
+
+def test_join_is_order_independent_and_checkpointable():
+    cfg = PdConfig(seed=9, requests=8, faults=(("content", 2), ("block_count", 5), ("recv_failed", 6)))
+    sim = simulate_pd_pair(cfg)
+    connector = [e for e in sim.events if e["body"][0] == CONNECTOR_EVENT]
+
+    def run(events, split=None) -> set:
+        join, out = TransferJoin(), []
+        for n, event in enumerate(events):
+            if n == split:
+                join = copy.deepcopy(join)  # a checkpoint restored mid-stream
+            out += join.apply(event)
+        return {(v.kind, v.engine_id, v.req_id, v.step, v.detail) for v in out + join.finish()}
+
+    expected = run(connector)
+    assert {k for k, *_ in expected} == {"transfer_content_mismatch", "transfer_block_mismatch", "transfer_failed"}
+    rng = np.random.default_rng(0)
+    for _ in range(5):  # any interleaving of the two engines, even each engine's own order shuffled
+        shuffled = [connector[i] for i in rng.permutation(len(connector))]
+        assert run(shuffled, split=len(shuffled) // 2) == expected
+
+
+def test_one_engine_alone_is_unchecked_not_orphaned():
+    sim = simulate_pd_pair(PdConfig(seed=1, requests=4))
+    prefill_only = [e for e in sim.events if e["engine_id"] == "sim-prefill"]
+    found, ledger = check(prefill_only)
+    assert found == [] and ledger.coverage.unchecked["transfer_peer_not_in_input"] == 4
+
+
+def test_join_can_be_left_to_a_stream_worker():
+    sim = simulate_pd_pair(PdConfig(seed=2, requests=4, faults=(("content", 1), ("send_reused", 2))))
+    found, ledger = check(sim.events, join_transfers=False)
+    assert ledger.transfer_join is None
+    # The rank-local checks stay with the engine's projection; the join's kinds are gone.
+    assert {v.kind for v in found} == {"send_block_reused", "foreign_block_write"}
+
+
+def test_digest_layout_round_trips_and_tail_aligns():
+    blob = records.transfer_digest(b"12345678", [1, 2, 2**64 - 1])
+    parsed = parse_digest(blob)
+    assert parsed.layout == b"12345678" and parsed.blocks.tolist() == [1, 2, 2**64 - 1]
+    assert parse_digest(b"\x02" + blob[1:]) is None and parse_digest(None) is None
+    with pytest.raises(ValueError):
+        records.transfer_digest(b"short", [1])
+
+
+def test_partial_pull_compares_the_tail_and_other_layouts_are_unchecked():
+    def event(engine, kind, blocks, digest, **fields):
+        body = records.connector_event(
+            3, "test", kind, req_id=f"{engine}-r", transfer_id="t", block_ids=[blocks], digest=digest, **fields
+        )
+        return records.envelope(records.RankIdentity(engine), 0, 0, *body)
+
+    sent = records.transfer_digest(b"layout-a", [11, 12, 13])
+    tail = records.transfer_digest(b"layout-a", [12, 13])
+    join = TransferJoin()
+    out = join.apply(event("p", "SEND_DONE", [1, 2, 3], sent))
+    out += join.apply(event("d", "RECV_DONE", [7, 8], tail, remote_engine_id="p"))
+    assert out == [] and join.coverage.checks["transfer_content"] == 1
+    assert join.coverage.unchecked["transfer_partial_pull"] == 1
+    other = TransferJoin()
+    other.apply(event("p", "SEND_DONE", [1, 2], records.transfer_digest(b"layout-a", [1, 2])))
+    assert other.apply(event("d", "RECV_DONE", [1, 2], records.transfer_digest(b"layout-b", [5, 6]))) == []
+    assert other.coverage.unchecked["transfer_digest_layout_differs"] == 1
