@@ -45,6 +45,7 @@ lint: setup
 # Unit, property, integration and end-to-end tests: the integration fixture starts a
 # real Kafka broker (infra/local-kafka), the end-to-end tests real vLLM engines.
 test: lint vllm
+	infra/install-compose-cli
 	KVLEDGER_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q
 
 bench: setup

@@ -1,13 +1,16 @@
-"""`kvledger` command line: replay and query file ledgers.
+"""`kvledger` command line: replay and query file ledgers; run and read the stream worker.
 
-Exit status: 0 clean, 1 violations found, 2 unusable input (one-line error).
+Exit status: 0 clean, 1 violations found, 2 unusable input or unreachable
+broker (one-line error).
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -156,3 +159,134 @@ def query_cmd(path: str, engine_id: str, req_id: str, step: int | None, fmt: str
             for group, row in enumerate(v.rows):
                 console.print(f"  group {group}: {len(row)} block(s) {row}")
     sys.exit(EXIT_CLEAN if any(v.rows is not None for v in views) else EXIT_VIOLATIONS)
+
+
+# -- cluster mode -------------------------------------------------------------------------------
+# The worker's modules import Faust and the Kafka clients: loaded only by these commands.
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@main.command()
+@click.option("--bootstrap", required=True, metavar="HOST:PORT", help="Kafka bootstrap server(s).")
+@click.option("--partitions", type=click.IntRange(1), default=4, show_default=True, help="Of the events topic, if new.")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("kvledger-state"),
+    show_default=True,
+    help="Local table state (RocksDB).",
+)
+@click.option("--web-port", type=click.IntRange(1, 65535), default=6066, show_default=True, help="/metrics, views.")
+@click.option("--store", type=click.Choice(["rocksdb", "memory"]), default="rocksdb", show_default=True)
+@click.option("--group", default="kvledger", show_default=True, help="Consumer group (workers of one group share).")
+@click.option("--topic-prefix", default="kvledger", show_default=True, help="Topics are PREFIX.events, ...")
+@click.option("--replication", type=click.IntRange(1), default=1, show_default=True, help="Of topics it creates.")
+@click.option(
+    "--settle-after",
+    type=click.FloatRange(0.1),
+    default=5.0,
+    show_default=True,
+    help="Seconds an engine may be silent before steps held for its missing ranks are settled.",
+)
+@click.option(
+    "--session-timeout",
+    type=click.FloatRange(6.0),
+    default=10.0,
+    show_default=True,
+    help="Seconds before the group gives a silent worker's partitions to the others.",
+)
+@click.option("--loglevel", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
+def stream(
+    bootstrap: str,
+    partitions: int,
+    state_dir: Path,
+    web_port: int,
+    store: str,
+    group: str,
+    topic_prefix: str,
+    replication: int,
+    settle_after: float,
+    session_timeout: float,
+    loglevel: str,
+) -> None:
+    """Run a stream worker: project kvledger.events, publish violations (runs until stopped)."""
+    from kvledger.stream_app.worker.app import WorkerSettings, run_worker
+    from kvledger.stream_app.worker.topics import BrokerUnavailable, Topics, ensure_topics
+
+    if not _port_free(web_port):
+        _fail(f"web port 127.0.0.1:{web_port} is in use (another worker?); pick one with --web-port")
+    try:
+        partitions = ensure_topics(bootstrap, Topics(topic_prefix), partitions, replication)
+    except BrokerUnavailable as exc:
+        _fail(str(exc))
+    settings = WorkerSettings(
+        bootstrap=bootstrap,
+        partitions=partitions,
+        state_dir=state_dir,
+        web_port=web_port,
+        store=store,
+        group=group,
+        topic_prefix=topic_prefix,
+        replication=replication,
+        settle_after=settle_after,
+        session_timeout=session_timeout,
+    )
+    click.echo(
+        f"kvledger: worker of group {group} on {bootstrap} ({partitions} partitions), http://127.0.0.1:{web_port}/",
+        err=True,
+    )
+    run_worker(settings, loglevel=loglevel)
+
+
+@main.command()
+@click.option("--bootstrap", required=True, metavar="HOST:PORT", help="Kafka bootstrap server(s).")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--from-beginning", is_flag=True, help="Read the whole topic, not only what comes next.")
+@click.option(
+    "--idle-timeout",
+    type=click.FloatRange(0.1),
+    default=10.0,
+    show_default=True,
+    help="Exit after this many seconds without a new record.",
+)
+@click.option("--topic-prefix", default="kvledger", show_default=True)
+def violations(bootstrap: str, fmt: str, from_beginning: bool, idle_timeout: float, topic_prefix: str) -> None:
+    """Print the violations topic (each violation once), then a summary, and exit when idle."""
+    from kvledger.stream_app.worker.reader import ViolationsRead, read_violations
+    from kvledger.stream_app.worker.topics import BrokerUnavailable, Topics
+
+    out = Console(highlight=False)
+    stats = ViolationsRead()
+    try:
+        for _, v in read_violations(
+            bootstrap,
+            Topics(topic_prefix).violations,
+            from_beginning=from_beginning,
+            idle_timeout=idle_timeout,
+            stats=stats,
+        ):
+            if fmt == "json":
+                click.echo(_violation_json(v))
+            else:
+                out.print(_violation_text(v), soft_wrap=True)
+    except BrokerUnavailable as exc:
+        _fail(str(exc))
+    summary = stats.summary()
+    if fmt == "json":
+        click.echo(json.dumps(summary))
+    else:
+        kinds = ", ".join(f"{k} {n}" for k, n in summary["violations"].items())
+        out.print()
+        out.print(f"[bold]{sum(stats.kinds.values())}[/] violation(s) from {summary['engines']} engine(s)")
+        out.print(f"[bold red]{kinds}[/]" if kinds else "[bold green]no violations[/]")
+        if stats.duplicates:
+            out.print(f"{stats.duplicates} re-sent record(s) dropped (same violation id)")
+    sys.exit(EXIT_VIOLATIONS if stats.kinds else EXIT_CLEAN)

@@ -1,0 +1,235 @@
+"""One stream worker on a real Kafka broker: step-events per second, and detection latency.
+
+Throughput: a decode-heavy ledger (64 running requests, one token each per
+step) is loaded into the events topic first; then one `kvledger stream`
+worker starts and the time from its first applied event to its last is
+measured (from its /metrics). Latency: with the worker caught up, a live
+engine produces steps at a steady rate with a fault every few dozen steps;
+each violation's latency is the time from producing the step that reveals it
+to reading the violation from the violations topic.
+
+    python bench/stream_throughput.py [--steps N] [--bootstrap HOST:PORT]
+
+Without --bootstrap a private broker is started with infra/local-kafka.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from confluent_kafka import Consumer, Producer
+
+from kvledger.producer.sinks import KAFKA_DEFAULTS
+from kvledger.producer.synthetic import FaultSpec, SimConfig, simulate
+from kvledger.schemas import LEDGER_EVENT, VIOLATION, SingleObjectCodec
+
+ROOT = Path(__file__).resolve().parents[1]
+KVLEDGER = str(Path(sys.executable).with_name("kvledger"))
+DECODE_HEAVY = dict(
+    max_num_seqs=64,
+    max_batched_tokens=2048,
+    arrival_rate=8,
+    prompt_len=(16, 64),
+    output_len=(4000, 8000),
+    num_blocks=40000,
+    prefix_caching=False,
+)
+TARGET_EVENTS_PER_S = 20_000
+TARGET_P99_S = 1.0
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class LocalBroker:
+    def __init__(self, state: Path):
+        port, cport = free_ports(2)
+        self.env = {
+            **os.environ,
+            "KVLEDGER_KAFKA_DIR": str(state),
+            "KVLEDGER_KAFKA_PORT": str(port),
+            "KVLEDGER_KAFKA_CONTROLLER_PORT": str(cport),
+        }
+
+    def run(self, cmd: str) -> str:
+        proc = subprocess.run([str(ROOT / "infra" / "local-kafka"), cmd], env=self.env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"infra/local-kafka {cmd} failed: {proc.stderr.strip()}")
+        return proc.stdout.strip().removeprefix("bootstrap=")
+
+
+class WorkerProcess:
+    def __init__(self, bootstrap: str, prefix: str, state: Path):
+        (self.port,) = free_ports(1)
+        args = [KVLEDGER, "stream", "--bootstrap", bootstrap, "--partitions", "1", "--topic-prefix", prefix,
+                "--group", prefix, "--state-dir", str(state), "--web-port", str(self.port)]  # fmt: skip
+        self.log = state.with_suffix(".log")
+        state.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(args, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+
+    def events_applied(self) -> float | None:
+        if self.proc.poll() is not None:
+            raise SystemExit(f"the worker exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        return sum(float(v) for v in re.findall(r"^kvledger_events_total\{[^}]*\} (\S+)$", text, re.M))
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while self.events_applied() is None:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise SystemExit("the worker did not start")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def produce_all(bootstrap: str, topic: str, events: list[dict]) -> None:
+    codec = SingleObjectCodec(LEDGER_EVENT)
+    producer = Producer({**KAFKA_DEFAULTS, "bootstrap.servers": bootstrap})
+    for event in events:
+        while True:
+            try:
+                producer.produce(topic, key=event["engine_id"].encode(), value=codec.encode(event))
+                break
+            except BufferError:
+                producer.poll(0.05)
+    assert producer.flush(60) == 0
+
+
+def throughput(bootstrap: str, steps: int, workdir: Path) -> tuple[float, int]:
+    sim = simulate(SimConfig(seed=1, steps=steps, snapshot_interval=500, health_interval=500, **DECODE_HEAVY))
+    step_events = sum(e["body"][0] == "kvledger.Step" for e in sim.events)
+    prefix = f"bench{uuid.uuid4().hex[:6]}"
+    worker = WorkerProcess(bootstrap, prefix, workdir / "state-throughput")
+    try:
+        worker.wait_ready()
+        produce_all(bootstrap, f"{prefix}.events", sim.events)
+        total = len(sim.events)
+        first_at = first_count = None
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            applied = worker.events_applied() or 0
+            now = time.monotonic()
+            if applied and first_at is None:
+                first_at, first_count = now, applied
+            if applied >= total:
+                break
+            time.sleep(0.05)
+        else:
+            raise SystemExit("the worker did not finish in 10 minutes")
+        rate = (applied - first_count) / (now - first_at) * step_events / total
+        return rate, step_events
+    finally:
+        worker.stop()
+
+
+def latency(bootstrap: str, steps: int, rate: float, workdir: Path) -> list[float]:
+    faults = tuple(FaultSpec("slot_shift", s) for s in range(50, steps, 25))
+    sim = simulate(
+        SimConfig(seed=2, steps=steps, faults=faults, snapshot_interval=0, health_interval=0, **DECODE_HEAVY)
+    )
+    prefix = f"bench{uuid.uuid4().hex[:6]}"
+    worker = WorkerProcess(bootstrap, prefix, workdir / "state-latency")
+    produced_at: dict[int, float] = {}
+    seen_at: dict[int, float] = {}
+    codec = SingleObjectCodec(VIOLATION)
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": f"{prefix}-reader", "auto.offset.reset": "earliest"}
+    )
+    done = threading.Event()
+
+    def read_violations() -> None:
+        consumer.subscribe([f"{prefix}.violations"])
+        while not done.is_set():
+            message = consumer.poll(0.05)
+            if message is not None and message.error() is None:
+                step = codec.decode(message.value())["step"]
+                seen_at.setdefault(step, time.monotonic())
+
+    try:
+        worker.wait_ready()
+        reader = threading.Thread(target=read_violations, daemon=True)
+        reader.start()
+        time.sleep(3)  # the reader joins its group
+        events_codec = SingleObjectCodec(LEDGER_EVENT)
+        producer = Producer({**KAFKA_DEFAULTS, "bootstrap.servers": bootstrap})
+        start = time.monotonic()
+        for i, event in enumerate(sim.events):
+            time.sleep(max(0.0, start + i / rate - time.monotonic()))  # a live engine's pace
+            producer.produce(f"{prefix}.events", key=event["engine_id"].encode(), value=events_codec.encode(event))
+            producer.poll(0)
+            if event["body"][0] == "kvledger.Step":
+                produced_at.setdefault(event["body"][1]["step"], time.monotonic())
+        producer.flush(30)
+        wanted = {e.step for e in sim.expected}
+        deadline = time.monotonic() + 30
+        while not wanted <= seen_at.keys() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return [seen_at[s] - produced_at[s] for s in sorted(wanted & seen_at.keys())]
+    finally:
+        done.set()
+        worker.stop()
+        consumer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20_000, help="steps of the throughput ledger")
+    parser.add_argument("--latency-steps", type=int, default=1_500)
+    parser.add_argument("--latency-rate", type=float, default=200.0, help="steps per second of the live engine")
+    parser.add_argument("--bootstrap", help="use this broker instead of starting one")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        broker = None
+        bootstrap = args.bootstrap
+        if bootstrap is None:
+            broker = LocalBroker(workdir / "kafka")
+            bootstrap = broker.run("up")
+        try:
+            rate, n = throughput(bootstrap, args.steps, workdir)
+            print(f"throughput (decode-heavy, 64 req/step, one worker): {rate:,.0f} step-events/s over {n:,} "
+                  f"(target >= {TARGET_EVENTS_PER_S:,})")  # fmt: skip
+            lat = latency(bootstrap, args.latency_steps, args.latency_rate, workdir)
+            if not lat:
+                raise SystemExit("no violation came back: latency not measured")
+            p50 = statistics.median(lat)
+            p99 = statistics.quantiles(lat, n=100, method="inclusive")[98] if len(lat) >= 2 else lat[0]
+            print(f"detection latency, produce -> violation on topic ({len(lat)} violations at "
+                  f"{args.latency_rate:.0f} steps/s): p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, "
+                  f"max {max(lat) * 1000:.0f} ms (target p99 <= {TARGET_P99_S * 1000:.0f} ms)")  # fmt: skip
+        finally:
+            if broker is not None:
+                broker.run("down")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""The Faust app: the Kafka edge around the pure projection (projection.py).
+
+One agent reads `<prefix>.events` in batches and, per engine, feeds the
+engine's `Ledger`. Everything a batch reveals is sent at once: violations to
+`<prefix>.violations`, dead letters to `<prefix>.deadletter`, connector events
+with a transfer id to `<prefix>.transfers` (keyed by transfer id, for the PD
+joins). State lives in the Faust table `checkpoints` (RocksDB, or memory in
+tests), one entry per engine; see the package docstring for why that, with
+violation ids, makes a crash lose and duplicate nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import faust
+from faust import streams as faust_streams
+
+from kvledger.schemas import VIOLATION, SingleObjectCodec
+from kvledger.stream_app.worker.metrics import WorkerMetrics
+from kvledger.stream_app.worker.projection import Decoder, EngineProjection, Outcome, Record
+from kvledger.stream_app.worker.topics import Topics
+from kvledger.stream_app.worker.views import register_views
+
+RECENT_VIOLATIONS = 200
+log = logging.getLogger("kvledger.worker")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    bootstrap: str
+    partitions: int = 4  # of the events topic (and so of the table's changelog)
+    state_dir: Path = Path("kvledger-state")
+    web_port: int = 6066
+    store: str = "rocksdb"  # or "memory" (tests): then state is rebuilt from the changelog on start
+    group: str = "kvledger"  # consumer group and app id
+    topic_prefix: str = "kvledger"
+    replication: int = 1
+    settle_after: float = 5.0  # watermark: an engine silent this long has its held steps settled
+    checkpoint_every: float = 1.0  # seconds between checkpoints (and so between offset commits)
+    checkpoint_events: int = 8192  # ... or events, whichever comes first
+    batch_size: int = 2048
+    session_timeout: float = 10.0  # how soon the group notices a dead worker
+
+
+@contextlib.contextmanager
+def in_partition_of(event: faust.EventT):
+    """Faust tables shard by the partition of the event being processed. Checkpoints are
+    written between events, so they name the event whose partition they belong to."""
+    token = faust_streams._current_event.set(weakref.ref(event))
+    try:
+        yield
+    finally:
+        faust_streams._current_event.reset(token)
+
+
+class StreamWorker:
+    """Builds the Faust app and holds the engines it projects."""
+
+    def __init__(self, settings: WorkerSettings):
+        self.settings = s = settings
+        self.topics = Topics(s.topic_prefix)
+        self.metrics = WorkerMetrics()
+        self.decoder = Decoder()
+        self.violation_codec = SingleObjectCodec(VIOLATION)
+        self.engines: dict[str, EngineProjection] = {}
+        self.anchors: dict[str, faust.EventT] = {}  # engine -> its latest event (names its partition)
+        self.last_active: dict[str, float] = {}  # engine -> monotonic time of its latest event
+        self.dirty: set[str] = set()
+        self.unacked: list[faust.EventT] = []
+        self.positions: dict[Any, int] = {}  # events tp -> next offset to process
+        self.recent: deque = deque(maxlen=RECENT_VIOLATIONS)
+        self.last_checkpoint = time.monotonic()
+        self.lock = asyncio.Lock()
+        self.stream: faust.StreamT | None = None
+        self.app = self._make_app()
+
+    # -- the app ---------------------------------------------------------------------------
+    def _make_app(self) -> faust.App:
+        s = self.settings
+        store = "memory://" if s.store == "memory" else "rocksdb://"
+        app = faust.App(
+            s.group,
+            broker=f"kafka://{s.bootstrap}",
+            store=store,
+            datadir=str(s.state_dir),
+            web_enabled=True,
+            web_bind="127.0.0.1",
+            web_port=s.web_port,
+            web_host="127.0.0.1",
+            topic_partitions=s.partitions,
+            topic_replication_factor=s.replication,
+            consumer_auto_offset_reset="earliest",
+            processing_guarantee="at_least_once",
+            producer_acks=-1,
+            producer_linger=0.002,
+            broker_session_timeout=s.session_timeout,
+            broker_heartbeat_interval=min(3.0, s.session_timeout / 4),
+            broker_commit_interval=s.checkpoint_every,
+            stream_buffer_maxsize=4 * s.batch_size,
+            # Events are acked only once a checkpoint covers them (see _checkpoint); a rebalance or a
+            # shutdown need not wait for that: what is not acked is re-read, under the same ids.
+            stream_wait_empty=False,
+            # Step events are a few KB: the 1 MB default fetch caps a partition at a few thousand per second.
+            consumer_max_fetch_size=32 << 20,
+            broker_max_poll_records=4 * s.batch_size,
+            table_standby_replicas=0,
+        )
+        raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
+        self.events_topic = app.topic(self.topics.events, partitions=s.partitions, **raw)
+        self.violations_topic = app.topic(self.topics.violations, **raw)
+        self.deadletter_topic = app.topic(self.topics.deadletter, **raw)
+        self.transfers_topic = app.topic(self.topics.transfers, **raw)
+        self.table = app.Table("checkpoints", partitions=s.partitions, key_type=bytes, value_type=bytes)
+
+        @app.agent(self.events_topic, name="project")
+        async def project(stream: faust.StreamT) -> None:
+            self.stream = stream
+            async for events in stream.noack_take(s.batch_size, within=0.01):
+                async with self.lock:
+                    await self._handle(events)
+
+        @app.timer(interval=min(0.5, s.checkpoint_every))
+        async def housekeeping() -> None:
+            async with self.lock:
+                await self._settle_silent_engines()
+                if time.monotonic() - self.last_checkpoint >= s.checkpoint_every:
+                    await self._checkpoint()
+            self._update_lag()
+
+        @app.on_partitions_assigned.connect
+        async def on_assigned(app: faust.App, assigned, **kwargs) -> None:
+            # A rebalance revokes everything, then assigns: keep what came back to us
+            # (nobody else processed it in between), drop what went to another worker.
+            self._forget_all_but(assigned)
+
+        register_views(app, self)
+        return app
+
+    # -- one batch --------------------------------------------------------------------------
+    async def _handle(self, events: list[faust.EventT]) -> None:
+        records = []
+        for event in events:
+            m = event.message
+            records.append(Record(m.partition, m.offset, m.key, m.value))
+            self.positions[m.tp] = m.offset + 1
+        by_record = {id(r): e for r, e in zip(records, events, strict=True)}
+        per_engine, dead = self.decoder.split(records)
+        outcome = Outcome(dead_letters=dead)
+        now = time.monotonic()
+        for engine_id, items in per_engine.items():
+            anchor = by_record[id(items[-1][0])]
+            projection = self._projection(engine_id, anchor)
+            self.anchors[engine_id] = anchor
+            self.last_active[engine_id] = now
+            outcome.merge(projection.apply(items))
+            self.dirty.add(engine_id)
+        await self._publish(outcome)
+        self.unacked += events
+        if len(self.unacked) >= self.settings.checkpoint_events:
+            await self._checkpoint()
+
+    def _projection(self, engine_id: str, anchor: faust.EventT) -> EngineProjection:
+        projection = self.engines.get(engine_id)
+        if projection is None:
+            with in_partition_of(anchor):
+                blob = self.table.get(engine_id.encode())
+            projection = EngineProjection.restore(blob) if blob else EngineProjection(engine_id)
+            self.engines[engine_id] = projection
+            log.info(
+                "engine %s: %s, first event at %s/%d",
+                engine_id,
+                f"restored, offsets < {projection.next_offset} covered" if blob else "new",
+                anchor.message.tp.partition,
+                anchor.message.offset,
+            )
+        return projection
+
+    async def _publish(self, outcome: Outcome) -> None:
+        m = self.metrics
+        for issued in outcome.violations:
+            v = issued.violation
+            await self.violations_topic.send(
+                key=issued.id.encode(),
+                value=self.violation_codec.encode(v.to_record()),
+                headers=[("kvledger.engine_id", v.engine_id.encode())],
+            )
+            m.violations.labels(v.engine_id, v.kind).inc()
+            self.recent.append(issued)
+        for dead in outcome.dead_letters:
+            r = dead.record
+            await self.deadletter_topic.send(
+                key=r.key,
+                value=r.value,
+                headers=[
+                    ("kvledger.reason", dead.reason.encode()),
+                    ("kvledger.detail", dead.detail.encode(errors="replace")),
+                    ("kvledger.source", f"{self.topics.events}/{r.partition}/{r.offset}".encode()),
+                ],
+            )
+            m.deadletters.labels(dead.reason).inc()
+        for transfer_id, r in outcome.transfers:
+            await self.transfers_topic.send(key=transfer_id.encode(), value=r.value)
+        for health in outcome.health:
+            m.producer_dropped.labels(health.engine_id, health.rank).set(health.events_dropped)
+        for engine_id, n in outcome.events.items():
+            m.events.labels(engine_id).inc(n)
+        for reason, n in outcome.unchecked.items():
+            m.unchecked.labels(reason).inc(n)
+
+    # -- watermark, checkpoints, rebalance ---------------------------------------------------
+    async def _settle_silent_engines(self) -> None:
+        """A rank still missing once its engine went quiet is reported (rank_missing), never held forever."""
+        now = time.monotonic()
+        assigned = self.app.consumer.assignment()
+        outcome = Outcome()
+        for engine_id, projection in self.engines.items():
+            silent = now - self.last_active.get(engine_id, now) >= self.settings.settle_after
+            if silent and projection.holding and self.anchors[engine_id].message.tp in assigned:
+                outcome.merge(projection.settle())
+                self.dirty.add(engine_id)
+        await self._publish(outcome)
+
+    async def _checkpoint(self) -> None:
+        """Publish, then record state, then let the offsets go.
+
+        Order matters: every violation of the covered events is on the broker
+        before the checkpoint that covers them is written, and events are acked
+        (so their offsets may be committed) only once a checkpoint covers them.
+        """
+        self.last_checkpoint = time.monotonic()
+        if not self.dirty and not self.unacked:
+            return
+        await self.app.producer.flush()
+        assigned = self.app.consumer.assignment()
+        for engine_id in sorted(self.dirty):
+            anchor = self.anchors[engine_id]
+            if anchor.message.tp not in assigned:
+                continue  # revoked: the partition's new owner checkpoints it now
+            with in_partition_of(anchor):
+                self.table[engine_id.encode()] = self.engines[engine_id].mark_checkpointed()
+            log.debug("engine %s: checkpoint, offsets < %d", engine_id, self.engines[engine_id].next_offset)
+        self.dirty.clear()
+        unacked, self.unacked = self.unacked, []
+        log.debug("acking %d events, last offsets %s", len(unacked), dict(self.positions))
+        for event in unacked:
+            await self.stream.ack(event)
+
+    def _forget_all_but(self, assigned) -> None:
+        for engine_id in [e for e, a in self.anchors.items() if a.message.tp not in assigned]:
+            for held in (self.engines, self.anchors, self.last_active):
+                held.pop(engine_id, None)
+            self.dirty.discard(engine_id)
+        for tp in [tp for tp in self.positions if tp not in assigned]:
+            if self.positions.pop(tp, None) is not None:
+                with contextlib.suppress(KeyError):
+                    self.metrics.consumer_lag.remove(tp.topic, str(tp.partition))
+
+    def _update_lag(self) -> None:
+        consumer = self.app.consumer
+        for tp in consumer.assignment():
+            if tp.topic != self.topics.events:
+                continue
+            try:
+                highwater = consumer.highwater(tp)
+            except Exception:  # not fetched yet
+                continue
+            done = self.positions.get(tp)
+            if highwater is not None and done is not None:
+                self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(max(highwater - done, 0))
+
+
+def run_worker(settings: WorkerSettings, loglevel: str = "warning") -> None:
+    """Run a worker in the foreground until SIGTERM/SIGINT."""
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    worker = StreamWorker(settings)
+    faust.Worker(worker.app, loglevel=loglevel, quiet=True, redirect_stdouts=False).execute_from_commandline()

@@ -1,0 +1,34 @@
+"""Prometheus metrics of a worker. The names are a contract with the dashboards."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
+
+disable_created_metrics()  # one series per metric: the dashboards need no `_created` twins
+
+
+class WorkerMetrics:
+    """The worker's metrics, in their own registry (served at /metrics)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        # prometheus-client appends `_total` to counter names on exposition.
+        self.events = Counter("kvledger_events", "Ledger events applied.", ["engine"], registry=r)
+        self.violations = Counter("kvledger_violations", "Violations found.", ["engine", "kind"], registry=r)
+        self.unchecked = Counter("kvledger_unchecked", "Checks that could not run.", ["reason"], registry=r)
+        self.deadletters = Counter(
+            "kvledger_deadletter", "Records sent to the dead-letter topic.", ["reason"], registry=r
+        )
+        self.consumer_lag = Gauge(
+            "kvledger_consumer_lag", "Records not yet read, per partition.", ["topic", "partition"], registry=r
+        )
+        self.producer_dropped = Gauge(
+            "kvledger_producer_dropped_events",
+            "Events the engine's probes dropped (from Health events, cumulative per incarnation).",
+            ["engine", "rank"],
+            registry=r,
+        )
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

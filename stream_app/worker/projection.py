@@ -1,0 +1,241 @@
+"""The worker's projection of `kvledger.events`: pure, no Kafka, no clock.
+
+The Faust app (app.py) hands over batches of raw records; this module decodes
+them, feeds one `Ledger` per engine (the same core `kvledger check` runs) and
+says what to publish: violations with their idempotent ids, dead letters,
+connector events for the transfer stream, producer health. It also turns an
+engine's state into a checkpoint and back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvledger.schemas import LEDGER_EVENT, DecodeError, SingleObjectCodec, UnknownSchemaError
+from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH
+from kvledger.stream_app.core import Ledger, Violation
+
+CHECKPOINT_FORMAT = 1
+SETTLE = None  # marks, in an engine's replay log, where the watermark settled held steps
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One message of the events topic, as the Kafka edge hands it over."""
+
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    record: Record
+    reason: str  # undecodable, unknown_schema, wrong_key, rejected_by_ledger
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedViolation:
+    """A violation and its id: the same fact always gets the same id, so re-sends are duplicates by key."""
+
+    id: str
+    violation: Violation
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerHealth:
+    engine_id: str
+    rank: str  # dp<D>-tp<T>-pp<P>
+    events_dropped: int
+
+
+@dataclass
+class Outcome:
+    """What one batch (or one watermark) asks the edge to publish and count."""
+
+    violations: list[IssuedViolation] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    transfers: list[tuple[str, Record]] = field(default_factory=list)  # (transfer id, original record)
+    health: list[ProducerHealth] = field(default_factory=list)
+    events: Counter = field(default_factory=Counter)  # engine -> events applied
+    unchecked: Counter = field(default_factory=Counter)  # reason -> newly unchecked
+
+    def merge(self, other: Outcome) -> None:
+        self.violations += other.violations
+        self.dead_letters += other.dead_letters
+        self.transfers += other.transfers
+        self.health += other.health
+        self.events.update(other.events)
+        self.unchecked.update(other.unchecked)
+
+
+def violation_digest(v: Violation) -> str:
+    content = json.dumps(v.to_record(), sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(content.encode(), digest_size=10).hexdigest()
+
+
+class EngineProjection:
+    """One engine's ledger, the offsets it covers, and the ids it has issued.
+
+    Violation id = engine id / digest of the violation's content / how many
+    identical violations this engine issued before. The core is deterministic,
+    so replaying the same events from the same checkpoint issues the same ids,
+    whatever the batching or the timing of checkpoints.
+    """
+
+    def __init__(self, engine_id: str, ledger: Ledger | None = None, *, next_offset: int = 0, issued=None, base=None):
+        self.engine_id = engine_id
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.next_offset = next_offset  # first offset of the engine's partition not yet applied
+        self.issued: Counter = issued if issued is not None else Counter()  # violation digest -> times issued
+        self.reported_unchecked: Counter = Counter(self.ledger.coverage.unchecked)
+        # Since the last checkpoint: its bytes and the events applied after it, to
+        # rebuild the state when a record makes the core raise.
+        self._base: bytes = base if base is not None else self.checkpoint()
+        self._log: list[tuple[Record, dict] | None] = []
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def checkpoint(self) -> bytes:
+        """The whole state as bytes (pickled and compressed: the ledger's arrays are sparse)."""
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "engine_id": self.engine_id,
+            "ledger": self.ledger,
+            "next_offset": self.next_offset,
+            "issued": self.issued,
+        }
+        return zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
+
+    @classmethod
+    def restore(cls, blob: bytes) -> EngineProjection:
+        state = pickle.loads(zlib.decompress(blob))
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"checkpoint format {state.get('format')!r} is not {CHECKPOINT_FORMAT}")
+        return cls(
+            state["engine_id"], state["ledger"], next_offset=state["next_offset"], issued=state["issued"], base=blob
+        )
+
+    def mark_checkpointed(self) -> bytes:
+        blob = self.checkpoint()
+        self._base, self._log = blob, []
+        return blob
+
+    # -- applying -----------------------------------------------------------------------
+    def apply(self, items: list[tuple[Record, dict]]) -> Outcome:
+        """Apply decoded events of this engine, in offset order; skip what the state already covers."""
+        items = [(r, e) for r, e in items if r.offset >= self.next_offset]
+        out = Outcome()
+        if not items:
+            return out
+        try:
+            found = self.ledger.apply_many([e for _, e in items])
+        except Exception:  # a record the core cannot take: find it, set it aside, keep the rest
+            found, rejected = self._apply_one_by_one(items)
+            out.dead_letters += rejected
+            items = [(r, e) for r, e in items if all(r is not d.record for d in rejected)]
+        self._log += items
+        self.next_offset = max(self.next_offset, items[-1][0].offset + 1) if items else self.next_offset
+        out.violations += self._issue(found)
+        out.events[self.engine_id] += len(items)
+        for record, event in items:
+            name, body = event["body"]
+            if name == CONNECTOR_EVENT and body.get("transfer_id"):
+                out.transfers.append((body["transfer_id"], record))
+            elif name == HEALTH:
+                rank = f"dp{event['dp_rank']}-tp{event['tp_rank']}-pp{event['pp_rank']}"
+                out.health.append(ProducerHealth(self.engine_id, rank, body["events_dropped"]))
+        out.unchecked += self._new_unchecked()
+        return out
+
+    def settle(self) -> Outcome:
+        """The watermark passed: steps still held for missing ranks are settled (rank_missing)."""
+        out = Outcome()
+        out.violations += self._issue(self.ledger.finish())
+        self._log.append(SETTLE)
+        out.unchecked += self._new_unchecked()
+        return out
+
+    @property
+    def holding(self) -> bool:
+        """Steps are waiting for ranks that have not reported them yet."""
+        return any(group.pending for group in self.ledger.step_groups.values())
+
+    def _issue(self, violations: list[Violation]) -> list[IssuedViolation]:
+        issued = []
+        for v in violations:
+            digest = violation_digest(v)
+            n = self.issued[digest]
+            self.issued[digest] = n + 1
+            issued.append(IssuedViolation(f"{self.engine_id}/{digest}/{n}", v))
+        return issued
+
+    def _new_unchecked(self) -> Counter:
+        now = self.ledger.coverage.unchecked
+        delta = Counter({k: n - self.reported_unchecked[k] for k, n in now.items() if n > self.reported_unchecked[k]})
+        self.reported_unchecked = Counter(now)
+        return delta
+
+    def _apply_one_by_one(self, items: list[tuple[Record, dict]]) -> tuple[list[Violation], list[DeadLetter]]:
+        """Rebuild from the last checkpoint, event by event, leaving out every event the core raises on."""
+        rejected: dict[int, DeadLetter] = {}
+        while True:
+            base = EngineProjection.restore(self._base)
+            ledger = base.ledger
+            for entry in self._log:
+                if entry is SETTLE:
+                    ledger.finish()
+                else:
+                    ledger.apply(entry[1])
+            found: list[Violation] = []
+            failed = None
+            for i, (record, event) in enumerate(items):
+                if i in rejected:
+                    continue
+                try:
+                    found += ledger.apply(event)
+                except Exception as exc:
+                    failed = i
+                    rejected[i] = DeadLetter(record, "rejected_by_ledger", f"{type(exc).__name__}: {exc}")
+                    break
+            if failed is None:
+                self.ledger = ledger
+                return found, list(rejected.values())
+
+
+class Decoder:
+    """Raw records -> (record, event) per engine, or dead letters."""
+
+    def __init__(self) -> None:
+        self.codec = SingleObjectCodec(LEDGER_EVENT)
+
+    def decode(self, record: Record) -> dict | DeadLetter:
+        if record.value is None:
+            return DeadLetter(record, "undecodable", "record without a value")
+        try:
+            event = self.codec.decode(record.value)
+        except UnknownSchemaError as exc:
+            return DeadLetter(record, "unknown_schema", str(exc))
+        except DecodeError as exc:
+            return DeadLetter(record, "undecodable", str(exc))
+        if record.key != event["engine_id"].encode():
+            # Keyed otherwise, the engine's ranks may sit in several partitions, out of order.
+            return DeadLetter(record, "wrong_key", f"key {record.key!r} is not the engine id {event['engine_id']!r}")
+        return event
+
+    def split(self, records: list[Record]) -> tuple[dict[str, list[tuple[Record, dict]]], list[DeadLetter]]:
+        per_engine: dict[str, list[tuple[Record, dict]]] = {}
+        dead: list[DeadLetter] = []
+        for record in records:
+            decoded = self.decode(record)
+            if isinstance(decoded, DeadLetter):
+                dead.append(decoded)
+            else:
+                per_engine.setdefault(decoded["engine_id"], []).append((record, decoded))
+        return per_engine, dead

@@ -1,0 +1,92 @@
+"""Topic names and their creation, with confluent-kafka's admin client.
+
+Topics are made before the Faust app starts so that the partition count is
+the operator's choice (`--partitions`), errors are one clear line, and a
+broker that does not answer is found before any worker starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+# librdkafka logs every failed connection attempt; the one-line error says it all.
+QUIET = logging.getLogger("kvledger.kafka-client")
+QUIET.addHandler(logging.NullHandler())
+QUIET.propagate = False
+
+
+class BrokerUnavailable(Exception):
+    """The broker did not answer, or refused to make a topic (one-line message)."""
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The worker's topics, all under one prefix (`kvledger` in production)."""
+
+    prefix: str = "kvledger"
+
+    @property
+    def events(self) -> str:
+        return f"{self.prefix}.events"
+
+    @property
+    def violations(self) -> str:
+        return f"{self.prefix}.violations"
+
+    @property
+    def deadletter(self) -> str:
+        return f"{self.prefix}.deadletter"
+
+    @property
+    def transfers(self) -> str:
+        return f"{self.prefix}.transfers"
+
+
+def admin(bootstrap: str, timeout: float = 5.0) -> AdminClient:
+    """An admin client, after checking the broker answers (else BrokerUnavailable)."""
+    client = AdminClient({"bootstrap.servers": bootstrap, "logger": QUIET})
+    try:
+        client.list_topics(timeout=timeout)
+    except KafkaException as exc:
+        raise BrokerUnavailable(f"no Kafka broker answers at {bootstrap} ({exc.args[0].str()})") from None
+    return client
+
+
+def partitions_of(client: AdminClient, topic: str, timeout: float = 10.0) -> int | None:
+    # All topics' metadata: asking for one by name would make a broker that auto-creates topics create it.
+    meta = client.list_topics(timeout=timeout).topics.get(topic)
+    if meta is None or meta.error is not None:
+        return None
+    return len(meta.partitions)
+
+
+def ensure_topics(bootstrap: str, topics: Topics, partitions: int, replication: int = 1) -> int:
+    """Create missing topics; return the events topic's partition count (an existing topic keeps its own).
+
+    Violations are keyed by their id on a compacted topic, so re-sent
+    duplicates collapse in storage as well as in consumers.
+    """
+    client = admin(bootstrap)
+    existing = partitions_of(client, topics.events)
+    events_partitions = existing or partitions
+    wanted = {
+        topics.events: NewTopic(topics.events, events_partitions, replication),
+        topics.violations: NewTopic(
+            topics.violations, events_partitions, replication, config={"cleanup.policy": "compact"}
+        ),
+        topics.deadletter: NewTopic(topics.deadletter, events_partitions, replication),
+        topics.transfers: NewTopic(topics.transfers, events_partitions, replication),
+    }
+    missing = [t for name, t in wanted.items() if partitions_of(client, name) is None]
+    if missing:
+        for name, future in client.create_topics(missing, operation_timeout=30).items():
+            try:
+                future.result(timeout=30)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise BrokerUnavailable(f"cannot create topic {name}: {exc.args[0].str()}") from None
+    return events_partitions

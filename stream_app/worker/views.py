@@ -1,0 +1,106 @@
+"""The worker's web views (Faust's web server, bound to 127.0.0.1).
+
+/metrics       Prometheus exposition
+/engines       engines and ranks seen: last step, lag, events dropped by producers
+/violations    the most recent violations, newest last
+/block-table   ?engine=E&req=R: a request's block table per rank, at each rank's current step
+/              a small HTML status page over the three JSON views
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import TYPE_CHECKING
+
+import faust
+from prometheus_client import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from kvledger.stream_app.worker.app import StreamWorker
+
+
+def engines_view(worker: StreamWorker) -> list[dict]:
+    out = []
+    for engine_id, projection in sorted(worker.engines.items()):
+        anchor = worker.anchors.get(engine_id)
+        tp = anchor.message.tp if anchor is not None else None
+        lag = None
+        if tp is not None and tp in worker.positions:
+            try:
+                lag = max(worker.app.consumer.highwater(tp) - worker.positions[tp], 0)
+            except Exception:  # not fetched yet
+                lag = None
+        ledger = projection.ledger
+        ranks = [
+            {
+                "rank": f"dp{key.dp}-tp{key.tp}-pp{key.pp}",
+                "incarnation": slot.incarnation,
+                "last_step": slot.last_step,
+                "events_dropped": slot.events_dropped,
+                "in_sync": not slot.desynced,
+            }
+            for key, slot in sorted(ledger.ranks.items(), key=lambda kv: (kv[0].dp, kv[0].pp, kv[0].tp))
+        ]
+        out.append(
+            {
+                "engine_id": engine_id,
+                "partition": tp.partition if tp is not None else None,
+                "lag": lag,
+                "events": ledger.events,
+                "next_offset": projection.next_offset,
+                "steps": ledger.steps,
+                "held_steps": sum(len(g.pending) for g in ledger.step_groups.values()),
+                "ranks": ranks,
+            }
+        )
+    return out
+
+
+def violations_view(worker: StreamWorker) -> list[dict]:
+    return [{"id": issued.id, **issued.violation.to_record()} for issued in worker.recent]
+
+
+def block_table_view(worker: StreamWorker, engine_id: str, req_id: str) -> list[dict] | None:
+    projection = worker.engines.get(engine_id)
+    if projection is None:
+        return None
+    views = []
+    for key, slot in sorted(projection.ledger.ranks.items(), key=lambda kv: (kv[0].dp, kv[0].pp, kv[0].tp)):
+        rows = slot.state.request_rows(req_id) if slot.state is not None else None
+        views.append({"rank": f"dp{key.dp}-tp{key.tp}-pp{key.pp}", "step": slot.last_step, "rows": rows})
+    return views
+
+
+def register_views(app: faust.App, worker: StreamWorker) -> None:
+    status_page = resources.files("kvledger.stream_app.worker").joinpath("status.html").read_text()
+
+    @app.page("/metrics")
+    async def metrics(web, request):
+        return web.bytes(worker.metrics.exposition(), content_type=CONTENT_TYPE_LATEST.split(";")[0])
+
+    @app.page("/engines")
+    async def engines(web, request):
+        return web.json(engines_view(worker))
+
+    @app.page("/partitions")
+    async def partitions(web, request):
+        assigned = worker.app.consumer.assignment()
+        return web.json(sorted(tp.partition for tp in assigned if tp.topic == worker.topics.events))
+
+    @app.page("/violations")
+    async def violations(web, request):
+        return web.json(violations_view(worker))
+
+    @app.page("/block-table")
+    async def block_table(web, request):
+        engine_id, req_id = request.query.get("engine"), request.query.get("req")
+        if not engine_id or not req_id:
+            return web.json({"error": "give ?engine=ENGINE&req=REQUEST"}, status=400)
+        found = block_table_view(worker, engine_id, req_id)
+        if found is None:
+            return web.json({"error": f"engine {engine_id!r} is not projected by this worker"}, status=404)
+        return web.json({"engine_id": engine_id, "req_id": req_id, "ranks": found})
+
+    @app.page("/")
+    async def status(web, request):
+        return web.html(status_page)
