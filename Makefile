@@ -46,6 +46,7 @@ lint: setup
 # real Kafka broker (infra/local-kafka), the end-to-end tests real vLLM engines.
 test: lint vllm
 	infra/install-compose-cli
+	infra/install-chromium
 	KVLEDGER_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q
 
 bench: setup

@@ -4,12 +4,16 @@
 One clean engine and one with the slot mapping shifted at one step trace to
 the same events topic; the worker must report exactly the injected fault,
 with its kind, engine, step and request, and nothing for the clean engine.
+The worker's status page, rendered by headless Chromium (infra/install-chromium),
+must show both engines and the violation.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -41,6 +45,20 @@ def get(port: int, path: str) -> str | None:
             return response.read().decode()
     except OSError:
         return None
+
+
+def rendered_page(url: str) -> str:
+    """The DOM of `url` after its scripts ran, as headless Chromium renders it."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.fail("no chromium on PATH (run infra/install-chromium)", pytrace=False)
+    out = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--virtual-time-budget=5000", "--dump-dom", url],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
 
 
 def events_per_engine(bootstrap: str, topic: str) -> Counter:
@@ -121,3 +139,12 @@ def test_engines_through_kafka_to_the_violations_topic(kafka_bootstrap, worker, 
         ("write_target_mismatch", int(injected["step"]), injected["req"])
     ]
     assert summary["violations"] == {"write_target_mismatch": 1}
+
+    # The status page, as a browser shows it: both engines' ranks, the violation in red.
+    page = rendered_page(f"http://127.0.0.1:{port}/")
+    engines_table = re.search(r'<table id="engines">(.*?)</table>', page, re.S)[1]
+    violations_table = re.search(r'<table id="violations">(.*?)</table>', page, re.S)[1]
+    assert all(engine_id in engines_table for engine_id in produced), engines_table
+    assert re.search(r'<td class="bad">write_target_mismatch</td>', violations_table), violations_table
+    assert injected["req"] in violations_table
+    assert "1 recent violation(s)" in page
