@@ -79,7 +79,7 @@ def _print_text_summary(console: Console, result: Replay) -> None:
 
 
 @main.command()
-@click.argument("path", type=click.Path(path_type=str))
+@click.argument("paths", metavar="PATH...", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option(
     "--format",
     "fmt",
@@ -88,8 +88,13 @@ def _print_text_summary(console: Console, result: Replay) -> None:
     show_default=True,
     help="text: a readable report; json: one JSON object per line, a summary last.",
 )
-def check(path: str, fmt: str) -> None:
-    """Replay the file ledger at PATH and report every violation."""
+def check(paths: tuple[str, ...], fmt: str) -> None:
+    """Replay the file ledger(s) at PATH... and report every violation.
+
+    Several ledgers (e.g. the prefill and the decode engine of a pair, traced to
+    different directories) are replayed together, so transfers join across them.
+    """
+    path = paths[0] if len(paths) == 1 else list(paths)
     err = Console(stderr=True)
     out = Console(highlight=False)
     if fmt == "json":

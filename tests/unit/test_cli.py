@@ -453,3 +453,14 @@ def test_demo_records_faults_the_checker_finds(tmp_path):
             and (p["req"] is None or v["req_id"] == p["req"])
             for v in violations
         ), f"demo fault not found: {p}"
+
+
+def test_several_ledgers_are_checked_together(tmp_path, faulty, faulty_check):
+    """`check A B`: one replay over both (as for the two engines of a pair): the union of their reports."""
+    other = record(tmp_path / "other", simulate(config(engine_id="other-engine")).events)
+    proc = run("check", other, faulty[1], "--format", "json")
+    *violations, summary = [json.loads(line) for line in proc.stdout.splitlines()]
+    _, faulty_violations, faulty_summary = faulty_check
+    assert proc.returncode == 1
+    assert sorted(map(json.dumps, violations)) == sorted(map(json.dumps, faulty_violations))
+    assert summary["ranks"] == faulty_summary["ranks"] + 2
