@@ -78,6 +78,24 @@ def attach(runner, config: TraceConfig):
     return probe
 
 
+def pause_tracing(worker: Any = None) -> int:
+    """Stop recording in this process's probes (steps still counted); returns how many.
+
+    From a driver: `llm.collective_rpc(pause_tracing)` reaches every worker (vLLM sends a
+    function only with VLLM_ALLOW_INSECURE_SERIALIZATION=1).
+    """
+    for probe in _probes:
+        probe.paused = True
+    return len(_probes)
+
+
+def resume_tracing(worker: Any = None) -> int:
+    """Record again; each rank's ledger resyncs at its next snapshot."""
+    for probe in _probes:
+        probe.paused = False
+    return len(_probes)
+
+
 def close_all(timeout: float = 5.0) -> None:
     """Flush every probe of this process (at exit, within `timeout` seconds each)."""
     while _probes:

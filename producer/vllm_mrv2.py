@@ -60,6 +60,8 @@ class MRV2RunnerProbe(V1RunnerProbe):
         return traced_prepare_attn
 
     def _capture_mrv2_plan(self, input_batch, result) -> None:
+        if self.paused:
+            return
         block_tables, slot_mappings = result
         num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
         padded = input_batch.num_tokens_after_padding

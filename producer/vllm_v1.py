@@ -220,6 +220,9 @@ class V1RunnerProbe:
         self._positions_np: np.ndarray | None = None
         self._dummy_kind: str | None = None
         self._broken = False
+        # Set by kvledger.producer.plugin.pause_tracing: steps are counted, nothing recorded
+        # (the ledger resyncs at the next snapshot after resume_tracing).
+        self.paused = False
         self._checker = None  # the ledger core, in raise mode
         self._violations: list = []
 
@@ -368,13 +371,17 @@ class V1RunnerProbe:
     # in capture order, on the drain thread (or at once in raise mode), so the request
     # index is only ever used by one thread at a time and always in step order.
     def _before_step(self, scheduler_output) -> None:
-        self.step += 1
-        self._plan = None
+        self.step += 1  # paused or not: step numbers stay those of the engine
+        self._plan = self._input = None
+        if self.paused:
+            return
         # vLLM builds a new SchedulerOutput every step; the runner only reads it, except
         # for block-id lists it adopts as request state: those are copied now.
         self._input = (scheduler_output, KeptBlockIds.of(scheduler_output))
 
     def _after_step(self) -> None:
+        if self._input is None:  # paused when the step began
+            return
         step, (so, kept), plan = self.step, self._input, self._plan
         self._input = self._plan = None
         index, full_rows = self.index, self.config.full_rows
@@ -402,6 +409,8 @@ class V1RunnerProbe:
     def _after_dummy(self) -> None:
         step, kind, plan = self.step, self._dummy_kind, self._plan
         self._plan = self._dummy_kind = None
+        if self.paused:
+            return
         index, full_rows = self.index, self.config.full_rows
 
         def build() -> tuple[str, dict]:
@@ -427,7 +436,7 @@ class V1RunnerProbe:
         """Copy what attention reads and writes this step (the buffers are reused next step)."""
         slot_mappings = kwargs.get("slot_mappings")
         num_reqs, num_tokens = kwargs.get("num_reqs"), kwargs.get("num_tokens")
-        if not slot_mappings or num_reqs is None or num_tokens is None:
+        if self.paused or not slot_mappings or num_reqs is None or num_tokens is None:
             return
         runner, stage = self.runner, self.staging.stage
         batch = runner.input_batch

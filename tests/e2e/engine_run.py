@@ -67,11 +67,28 @@ def main() -> None:
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     for _ in range(spec.get("warmup", 0)):
         llm.generate(prompts, params, use_tqdm=False)
+    if spec.get("ab_rounds"):  # tracing paused and resumed in turn, in this one engine
+        ab_rounds(llm, prompts, params, spec["ab_rounds"])
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
     print("OUTPUTS " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]), flush=True)
     print(f"TIMING generate_s={seconds:.6f} tokens={sum(len(o.outputs[0].token_ids) for o in outputs)}", flush=True)
+
+
+def ab_rounds(llm, prompts, params, rounds: int) -> None:
+    """Print `AB arm=off|on generate_s=S tokens=N` per run, alternating which arm goes first."""
+    from kvledger.producer.plugin import pause_tracing, resume_tracing
+
+    for r in range(rounds):
+        for arm in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            assert all(llm.collective_rpc(pause_tracing if arm == "off" else resume_tracing)), "no probes"
+            started = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - started
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            print(f"AB arm={arm} generate_s={seconds:.6f} tokens={tokens}", flush=True)
+    llm.collective_rpc(resume_tracing)
 
 
 if __name__ == "__main__":
