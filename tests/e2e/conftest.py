@@ -59,8 +59,9 @@ def run_engine(
     fault_pp_rank: int | None = None,
     timeout: float = 600,
     expect_failure: bool = False,
+    env: dict[str, str] | None = None,
 ) -> EngineRun:
-    env = {**os.environ, "PYTHONPATH": str(TEST_PLUGINS), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(TEST_PLUGINS), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     if spec.get("tp", 1) * spec.get("pp", 1) > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     if fault:

@@ -8,6 +8,7 @@ request and step.
 
 from __future__ import annotations
 
+import itertools
 import re
 import socket
 
@@ -198,3 +199,25 @@ def test_raise_mode_fails_the_step_naming_the_violation(tmp_path, engine):
     [injected] = run.faults
     assert "KVTraceViolation" in run.log
     assert f"kv_trace: write_target_mismatch at step {injected['step']}, req {injected['req']}, group 0" in run.log
+
+
+def test_pause_and_resume_tracing(tmp_path, engine):
+    """Paused probes record nothing but keep step numbers; after resume the ledger resyncs, silent."""
+    # Runs traced (warm-up), paused, traced, traced.
+    spec = traced(tmp_path, max_tokens=12, num_blocks=64, warmup=1, ab_rounds=1)
+    run = engine(spec, env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
+    assert "AB arm=off" in run.log and "AB arm=on" in run.log
+    steps = sorted(
+        e["body"][1]["step"]
+        for s in discover(tmp_path / "ledger")
+        for path in s.segments
+        for e in read_segment(path, [])
+        if e["body"][0] == "kvledger.Step"
+    )
+    gaps = [(a, b) for a, b in itertools.pairwise(steps) if b != a + 1]
+    assert len(gaps) == 1 and gaps[0][1] - gaps[0][0] > 10, gaps  # the paused run: counted, not recorded
+    result = replay(tmp_path / "ledger")
+    assert result.violations == []
+    coverage = result.ledger.coverage
+    assert coverage.unchecked["steps_not_recorded"] == gaps[0][1] - gaps[0][0] - 1
+    assert coverage.checks["write"] > 0
