@@ -239,7 +239,7 @@ class StreamWorker:
         self.last_checkpoint = time.monotonic()
         if not self.dirty and not self.unacked:
             return
-        await self.app.producer.flush()
+        await self._flush()
         assigned = self.app.consumer.assignment()
         for engine_id in sorted(self.dirty):
             anchor = self.anchors[engine_id]
@@ -249,10 +249,26 @@ class StreamWorker:
                 self.table[engine_id.encode()] = self.engines[engine_id].mark_checkpointed()
             log.debug("engine %s: checkpoint, offsets < %d", engine_id, self.engines[engine_id].next_offset)
         self.dirty.clear()
+        await self._flush()  # the checkpoints themselves, before the offsets they cover may be committed
         unacked, self.unacked = self.unacked, []
         log.debug("acking %d events, last offsets %s", len(unacked), dict(self.positions))
         for event in unacked:
-            await self.stream.ack(event)
+            # An event of a revoked partition is not acked: no checkpoint of ours covers it, and an ack
+            # would stay with the consumer and be committed if the partition came back to us.
+            if event.message.tp in assigned:
+                await self.stream.ack(event)
+
+    async def _flush(self) -> None:
+        """Wait until everything sent so far is on the broker.
+
+        Table writes go through Faust's producer buffer, whose own flush gives
+        up once no message left it for 0.1 s: drained here until empty, then
+        the Kafka producer is flushed.
+        """
+        producer = self.app.producer
+        while producer.buffer.size:
+            await producer.buffer.flush()
+        await producer.flush()
 
     def _forget_all_but(self, assigned) -> None:
         for engine_id in [e for e, a in self.anchors.items() if a.message.tp not in assigned]:

@@ -129,8 +129,19 @@ class EngineProjection:
 
     # -- applying -----------------------------------------------------------------------
     def apply(self, items: list[tuple[Record, dict]]) -> Outcome:
-        """Apply decoded events of this engine, in offset order; skip what the state already covers."""
-        items = [(r, e) for r, e in items if r.offset >= self.next_offset]
+        """Apply decoded events of this engine, in offset order; skip what the state already covers.
+
+        A rebalance makes the consumer seek back to the committed offset, so
+        records it had already delivered come again, possibly in the same
+        batch as their first delivery: an offset at or below one just taken is
+        a repeat, and is skipped like one the checkpoint covers.
+        """
+        fresh, next_offset = [], self.next_offset
+        for record, event in items:
+            if record.offset >= next_offset:
+                fresh.append((record, event))
+                next_offset = record.offset + 1
+        items = fresh
         out = Outcome()
         if not items:
             return out

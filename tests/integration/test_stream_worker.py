@@ -362,6 +362,8 @@ def test_two_workers_share_partitions_and_one_takes_over_when_the_other_dies(clu
     assert a.total("kvledger_events_total") > 0 and b.total("kvledger_events_total") > 0
     b.kill()
     produce(cluster.bootstrap, topic, second_half)
+    # The group notices the dead worker after its session timeout, then the survivor takes every partition.
+    wait_for("the survivor to take every partition", lambda: json.loads(a.get("/partitions")) == [0, 1, 2, 3], [a])
     expected = {e: len(evs) for e, evs in per_engine.items()}
     wait_for("the survivor to finish every engine", events_done([a], expected), [a], timeout=120)
     assert_same_as_offline(cluster.bootstrap, cluster.prefix, interleave(per_engine), tmp_path)
