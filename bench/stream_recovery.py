@@ -26,7 +26,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from stream_throughput import DECODE_HEAVY, LocalBroker, WorkerProcess, produce_all
+from stream_throughput import DECODE_HEAVY, WorkerProcess, broker, produce_all
 
 from kvledger.producer.synthetic import SimConfig, simulate
 
@@ -59,18 +59,8 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--bootstrap", help="an existing broker (default: start one)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        broker = None
-        bootstrap = args.bootstrap
-        if bootstrap is None:
-            broker = LocalBroker(work / "kafka")
-            bootstrap = broker.run("up")
-        try:
-            run(bootstrap, args.events, work)
-        finally:
-            if broker is not None:
-                broker.run("down")
+    with tempfile.TemporaryDirectory() as tmp, broker(args.bootstrap, Path(tmp)) as bootstrap:
+        run(bootstrap, args.events, Path(tmp))
 
 
 def run(bootstrap: str, events: int, work: Path) -> None:

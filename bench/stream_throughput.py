@@ -16,6 +16,7 @@ Without --bootstrap a private broker is started with infra/local-kafka.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import socket
@@ -27,9 +28,11 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from confluent_kafka import Consumer, Producer
+from replay_throughput import STREAMS
 
 from kvledger.producer.sinks import KAFKA_DEFAULTS
 from kvledger.producer.synthetic import FaultSpec, SimConfig, simulate
@@ -37,15 +40,7 @@ from kvledger.schemas import LEDGER_EVENT, VIOLATION, SingleObjectCodec
 
 ROOT = Path(__file__).resolve().parents[1]
 KVLEDGER = str(Path(sys.executable).with_name("kvledger"))
-DECODE_HEAVY = dict(
-    max_num_seqs=64,
-    max_batched_tokens=2048,
-    arrival_rate=8,
-    prompt_len=(16, 64),
-    output_len=(4000, 8000),
-    num_blocks=40000,
-    prefix_caching=False,
-)
+DECODE_HEAVY = STREAMS["decode-heavy"]  # the same stream the replay benchmark checks
 TARGET_EVENTS_PER_S = 20_000
 TARGET_P99_S = 1.0
 
@@ -109,6 +104,19 @@ class WorkerProcess:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+@contextlib.contextmanager
+def broker(bootstrap: str | None, workdir: Path) -> Iterator[str]:
+    """`bootstrap` as given, or a private broker (infra/local-kafka) for the duration."""
+    if bootstrap is not None:
+        yield bootstrap
+        return
+    local = LocalBroker(workdir / "kafka")
+    try:
+        yield local.run("up")
+    finally:
+        local.run("down")
 
 
 def produce_all(bootstrap: str, topic: str, events: list[dict]) -> None:
@@ -207,28 +215,19 @@ def main() -> None:
     parser.add_argument("--latency-rate", type=float, default=200.0, help="steps per second of the live engine")
     parser.add_argument("--bootstrap", help="use this broker instead of starting one")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, broker(args.bootstrap, Path(tmp)) as bootstrap:
         workdir = Path(tmp)
-        broker = None
-        bootstrap = args.bootstrap
-        if bootstrap is None:
-            broker = LocalBroker(workdir / "kafka")
-            bootstrap = broker.run("up")
-        try:
-            rate, n = throughput(bootstrap, args.steps, workdir)
-            print(f"throughput (decode-heavy, 64 req/step, one worker): {rate:,.0f} step-events/s over {n:,} "
-                  f"(target >= {TARGET_EVENTS_PER_S:,})")  # fmt: skip
-            lat = latency(bootstrap, args.latency_steps, args.latency_rate, workdir)
-            if not lat:
-                raise SystemExit("no violation came back: latency not measured")
-            p50 = statistics.median(lat)
-            p99 = statistics.quantiles(lat, n=100, method="inclusive")[98] if len(lat) >= 2 else lat[0]
-            print(f"detection latency, produce -> violation on topic ({len(lat)} violations at "
-                  f"{args.latency_rate:.0f} steps/s): p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, "
-                  f"max {max(lat) * 1000:.0f} ms (target p99 <= {TARGET_P99_S * 1000:.0f} ms)")  # fmt: skip
-        finally:
-            if broker is not None:
-                broker.run("down")
+        rate, n = throughput(bootstrap, args.steps, workdir)
+        print(f"throughput (decode-heavy, 64 req/step, one worker): {rate:,.0f} step-events/s over {n:,} "
+              f"(target >= {TARGET_EVENTS_PER_S:,})")  # fmt: skip
+        lat = latency(bootstrap, args.latency_steps, args.latency_rate, workdir)
+        if not lat:
+            raise SystemExit("no violation came back: latency not measured")
+        p50 = statistics.median(lat)
+        p99 = statistics.quantiles(lat, n=100, method="inclusive")[98] if len(lat) >= 2 else lat[0]
+        print(f"detection latency, produce -> violation on topic ({len(lat)} violations at "
+              f"{args.latency_rate:.0f} steps/s): p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, "
+              f"max {max(lat) * 1000:.0f} ms (target p99 <= {TARGET_P99_S * 1000:.0f} ms)")  # fmt: skip
 
 
 if __name__ == "__main__":
