@@ -36,6 +36,11 @@ class Staged:
     event: Any = None
     pool: StagingPool | None = None
 
+    @classmethod
+    def host(cls, array: np.ndarray) -> Staged:
+        """An array already copied to the host (CPU engines): nothing to wait for."""
+        return cls(array, array.shape)
+
     def numpy(self) -> np.ndarray:
         """Wait for the copy (drain thread only), return an owned array, free the buffer."""
         if self.pool is None:
@@ -61,8 +66,7 @@ class StagingPool:
     def stage(self, tensor) -> Staged:
         """Start copying `tensor` to the host; never synchronises a device stream."""
         if tensor.is_cpu:  # integer tensors (never requiring grad): numpy is the cheap copy
-            array = tensor.numpy().copy()
-            return Staged(array, array.shape)
+            return Staged.host(tensor.numpy().copy())
         import torch
 
         shape = tuple(tensor.shape)

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvledger.producer.staging import StagingFull
-from kvledger.producer.vllm_v1 import AttachPoint, PlanCapture, V1RunnerProbe, log
+from kvledger.producer.vllm_v1 import AttachPoint, PlanCapture, V1RunnerProbe
 
 
 class MRV2RunnerProbe(V1RunnerProbe):
@@ -73,15 +72,11 @@ class MRV2RunnerProbe(V1RunnerProbe):
         # The host mirror of the device's row lengths, by request state.
         lens_by_group = self.runner.block_tables.num_blocks.np[:, input_batch.idx_mapping_np[:num_reqs]]
         groups = []
-        try:
-            for gid, table in enumerate(block_tables):
-                lens = lens_by_group[gid]
-                width = int(lens.max()) if num_reqs else 0
-                groups.append((gid, stage(slot_mappings[gid, :padded]), stage(table[:num_reqs, :width]), lens))
-            positions = stage(input_batch.positions[:num_tokens])
-        except StagingFull as exc:  # the drain thread is behind: this step goes without a plan
-            log.warning("kv_trace: step %d recorded without its plan: %s", self.step, exc)
-            return
+        for gid, table in enumerate(block_tables):
+            lens = lens_by_group[gid]
+            width = int(lens.max()) if num_reqs else 0
+            groups.append((gid, stage(slot_mappings[gid, :padded]), stage(table[:num_reqs, :width]), lens))
+        positions = stage(input_batch.positions[:num_tokens])
         self._plan = PlanCapture(
             req_ids=list(input_batch.req_ids[:num_reqs]),
             query_start_loc=input_batch.query_start_loc_np[: num_reqs + 1].copy(),

@@ -63,9 +63,6 @@ class RequestIndex:
     def forget(self, req_id: str) -> None:
         self._index.pop(req_id, None)
 
-    def items(self):
-        return self._index.items()
-
 
 def kv_group_kind(spec: Any) -> tuple[str, int | None]:
     """(kind, sliding window) of a vLLM KV cache spec, by class name so any version reads."""
@@ -103,9 +100,8 @@ class KeptBlockIds:
         return cls(new, resumed)
 
 
-def step_input(so: Any, index: RequestIndex, kept: KeptBlockIds | None = None) -> dict:
-    """A StepInput record from a vLLM SchedulerOutput (block-id lists from `kept` when given)."""
-    kept = kept or KeptBlockIds([r.block_ids for r in so.scheduled_new_reqs], {})
+def step_input(so: Any, index: RequestIndex, kept: KeptBlockIds) -> dict:
+    """A StepInput record from a vLLM SchedulerOutput, with the block-id lists `kept` at capture."""
     num_scheduled = so.num_scheduled_tokens
     new_reqs = [
         records.new_request(
@@ -319,6 +315,8 @@ class V1RunnerProbe:
         started = time.perf_counter_ns()
         try:
             fn(*args)
+        except StagingFull as exc:  # the drain thread is behind: this step goes without its plan
+            log.warning("kv_trace: step %d recorded without its plan: %s", self.step, exc)
         except Exception:
             self._broken = True
             log.exception("kv_trace: probe failed; this rank stops recording")
@@ -382,17 +380,9 @@ class V1RunnerProbe:
     def _after_step(self) -> None:
         if self._input is None:  # paused when the step began
             return
-        step, (so, kept), plan = self.step, self._input, self._plan
-        self._input = self._plan = None
-        index, full_rows = self.index, self.config.full_rows
-
-        def build() -> tuple[str, dict]:
-            name, body = records.step(step, "REAL", step_input(so, index, kept), None)
-            if plan is not None:
-                body["plan"] = _plan_record(plan, index, full_rows)
-            return name, body
-
-        self._record(build)
+        step, (so, kept) = self.step, self._input
+        self._input = None
+        self._record_step("REAL", lambda index: step_input(so, index, kept))
         interval = self.config.snapshot_interval
         if interval and step % interval == interval - 1:
             self._record(self._rank_info())
@@ -407,14 +397,17 @@ class V1RunnerProbe:
         self._dummy_kind = kind
 
     def _after_dummy(self) -> None:
-        step, kind, plan = self.step, self._dummy_kind, self._plan
-        self._plan = self._dummy_kind = None
-        if self.paused:
-            return
-        index, full_rows = self.index, self.config.full_rows
+        kind, self._dummy_kind = self._dummy_kind, None
+        if not self.paused:
+            self._record_step(kind, lambda index: None)
+
+    def _record_step(self, kind: str, build_input: Callable[[RequestIndex], dict | None]) -> None:
+        """Record this step with the plan captured during it; both are built on the drain thread."""
+        step, plan, index, full_rows = self.step, self._plan, self.index, self.config.full_rows
+        self._plan = None
 
         def build() -> tuple[str, dict]:
-            name, body = records.step(step, kind, None, None)
+            name, body = records.step(step, kind, build_input(index), None)
             if plan is not None:
                 body["plan"] = _plan_record(plan, index, full_rows)
             return name, body
@@ -440,20 +433,17 @@ class V1RunnerProbe:
             return
         runner, stage = self.runner, self.staging.stage
         batch = runner.input_batch
-        groups = []
         if self._dummy_kind is not None:  # the batch's rows belong to real requests, not to this run
             self._plan = PlanCapture.of_dummy_run([(gid, stage(slot_mappings[gid])) for gid in sorted(slot_mappings)])
             return
-        try:
-            for gid in sorted(slot_mappings):
-                table = batch.block_table[gid]
-                lens = table.num_blocks_per_row[:num_reqs].copy()
-                width = int(lens.max()) if num_reqs else 0  # rows are far shorter than the table
-                groups.append((gid, stage(slot_mappings[gid]), table.block_table.np[:num_reqs, :width].copy(), lens))
-            positions = self._stage_positions(num_tokens)
-        except StagingFull as exc:  # the drain thread is behind: this step goes without a plan
-            log.warning("kv_trace: step %d recorded without its plan: %s", self.step, exc)
-            return
+        groups = []
+        for gid in sorted(slot_mappings):
+            table = batch.block_table[gid]
+            lens = table.num_blocks_per_row[:num_reqs].copy()
+            width = int(lens.max()) if num_reqs else 0  # rows are far shorter than the table
+            rows = Staged.host(table.block_table.np[:num_reqs, :width].copy())
+            groups.append((gid, stage(slot_mappings[gid]), rows, lens))
+        positions = self._stage_positions(num_tokens)
         self._plan = PlanCapture(
             req_ids=batch.req_ids[:num_reqs],
             query_start_loc=runner.query_start_loc.np[: num_reqs + 1].copy(),
@@ -467,8 +457,7 @@ class V1RunnerProbe:
         if positions.is_cpu:  # a persistent buffer: keep a numpy view of it
             if self._positions_np is None:
                 self._positions_np = positions.numpy()
-            array = self._positions_np[:num_tokens].copy()
-            return Staged(array, array.shape)
+            return Staged.host(self._positions_np[:num_tokens].copy())
         return self.staging.stage(positions[:num_tokens])
 
     def _snapshot(self) -> tuple[str, dict]:
@@ -494,13 +483,12 @@ class PlanCapture:
     query_start_loc: np.ndarray
     positions: Staged | None
     num_tokens: int
-    # Per group: id, slot mapping, block-table rows (a host copy or staged), row lengths.
-    groups: list[tuple[int, Staged, np.ndarray | Staged, np.ndarray]]
+    groups: list[tuple[int, Staged, Staged, np.ndarray]]  # per group: id, slot mapping, table rows, row lengths
 
     @classmethod
     def of_dummy_run(cls, slot_mappings: list[tuple[int, Staged]]) -> PlanCapture:
         """A dummy run serves no request: every slot it writes is padding (a real one is a fault)."""
-        no_rows, no_lens = np.zeros((0, 0), np.int32), np.zeros(0, np.int32)
+        no_rows, no_lens = Staged.host(np.zeros((0, 0), np.int32)), np.zeros(0, np.int32)
         return cls([], np.zeros(1, np.int32), None, 0, [(gid, slots, no_rows, no_lens) for gid, slots in slot_mappings])
 
 
@@ -510,7 +498,6 @@ def _plan_record(plan: PlanCapture, index: RequestIndex, full_rows: bool) -> dic
     group_records = []
     for gid, slots, table, lens in plan.groups:
         slots = slots.numpy()
-        table = table.numpy() if isinstance(table, Staged) else table
         num_real = min(plan.num_tokens, len(slots))
-        group_records.append(records.group_plan_from_table(gid, slots, num_real, table, lens, full_rows))
+        group_records.append(records.group_plan_from_table(gid, slots, num_real, table.numpy(), lens, full_rows))
     return records.step_plan(index.many(plan.req_ids), np.diff(qsl), first, group_records)
