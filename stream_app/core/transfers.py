@@ -16,7 +16,9 @@ Two checkers, split by the state they need:
   the transfer it damaged once the damage is certain.
 
 Deadlines count the ledger's own steps (a rank's step counter), never wall
-time, so every replay of the same events gives the same answers.
+time, so every replay of the same events gives the same answers; a stuck
+transfer is reported at its deadline step, however coarse the clock that
+passed it (a stream worker's progress records come now and then).
 
 Transfer digests (`ConnectorEvent.digest`, written by the producer's
 connector probe) have this layout: one version byte (1), an 8-byte
@@ -51,7 +53,10 @@ from kvledger.stream_app.core.violations import (
 
 DIGEST_VERSION = 1
 DEFAULT_DEADLINE_STEPS = 4096  # a transfer still open this many rank steps after its intent is stuck
+RETIRE_AFTER = 2  # deadlines after it closed, a transfer's state is dropped ...
+FORGET_AFTER = 64  # ... and its id, kept so that late repeats of its events are not new transfers
 SEND, RECV = "send", "recv"
+RETIRE, FORGET = "retire", "forget"  # deadline-heap entries that are housekeeping, not a side
 _ROLE = {
     "SEND_INTENT": SEND,
     "SEND_DONE": SEND,
@@ -103,6 +108,7 @@ class Side:
     stuck: bool = False
     open_counted: bool = False
     peer_clock: int | None = None  # the peers' clock when this side was first seen
+    seen: set[tuple[str, int]] = field(default_factory=set)  # (kind, step) of the events applied
 
     def where(self) -> str:
         return f"{self.rank} req {self.req_id}"
@@ -115,6 +121,12 @@ class Transfer:
     shape_checked: bool = False
     compared: set[RankKey] = field(default_factory=set)  # receiving ranks whose digest was compared
     orphan_settled: bool = False
+    retiring: bool = False
+
+    def closed(self) -> bool:
+        """Both roles seen and every side finished: only late repeats can still come."""
+        sends, recvs = self.sides[SEND], self.sides[RECV]
+        return bool(sends and recvs) and all(s.outcome for sides in (sends, recvs) for s in sides.values())
 
 
 class TransferJoin:
@@ -131,9 +143,13 @@ class TransferJoin:
     record per rank now and then (a Step event with `input` and `plan`
     null will do; only `step` and the envelope's rank are read). Progress is
     monotonic per rank, so a late, repeated or reordered progress record is
-    harmless. Never call `finish()` on a live stream: it settles orphans
-    as if the input had ended; the deadline reports them instead. State is a
-    plain object (checkpoint it with deepcopy/pickle, like the Ledger).
+    harmless, and so is a repeated ConnectorEvent (same rank, kind and step:
+    a worker that restarts re-sends what its checkpoint did not cover). Never
+    call `finish()` on a live stream: it settles orphans as if the input had
+    ended; the deadline reports them instead. State is a plain object
+    (checkpoint it with deepcopy/pickle, like the Ledger); a closed transfer's
+    state is dropped `RETIRE_AFTER` deadlines after it closed, so it stays
+    bounded on a stream that never ends.
     """
 
     def __init__(self, *, deadline_steps: int = DEFAULT_DEADLINE_STEPS, coverage: Coverage | None = None):
@@ -143,6 +159,7 @@ class TransferJoin:
         self.clock: dict[RankKey, int] = {}
         self.engine_clock: dict[str, int] = {}  # max step of any rank of the engine
         self.pulled_from: dict[str, set[str]] = {}  # prefill engine -> decode engines that pulled from it
+        self.retired: set[str] = set()  # ids of transfers whose state was dropped
         self._due: dict[RankKey, list[tuple[int, str, str]]] = {}  # rank -> heap of (step, transfer, role)
 
     # -- entry points ---------------------------------------------------------------------
@@ -156,12 +173,18 @@ class TransferJoin:
         out = self.advance(key, body["step"])
         role = _ROLE.get(body["kind"]) or _OTHER_ROLE.get(body.get("detail") or "")
         tid = body.get("transfer_id")
-        if role is None or tid is None:
+        if role is None or tid is None or tid in self.retired:
             return out
         transfer = self.transfers.setdefault(tid, Transfer())
         side = self._side(tid, transfer, role, key, body)
+        if (body["kind"], body["step"]) in side.seen:
+            return out  # a repeat
+        side.seen.add((body["kind"], body["step"]))
         self._record(tid, side, body, out)
         self._compare(tid, transfer, out)
+        if not transfer.retiring and transfer.closed():
+            transfer.retiring = True
+            self._schedule(key, body["step"] + RETIRE_AFTER * self.deadline_steps, tid, RETIRE)
         return out
 
     def advance(self, key: RankKey, step: int) -> list[Violation]:
@@ -173,9 +196,27 @@ class TransferJoin:
             self.engine_clock[key.engine_id] = step
         due, out = self._due.get(key), []
         while due and due[0][0] <= step:
-            _, tid, role = heapq.heappop(due)
-            self._deadline(tid, role, key, step, out)
+            at, tid, role = heapq.heappop(due)
+            if role == RETIRE:
+                self._retire(key, at, tid)
+            elif role == FORGET:
+                self.retired.discard(tid)
+            else:
+                self._deadline(tid, role, key, at, step, out)
         return out
+
+    def _schedule(self, key: RankKey, step: int, tid: str, what: str) -> None:
+        heapq.heappush(self._due.setdefault(key, []), (step, tid, what))
+
+    def _retire(self, key: RankKey, at: int, tid: str) -> None:
+        transfer = self.transfers.get(tid)
+        if transfer is None or not transfer.closed():
+            if transfer is not None:
+                transfer.retiring = False  # reopened by a late side: retired once that closes
+            return
+        del self.transfers[tid]
+        self.retired.add(tid)
+        self._schedule(key, at + (FORGET_AFTER - RETIRE_AFTER) * self.deadline_steps, tid, FORGET)
 
     def finish(self) -> list[Violation]:
         """End of input: a transfer seen from one side only is an orphan, when its peer is in the input."""
@@ -206,7 +247,7 @@ class TransferJoin:
                 side.remote_engine_id = body["remote_engine_id"]
                 self.pulled_from.setdefault(side.remote_engine_id, set()).add(key.engine_id)
             side.peer_clock = self._peer_clock(side)
-            heapq.heappush(self._due.setdefault(key, []), (body["step"] + self.deadline_steps, tid, role))
+            self._schedule(key, body["step"] + self.deadline_steps, tid, role)
         return side
 
     def _record(self, tid: str, side: Side, body: dict, out: list[Violation]) -> None:
@@ -301,20 +342,24 @@ class TransferJoin:
         out.append(Violation.at(TRANSFER_CONTENT_MISMATCH, recv.rank, recv.done_step, detail, req_id=recv.req_id))
 
     # -- deadlines and orphans ---------------------------------------------------------------
-    def _deadline(self, tid: str, role: str, key: RankKey, step: int, out: list[Violation]) -> None:
+    def _deadline(self, tid: str, role: str, key: RankKey, due: int, step: int, out: list[Violation]) -> None:
+        """The rank's clock passed `due` (now at `step`): a side not finished before `due` is stuck."""
         transfer = self.transfers.get(tid)
         side = transfer.sides[role].get(key) if transfer else None
         if side is None:
             return
         start = side.intent_step if side.intent_step is not None else side.first_step
-        if side.outcome is None and not side.stuck:
+        # Finished at or after `due` counts as not finished by then: the same answer whether the
+        # clock reached `due` step by step (a ledger file) or jumped past it (a worker's progress).
+        late = side.outcome is None or (side.done_step is not None and side.done_step >= due)
+        if late and not side.stuck:
             side.stuck = True
             what = "sent" if role == SEND else "received"
             detail = (
-                f"transfer {tid}: not {what} {step - start} steps after its intent at step {start} "
+                f"transfer {tid}: not {what} {due - start} steps after its intent at step {start} "
                 f"(deadline {self.deadline_steps} steps)"
             )
-            out.append(Violation.at(TRANSFER_STUCK, key, step, detail, req_id=side.req_id))
+            out.append(Violation.at(TRANSFER_STUCK, key, due, detail, req_id=side.req_id))
         if transfer.orphan_settled or self._lone_side(transfer) is not side:
             return
         # An orphan only once the peers moved on too: a lagging peer stream is not a missing side.
@@ -325,7 +370,7 @@ class TransferJoin:
             transfer.orphan_settled = True
             out.append(self._orphan(tid, side, f"{self.deadline_steps} steps passed on both engines"))
             return
-        heapq.heappush(self._due[key], (step + self.deadline_steps, tid, role))
+        self._schedule(key, step + self.deadline_steps, tid, role)
 
     def _lone_side(self, transfer: Transfer) -> Side | None:
         """The first side of a transfer only one role has seen."""

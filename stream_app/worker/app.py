@@ -1,12 +1,17 @@
-"""The Faust app: the Kafka edge around the pure projection (projection.py).
+"""The Faust app: the Kafka edge around the pure projections (projection.py, join.py).
 
 One agent reads `<prefix>.events` in batches and, per engine, feeds the
 engine's `Ledger`. Everything a batch reveals is sent at once: violations to
 `<prefix>.violations`, dead letters to `<prefix>.deadletter`, connector events
-with a transfer id to `<prefix>.transfers` (keyed by transfer id, for the PD
-joins). State lives in the Faust table `checkpoints` (RocksDB, or memory in
-tests), one entry per engine; see the package docstring for why that, with
-violation ids, makes a crash lose and duplicate nothing.
+with a transfer id to `<prefix>.transfers` (keyed by transfer id). At each
+checkpoint every rank that moved sends its progress to every partition of
+`<prefix>.transfers`. A second agent reads that topic and joins both sides of
+every transfer (prefill/decode pairs), one `TransferJoin` per partition.
+
+State lives in Faust tables (RocksDB, or memory in tests): `checkpoints`, one
+entry per engine, and `transfer-joins`, one per transfers partition; see the
+package docstring for why that, with violation ids, makes a crash lose and
+duplicate nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from typing import Any
 import faust
 from faust import streams as faust_streams
 
-from kvledger.schemas import VIOLATION, SingleObjectCodec
+from kvledger.schemas import LEDGER_EVENT, VIOLATION, SingleObjectCodec
+from kvledger.stream_app.worker.join import JoinProjection
 from kvledger.stream_app.worker.metrics import WorkerMetrics
 from kvledger.stream_app.worker.projection import Decoder, EngineProjection, Outcome, Record
 from kvledger.stream_app.worker.topics import Topics
@@ -71,16 +77,19 @@ class StreamWorker:
         self.metrics = WorkerMetrics()
         self.decoder = Decoder()
         self.violation_codec = SingleObjectCodec(VIOLATION)
+        self.event_codec = SingleObjectCodec(LEDGER_EVENT)
         self.engines: dict[str, EngineProjection] = {}
         self.anchors: dict[str, faust.EventT] = {}  # engine -> its latest event (names its partition)
         self.last_active: dict[str, float] = {}  # engine -> monotonic time of its latest event
         self.dirty: set[str] = set()
-        self.unacked: list[faust.EventT] = []
+        self.joins: dict[int, JoinProjection] = {}  # transfers partition -> its join
+        self.join_anchors: dict[int, faust.EventT] = {}
+        self.dirty_joins: set[int] = set()
+        self.unacked: list[tuple[faust.StreamT, faust.EventT]] = []
         self.positions: dict[Any, int] = {}  # events tp -> next offset to process
         self.recent: deque = deque(maxlen=RECENT_VIOLATIONS)
         self.last_checkpoint = time.monotonic()
         self.lock = asyncio.Lock()
-        self.stream: faust.StreamT | None = None
         self.app = self._make_app()
 
     # -- the app ---------------------------------------------------------------------------
@@ -118,15 +127,21 @@ class StreamWorker:
         self.events_topic = app.topic(self.topics.events, partitions=s.partitions, **raw)
         self.violations_topic = app.topic(self.topics.violations, **raw)
         self.deadletter_topic = app.topic(self.topics.deadletter, **raw)
-        self.transfers_topic = app.topic(self.topics.transfers, **raw)
+        self.transfers_topic = app.topic(self.topics.transfers, partitions=s.partitions, **raw)
         self.table = app.Table("checkpoints", partitions=s.partitions, key_type=bytes, value_type=bytes)
+        self.join_table = app.Table("transfer-joins", partitions=s.partitions, key_type=bytes, value_type=bytes)
 
         @app.agent(self.events_topic, name="project")
         async def project(stream: faust.StreamT) -> None:
-            self.stream = stream
             async for events in stream.noack_take(s.batch_size, within=0.01):
                 async with self.lock:
-                    await self._handle(events)
+                    await self._handle(stream, events)
+
+        @app.agent(self.transfers_topic, name="join")
+        async def join(stream: faust.StreamT) -> None:
+            async for events in stream.noack_take(s.batch_size, within=0.01):
+                async with self.lock:
+                    await self._join(stream, events)
 
         @app.timer(interval=min(0.5, s.checkpoint_every))
         async def housekeeping() -> None:
@@ -146,7 +161,7 @@ class StreamWorker:
         return app
 
     # -- one batch --------------------------------------------------------------------------
-    async def _handle(self, events: list[faust.EventT]) -> None:
+    async def _handle(self, stream: faust.StreamT, events: list[faust.EventT]) -> None:
         records = []
         for event in events:
             m = event.message
@@ -164,9 +179,34 @@ class StreamWorker:
             outcome.merge(projection.apply(items))
             self.dirty.add(engine_id)
         await self._publish(outcome)
-        self.unacked += events
+        self.unacked += [(stream, e) for e in events]
         if len(self.unacked) >= self.settings.checkpoint_events:
             await self._checkpoint()
+
+    async def _join(self, stream: faust.StreamT, events: list[faust.EventT]) -> None:
+        per_partition: dict[int, list[Record]] = {}
+        for event in events:
+            m = event.message
+            per_partition.setdefault(m.partition, []).append(Record(m.partition, m.offset, m.key, m.value))
+            self.join_anchors[m.partition] = event
+        outcome = Outcome()
+        for partition, records in per_partition.items():
+            outcome.merge(self._join_projection(partition).apply(records))
+            self.dirty_joins.add(partition)
+        await self._publish(outcome, source=self.topics.transfers)
+        self.unacked += [(stream, e) for e in events]
+        if len(self.unacked) >= self.settings.checkpoint_events:
+            await self._checkpoint()
+
+    def _join_projection(self, partition: int) -> JoinProjection:
+        projection = self.joins.get(partition)
+        if projection is None:
+            with in_partition_of(self.join_anchors[partition]):
+                blob = self.join_table.get(str(partition).encode())
+            projection = JoinProjection.restore(blob) if blob else JoinProjection(partition)
+            self.joins[partition] = projection
+            log.info("transfers partition %d: %s", partition, "restored" if blob else "new")
+        return projection
 
     def _projection(self, engine_id: str, anchor: faust.EventT) -> EngineProjection:
         projection = self.engines.get(engine_id)
@@ -184,7 +224,7 @@ class StreamWorker:
             )
         return projection
 
-    async def _publish(self, outcome: Outcome) -> None:
+    async def _publish(self, outcome: Outcome, source: str | None = None) -> None:
         m = self.metrics
         for issued in outcome.violations:
             v = issued.violation
@@ -203,7 +243,7 @@ class StreamWorker:
                 headers=[
                     ("kvledger.reason", dead.reason.encode()),
                     ("kvledger.detail", dead.detail.encode(errors="replace")),
-                    ("kvledger.source", f"{self.topics.events}/{r.partition}/{r.offset}".encode()),
+                    ("kvledger.source", f"{source or self.topics.events}/{r.partition}/{r.offset}".encode()),
                 ],
             )
             m.deadletters.labels(dead.reason).inc()
@@ -237,10 +277,12 @@ class StreamWorker:
         (so their offsets may be committed) only once a checkpoint covers them.
         """
         self.last_checkpoint = time.monotonic()
-        if not self.dirty and not self.unacked:
+        if not self.dirty and not self.dirty_joins and not self.unacked:
             return
         await self._flush()
         assigned = self.app.consumer.assignment()
+        # After the flush: a rank's transfer events are on the topic before its clock passes them.
+        await self._send_progress(assigned)
         for engine_id in sorted(self.dirty):
             anchor = self.anchors[engine_id]
             if anchor.message.tp not in assigned:
@@ -248,15 +290,31 @@ class StreamWorker:
             with in_partition_of(anchor):
                 self.table[engine_id.encode()] = self.engines[engine_id].mark_checkpointed()
             log.debug("engine %s: checkpoint, offsets < %d", engine_id, self.engines[engine_id].next_offset)
+        for partition in sorted(self.dirty_joins):
+            anchor = self.join_anchors[partition]
+            if anchor.message.tp in assigned:
+                with in_partition_of(anchor):
+                    self.join_table[str(partition).encode()] = self.joins[partition].checkpoint()
         self.dirty.clear()
+        self.dirty_joins.clear()
         await self._flush()  # the checkpoints themselves, before the offsets they cover may be committed
         unacked, self.unacked = self.unacked, []
         log.debug("acking %d events, last offsets %s", len(unacked), dict(self.positions))
-        for event in unacked:
+        for stream, event in unacked:
             # An event of a revoked partition is not acked: no checkpoint of ours covers it, and an ack
             # would stay with the consumer and be committed if the partition came back to us.
             if event.message.tp in assigned:
-                await self.stream.ack(event)
+                await stream.ack(event)
+
+    async def _send_progress(self, assigned) -> None:
+        """Each rank that moved tells every transfers partition its step (the joins' clock)."""
+        for engine_id in sorted(self.dirty):
+            if self.anchors[engine_id].message.tp not in assigned:
+                continue
+            for event in self.engines[engine_id].progress():
+                value = self.event_codec.encode(event)
+                for partition in range(self.settings.partitions):
+                    await self.transfers_topic.send(key=engine_id.encode(), value=value, partition=partition)
 
     async def _flush(self) -> None:
         """Wait until everything sent so far is on the broker.
@@ -275,6 +333,10 @@ class StreamWorker:
             for held in (self.engines, self.anchors, self.last_active):
                 held.pop(engine_id, None)
             self.dirty.discard(engine_id)
+        for partition in [p for p, a in self.join_anchors.items() if a.message.tp not in assigned]:
+            for held in (self.joins, self.join_anchors):
+                held.pop(partition, None)
+            self.dirty_joins.discard(partition)
         for tp in [tp for tp in self.positions if tp not in assigned]:
             if self.positions.pop(tp, None) is not None:
                 with contextlib.suppress(KeyError):

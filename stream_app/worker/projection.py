@@ -3,8 +3,9 @@
 The Faust app (app.py) hands over batches of raw records; this module decodes
 them, feeds one `Ledger` per engine (the same core `kvledger check` runs) and
 says what to publish: violations with their idempotent ids, dead letters,
-connector events for the transfer stream, producer health. It also turns an
-engine's state into a checkpoint and back.
+connector events and rank progress for the transfer stream (joined in
+join.py), producer health. It also turns an engine's state into a checkpoint
+and back.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvledger.schemas import LEDGER_EVENT, DecodeError, SingleObjectCodec, UnknownSchemaError
-from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH
+from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH, STEP
 from kvledger.stream_app.core import Ledger, Violation
+from kvledger.stream_app.core.violations import RankKey
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
 SETTLE = None  # marks, in an engine's replay log, where the watermark settled held steps
 
 
@@ -81,21 +83,54 @@ def violation_digest(v: Violation) -> str:
     return hashlib.blake2b(content.encode(), digest_size=10).hexdigest()
 
 
+class ViolationIds:
+    """Violation id = engine id / digest of the violation's content / how many identical
+    violations were issued before. The core is deterministic, so replaying the same events
+    from the same checkpoint issues the same ids, whatever the batching or the timing of
+    checkpoints."""
+
+    def __init__(self) -> None:
+        self.issued: Counter = Counter()  # violation digest -> times issued
+
+    def issue(self, violations: list[Violation]) -> list[IssuedViolation]:
+        out = []
+        for v in violations:
+            digest = violation_digest(v)
+            n = self.issued[digest]
+            self.issued[digest] = n + 1
+            out.append(IssuedViolation(f"{v.engine_id}/{digest}/{n}", v))
+        return out
+
+
+def progress_event(key: RankKey, incarnation: int, step: int) -> dict:
+    """A rank's clock for the transfer join: a Step event with neither input nor plan."""
+    return {
+        "engine_id": key.engine_id,
+        "dp_rank": key.dp,
+        "tp_rank": key.tp,
+        "pp_rank": key.pp,
+        "incarnation": incarnation,
+        "seq": -1,  # not a ledger event of the rank's own sequence
+        "emitted_at_us": 0,
+        "body": (STEP, {"step": step, "kind": "REAL", "input": None, "plan": None}),
+    }
+
+
 class EngineProjection:
     """One engine's ledger, the offsets it covers, and the ids it has issued.
 
-    Violation id = engine id / digest of the violation's content / how many
-    identical violations this engine issued before. The core is deterministic,
-    so replaying the same events from the same checkpoint issues the same ids,
-    whatever the batching or the timing of checkpoints.
+    The ledger checks the engine's own ranks (transfers included, as far as a
+    rank sees them alone); joining both sides of a transfer is the transfer
+    stream's job, so the ledger leaves it out (`join_transfers=False`).
     """
 
-    def __init__(self, engine_id: str, ledger: Ledger | None = None, *, next_offset: int = 0, issued=None, base=None):
+    def __init__(self, engine_id: str, ledger: Ledger | None = None, *, next_offset: int = 0, ids=None, base=None):
         self.engine_id = engine_id
-        self.ledger = ledger if ledger is not None else Ledger()
+        self.ledger = ledger if ledger is not None else Ledger(join_transfers=False)
         self.next_offset = next_offset  # first offset of the engine's partition not yet applied
-        self.issued: Counter = issued if issued is not None else Counter()  # violation digest -> times issued
+        self.ids: ViolationIds = ids if ids is not None else ViolationIds()
         self.reported_unchecked: Counter = Counter(self.ledger.coverage.unchecked)
+        self.progress_sent: dict[RankKey, int] = {}  # rank -> last step forwarded to the join
         # Since the last checkpoint: its bytes and the events applied after it, to
         # rebuild the state when a record makes the core raise.
         self._base: bytes = base if base is not None else self.checkpoint()
@@ -109,7 +144,7 @@ class EngineProjection:
             "engine_id": self.engine_id,
             "ledger": self.ledger,
             "next_offset": self.next_offset,
-            "issued": self.issued,
+            "ids": self.ids,
         }
         return zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
 
@@ -118,9 +153,7 @@ class EngineProjection:
         state = pickle.loads(zlib.decompress(blob))
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"checkpoint format {state.get('format')!r} is not {CHECKPOINT_FORMAT}")
-        return cls(
-            state["engine_id"], state["ledger"], next_offset=state["next_offset"], issued=state["issued"], base=blob
-        )
+        return cls(state["engine_id"], state["ledger"], next_offset=state["next_offset"], ids=state["ids"], base=blob)
 
     def mark_checkpointed(self) -> bytes:
         blob = self.checkpoint()
@@ -153,7 +186,7 @@ class EngineProjection:
             items = [(r, e) for r, e in items if all(r is not d.record for d in rejected)]
         self._log += items
         self.next_offset = max(self.next_offset, items[-1][0].offset + 1) if items else self.next_offset
-        out.violations += self._issue(found)
+        out.violations += self.ids.issue(found)
         out.events[self.engine_id] += len(items)
         for record, event in items:
             name, body = event["body"]
@@ -168,7 +201,7 @@ class EngineProjection:
     def settle(self) -> Outcome:
         """The watermark passed: steps still held for missing ranks are settled (rank_missing)."""
         out = Outcome()
-        out.violations += self._issue(self.ledger.finish())
+        out.violations += self.ids.issue(self.ledger.finish())
         self._log.append(SETTLE)
         out.unchecked += self._new_unchecked()
         return out
@@ -178,14 +211,19 @@ class EngineProjection:
         """Steps are waiting for ranks that have not reported them yet."""
         return any(group.pending for group in self.ledger.step_groups.values())
 
-    def _issue(self, violations: list[Violation]) -> list[IssuedViolation]:
-        issued = []
-        for v in violations:
-            digest = violation_digest(v)
-            n = self.issued[digest]
-            self.issued[digest] = n + 1
-            issued.append(IssuedViolation(f"{self.engine_id}/{digest}/{n}", v))
-        return issued
+    def progress(self) -> list[dict]:
+        """Progress events of the ranks that moved since the last call (the join's clock).
+
+        Forward them only once every connector event up to those steps was
+        sent: the join must see a rank's transfer events before its clock
+        passes them.
+        """
+        out = []
+        for key, slot in self.ledger.ranks.items():
+            if slot.last_step > self.progress_sent.get(key, -1):
+                self.progress_sent[key] = slot.last_step
+                out.append(progress_event(key, slot.incarnation, slot.last_step))
+        return out
 
     def _new_unchecked(self) -> Counter:
         now = self.ledger.coverage.unchecked

@@ -68,7 +68,10 @@ def ensure_topics(bootstrap: str, topics: Topics, partitions: int, replication: 
     """Create missing topics; return the events topic's partition count (an existing topic keeps its own).
 
     Violations are keyed by their id on a compacted topic, so re-sent
-    duplicates collapse in storage as well as in consumers.
+    duplicates collapse in storage as well as in consumers. The transfers
+    topic has as many partitions as the events topic: its partition p is
+    joined where the events of partition p are projected (Faust assigns
+    co-partitioned topics together).
     """
     client = admin(bootstrap)
     existing = partitions_of(client, topics.events)
@@ -81,6 +84,11 @@ def ensure_topics(bootstrap: str, topics: Topics, partitions: int, replication: 
         topics.deadletter: NewTopic(topics.deadletter, events_partitions, replication),
         topics.transfers: NewTopic(topics.transfers, events_partitions, replication),
     }
+    transfers = partitions_of(client, topics.transfers)
+    if transfers is not None and transfers != events_partitions:
+        raise BrokerUnavailable(
+            f"topic {topics.transfers} has {transfers} partitions, {topics.events} {events_partitions}: they must match"
+        )
     missing = [t for name, t in wanted.items() if partitions_of(client, name) is None]
     if missing:
         for name, future in client.create_topics(missing, operation_timeout=30).items():

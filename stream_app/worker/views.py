@@ -4,6 +4,7 @@
 /engines       engines and ranks seen: last step, lag, events dropped by producers
 /violations    the most recent violations, newest last
 /block-table   ?engine=E&req=R: a request's block table per rank, at each rank's current step
+/transfers     the transfer joins of this worker's partitions: offsets covered, transfers open
 /              a small HTML status page over the three JSON views
 """
 
@@ -56,6 +57,18 @@ def engines_view(worker: StreamWorker) -> list[dict]:
     return out
 
 
+def transfers_view(worker: StreamWorker) -> list[dict]:
+    return [
+        {
+            "partition": partition,
+            "next_offset": projection.next_offset,
+            "open_transfers": projection.open_transfers,
+            "ranks": len(projection.join.clock),
+        }
+        for partition, projection in sorted(worker.joins.items())
+    ]
+
+
 def violations_view(worker: StreamWorker) -> list[dict]:
     return [{"id": issued.id, **issued.violation.to_record()} for issued in worker.recent]
 
@@ -86,6 +99,10 @@ def register_views(app: faust.App, worker: StreamWorker) -> None:
     async def partitions(web, request):
         assigned = worker.app.consumer.assignment()
         return web.json(sorted(tp.partition for tp in assigned if tp.topic == worker.topics.events))
+
+    @app.page("/transfers")
+    async def transfers(web, request):
+        return web.json(transfers_view(worker))
 
     @app.page("/violations")
     async def violations(web, request):

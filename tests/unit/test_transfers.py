@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvledger.producer import records
 from kvledger.producer.synthetic import PD_FAULT_KINDS, PdConfig, simulate_pd_pair
-from kvledger.schemas.registry import CONNECTOR_EVENT
+from kvledger.schemas.registry import CONNECTOR_EVENT, STEP
 from kvledger.stream_app.core import KINDS, Ledger, Violation
 from kvledger.stream_app.core.transfers import TransferJoin, parse_digest
 
@@ -153,3 +153,59 @@ def test_partial_pull_compares_the_tail_and_other_layouts_are_unchecked():
     other.apply(event("p", "SEND_DONE", [1, 2], records.transfer_digest(b"layout-a", [1, 2])))
     assert other.apply(event("d", "RECV_DONE", [1, 2], records.transfer_digest(b"layout-b", [5, 6]))) == []
     assert other.coverage.unchecked["transfer_digest_layout_differs"] == 1
+
+
+def join_all(events, **join_args) -> tuple[set, TransferJoin]:
+    join, out = TransferJoin(**join_args), []
+    for event in events:
+        out += join.apply(event)
+    return {(v.kind, v.engine_id, v.req_id, v.step, v.detail) for v in out}, join
+
+
+def coarse_clock(events, every: int) -> list[dict]:
+    """What a stream worker's join reads: connector events, and each rank's step only now and then."""
+    out = []
+    for event in events:
+        name, body = event["body"]
+        if name == CONNECTOR_EVENT or (name == STEP and body["step"] % every == 0):
+            out.append(event)
+    return out
+
+
+def test_repeated_events_are_ignored():
+    cfg = PdConfig(seed=4, requests=6, faults=(("recv_failed", 1), ("content", 3), ("block_count", 4)))
+    connector = [e for e in simulate_pd_pair(cfg).events if e["body"][0] == CONNECTOR_EVENT]
+    once, _ = join_all(connector)
+    assert {k for k, *_ in once} == {"transfer_failed", "transfer_content_mismatch", "transfer_block_mismatch"}
+    # A restarted worker re-sends a stretch of what it sent before: the same answers, reported once.
+    again = connector[: len(connector) * 2 // 3] + connector[len(connector) // 3 :]
+    join, out = TransferJoin(), []
+    for event in again:
+        out += join.apply(event)
+    assert len(out) == len(once) and {(v.kind, v.engine_id, v.req_id, v.step, v.detail) for v in out} == once
+
+
+def test_stuck_is_reported_at_the_deadline_step_however_coarse_the_clock():
+    sim = simulate_pd_pair(PdConfig(seed=5, requests=4, idle_steps=60, faults=(("stuck", 1),)))
+    fine, _ = join_all(sim.events, deadline_steps=20)
+    assert {k for k, *_ in fine} == {"transfer_stuck"} and len(fine) == 2
+    for every in (7, 25):
+        coarse, _ = join_all(coarse_clock(sim.events, every), deadline_steps=20)
+        assert coarse == fine
+
+
+def test_closed_transfers_are_retired_and_late_repeats_stay_quiet():
+    sim = simulate_pd_pair(PdConfig(seed=6, requests=10, idle_steps=80))
+    events = sim.events
+    found, join = join_all(events, deadline_steps=10)
+    assert found == set()
+    assert join.transfers == {} and join.retired == set(sim.transfer_ids)  # state gone, ids kept
+    connector = [e for e in events if e["body"][0] == CONNECTOR_EVENT]
+    assert all(join.apply(e) == [] for e in connector)  # a late repeat is not a new, lone transfer
+    assert join.transfers == {}
+    # Long after, the ids go too.
+    for engine_id in ("sim-prefill", "sim-decode"):
+        last = copy.deepcopy(next(e for e in reversed(events) if e["engine_id"] == engine_id and e["body"][0] == STEP))
+        last["body"][1]["step"] += 64 * 10  # FORGET_AFTER deadlines
+        assert join.apply(last) == []
+    assert join.retired == set()
