@@ -51,6 +51,7 @@ class StepGroup:
     missing_since: dict[tuple[int, int], int] = field(default_factory=dict)  # open runs of missed steps
     # Steps a rank's records were lost for, (after, before) exclusive: not the rank's fault.
     lost: dict[tuple[int, int], list[tuple[int, float]]] = field(default_factory=dict)
+    settled_through: int = -1  # a watermark settled every step up to here: later records for them are late
 
 
 def _fingerprint(parts) -> bytes:
@@ -254,6 +255,17 @@ class Ledger:
             group.missing_since.clear()
         return out
 
+    def settle_held(self) -> list[Violation]:
+        """A watermark, mid-stream: settle every step still waiting for ranks, as `finish` does,
+        and remember it, so that a rank's record arriving later for such a step is counted
+        (unchecked, `rank_late_after_settle`), not held again for ranks that already reported."""
+        out: list[Violation] = []
+        for gkey, group in self.step_groups.items():
+            for step in sorted(group.pending):
+                self._settle(gkey, group, step, out)
+                group.settled_through = max(group.settled_through, step)
+        return out
+
     def stream_lost(self, engine_id: str, dp: int, tp: int, pp: int) -> None:
         """The rest of a rank's stream is unreadable (e.g. a truncated file): its steps from
         here on are unchecked, and its absence from them is not the rank's fault."""
@@ -371,6 +383,9 @@ class Ledger:
         group.last_step[rank] = n
         if rank in group.missing_since and n > last:
             del group.missing_since[rank]
+        if n <= group.settled_through and n not in group.pending:
+            self.coverage.unchecked["rank_late_after_settle"] += 1
+            return
         entry = group.pending.setdefault(n, {})
         entry[rank] = (input_fingerprint(step["input"]), plan_fingerprint(step["plan"]), clean)
         gkey = (key.engine_id, key.dp)

@@ -201,7 +201,7 @@ class EngineProjection:
     def settle(self) -> Outcome:
         """The watermark passed: steps still held for missing ranks are settled (rank_missing)."""
         out = Outcome()
-        out.violations += self.ids.issue(self.ledger.finish())
+        out.violations += self.ids.issue(self.ledger.settle_held())
         self._log.append(SETTLE)
         out.unchecked += self._new_unchecked()
         return out
@@ -239,7 +239,7 @@ class EngineProjection:
             ledger = base.ledger
             for entry in self._log:
                 if entry is SETTLE:
-                    ledger.finish()
+                    ledger.settle_held()
                 else:
                     ledger.apply(entry[1])
             found: list[Violation] = []

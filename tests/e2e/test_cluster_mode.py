@@ -10,41 +10,15 @@ must show both engines and the violation.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 import uuid
-from collections import Counter
-from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
-from confluent_kafka.admin import AdminClient
 
 from tests.e2e.test_vllm_trace import PRESSURE
-
-KVLEDGER = str(Path(sys.executable).with_name("kvledger"))
-ENV = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(port: int, path: str) -> str | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
-            return response.read().decode()
-    except OSError:
-        return None
+from tests.stream_harness import events_done, events_per_engine, online_violations, start_worker, wait_for
 
 
 def rendered_page(url: str) -> str:
@@ -61,54 +35,19 @@ def rendered_page(url: str) -> str:
     return out.stdout
 
 
-def events_per_engine(bootstrap: str, topic: str) -> Counter:
-    """How many records each engine (the message key) has on the topic, start to end."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"count-{uuid.uuid4().hex[:6]}"})
-    counts: Counter = Counter()
-    try:
-        for p in admin.list_topics(topic, timeout=10).topics[topic].partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            if high <= low:
-                continue
-            consumer.assign([TopicPartition(topic, p, low)])
-            while (message := consumer.poll(10)) is not None:
-                assert message.error() is None, message.error()
-                counts[message.key().decode()] += 1
-                if message.offset() >= high - 1:
-                    break
-    finally:
-        consumer.close()
-    return counts
-
-
 @pytest.fixture
 def worker(kafka_bootstrap, tmp_path):
     prefix = f"e2e{uuid.uuid4().hex[:8]}"
-    port = free_port()
-    log = tmp_path / "worker.log"
-    args = [
-        KVLEDGER, "stream", "--bootstrap", kafka_bootstrap, "--partitions", "2", "--store", "memory",
-        "--state-dir", str(tmp_path / "state"), "--web-port", str(port), "--group", prefix,
-        "--topic-prefix", prefix, "--settle-after", "1",
-    ]  # fmt: skip
-    proc = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV)
-    deadline = time.monotonic() + 90
-    while get(port, "/metrics") is None:  # serving means its topics exist
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.3)
+    args = ("--partitions", "2", "--store", "memory", "--settle-after", "1")
+    worker = start_worker(kafka_bootstrap, prefix, tmp_path / "state", tmp_path / "worker.log", *args)
     try:
-        yield prefix, port, proc, log
+        yield prefix, worker
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        worker.stop()
 
 
 def test_engines_through_kafka_to_the_violations_topic(kafka_bootstrap, worker, engine):
-    prefix, port, proc, log = worker
+    prefix, worker = worker
     topic = f"{prefix}.events"
     spec = {**PRESSURE, "max_tokens": 12, "num_blocks": 64}
     kv_trace = {"enabled": True, "sink": f"kafka://{kafka_bootstrap}/{topic}", "snapshot_interval": 16}
@@ -119,29 +58,16 @@ def test_engines_through_kafka_to_the_violations_topic(kafka_bootstrap, worker, 
     # Wait until the worker has applied every record of both engines and holds no step.
     produced = events_per_engine(kafka_bootstrap, topic)
     assert len(produced) == 2, produced
-    deadline = time.monotonic() + 120
-    while True:
-        engines = json.loads(get(port, "/engines") or "[]")
-        applied = {e["engine_id"]: e["events"] for e in engines if e["held_steps"] == 0}
-        if applied == dict(produced):
-            break
-        assert proc.poll() is None and time.monotonic() < deadline, (applied, produced, log.read_text()[-3000:])
-        time.sleep(0.5)
+    wait_for("every event applied", events_done([worker], dict(produced)), [worker], timeout=120)
 
-    out = subprocess.run(
-        [KVLEDGER, "violations", "--bootstrap", kafka_bootstrap, "--topic-prefix", prefix, "--from-beginning",
-         "--idle-timeout", "3", "--format", "json"],
-        capture_output=True, text=True, timeout=120, env=ENV,
-    )  # fmt: skip
-    *violations, summary = [json.loads(line) for line in out.stdout.splitlines()]
-    assert out.returncode == 1, out.stderr
+    violations, summary = online_violations(kafka_bootstrap, prefix)
     assert [(v["kind"], v["step"], v["req_id"]) for v in violations] == [
         ("write_target_mismatch", int(injected["step"]), injected["req"])
     ]
     assert summary["violations"] == {"write_target_mismatch": 1}
 
     # The status page, as a browser shows it: both engines' ranks, the violation in red.
-    page = rendered_page(f"http://127.0.0.1:{port}/")
+    page = rendered_page(f"http://127.0.0.1:{worker.port}/")
     engines_table = re.search(r'<table id="engines">(.*?)</table>', page, re.S)[1]
     violations_table = re.search(r'<table id="violations">(.*?)</table>', page, re.S)[1]
     assert all(engine_id in engines_table for engine_id in produced), engines_table

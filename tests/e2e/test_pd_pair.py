@@ -13,16 +13,20 @@ A second pair runs with one injected fault per transfer (plugins/
 kvledger_test_pd_faults.py): a failed receive, received blocks corrupted
 after the receive, a held prefill block handed to another request before its
 send completed, and a send one block short of what decode expects. Checked
-together, the two ledgers name each fault with its kind, transfer and request.
+together, the two ledgers name each fault with its kind, transfer and request;
+appended to Kafka, the stream worker (its engine projections, then the joins
+on the transfer-keyed topic) publishes the same violations.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import re
 import shutil
 import subprocess
-from collections import defaultdict
+import uuid
+from collections import Counter, defaultdict
 
 import pytest
 from click.testing import CliRunner
@@ -33,6 +37,7 @@ from kvledger.schemas.registry import CONNECTOR_EVENT, RANK_INFO, STEP
 from kvledger.stream_app.cli import main as kvledger_cli
 from tests.e2e.conftest import vllm_python
 from tests.e2e.pd_pair import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, run_pd_pair
+from tests.stream_harness import as_multiset, events_done, online_violations, produce, start_worker, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -75,15 +80,12 @@ def clean_pair(tmp_path_factory):
     return run
 
 
+def ledger_events(ledger_root) -> list[dict]:
+    return [event for stream in discover(ledger_root) for path in stream.segments for event in read_segment(path, [])]
+
+
 def bodies(ledger_root, kind: str) -> list[dict]:
-    found = []
-    for stream in discover(ledger_root):
-        for path in stream.segments:
-            for event in read_segment(path, []):
-                name, body = event["body"]
-                if name == kind:
-                    found.append(body)
-    return found
+    return [body for name, body in (e["body"] for e in ledger_events(ledger_root)) if name == kind]
 
 
 def connector_events(ledger_root) -> list[dict]:
@@ -257,3 +259,34 @@ def test_each_fault_caught_with_its_kind_transfer_and_request(faulty_pair):
     # The short send never completes: open at the end of the ledger, and said so.
     assert summary["unchecked"] == {"transfer_open_at_end": 1}, summary
     assert summary["checks"]["transfer_join"] == len(FAULT_PROMPTS), summary
+
+
+def test_stream_worker_over_kafka_agrees_with_check(faulty_pair, kafka_bootstrap, tmp_path):
+    """Both engines' events on the events topic, in the order they were emitted, as their Kafka
+    sinks would have appended them (the pair runs in a network namespace of its own, so it
+    traces to files): the worker publishes exactly what `kvledger check` finds over the files."""
+    offline = check(faulty_pair.prefill_ledger.parent)["found"]
+    assert {v["kind"] for v in offline} >= {"transfer_failed", "transfer_content_mismatch", "send_block_reused"}
+    events = list(
+        heapq.merge(
+            ledger_events(faulty_pair.prefill_ledger),
+            ledger_events(faulty_pair.decode_ledger),
+            key=lambda e: e["emitted_at_us"],
+        )
+    )
+    prefix = f"pd{uuid.uuid4().hex[:8]}"
+    args = ("--partitions", "3", "--store", "memory", "--settle-after", "1")
+    worker = start_worker(kafka_bootstrap, prefix, tmp_path / "state", tmp_path / "worker.log", *args)
+    try:
+        produce(kafka_bootstrap, f"{prefix}.events", events)
+        expected = dict(Counter(e["engine_id"] for e in events))
+        wait_for("every event applied", events_done([worker], expected), [worker], timeout=120)
+        online: list[dict] = []
+        for _ in range(10):  # the joins follow the projections by up to a checkpoint interval
+            online, summary = online_violations(kafka_bootstrap, prefix)
+            if as_multiset(online) == as_multiset(offline):
+                break
+        assert as_multiset(online) == as_multiset(offline)
+        assert summary["violations"] == dict(sorted(Counter(v["kind"] for v in offline).items()))
+    finally:
+        worker.stop()

@@ -9,34 +9,31 @@ events.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
 
-from kvledger.producer.sinks import KAFKA_DEFAULTS, FileSink
+from kvledger.producer.sinks import FileSink
 from kvledger.producer.synthetic import FaultSpec, GroupSpec, SimConfig, simulate
-from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from tests.stream_harness import (
+    CODEC,
+    Worker,
+    as_multiset,
+    events_done,
+    free_port,
+    kvledger,
+    online_violations,
+    produce,
+    read_all,
+    start_worker,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
-KVLEDGER = str(Path(sys.executable).with_name("kvledger"))
-ENV = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")}
-CODEC = SingleObjectCodec(LEDGER_EVENT)
 SETTLE_AFTER = 1.0
 
 
@@ -75,87 +72,6 @@ def interleave(per_engine: dict[str, list[dict]]) -> list[dict]:
     return [e for i in range(max(map(len, streams))) for s in streams if i < len(s) for e in [s[i]]]
 
 
-# -- the broker -----------------------------------------------------------------------------------
-def produce(bootstrap: str, topic: str, events: list[dict], raw: list[tuple[bytes | None, bytes]] = ()) -> None:
-    # The engines' Kafka sink settings (lz4 batches, murmur2 keying): the worker must read what engines write.
-    producer = Producer({**KAFKA_DEFAULTS, "bootstrap.servers": bootstrap})
-    for event in events:
-        producer.produce(topic, key=event["engine_id"].encode(), value=CODEC.encode(event))
-    for key, value in raw:
-        producer.produce(topic, key=key, value=value)
-    assert producer.flush(30) == 0
-
-
-def read_all(bootstrap: str, topic: str) -> list:
-    """Every message of `topic` as it stands (all partitions, start to end)."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    partitions = admin.list_topics(topic, timeout=10).topics[topic].partitions
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"t-{uuid.uuid4().hex[:6]}"})
-    out = []
-    try:
-        for p in partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            if high <= low:
-                continue
-            consumer.assign([TopicPartition(topic, p, low)])
-            while True:
-                message = consumer.poll(10)
-                assert message is not None and message.error() is None
-                out.append(message)
-                if message.offset() >= high - 1:
-                    break
-    finally:
-        consumer.close()
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# -- workers --------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Worker:
-    proc: subprocess.Popen
-    port: int
-    log: Path
-
-    def get(self, path: str) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as response:
-            return response.read().decode()
-
-    def get_ok(self, path: str) -> bool:
-        try:
-            self.get(path)
-        except OSError:
-            return False
-        return True
-
-    def metrics(self) -> dict[str, float]:
-        try:
-            text = self.get("/metrics")
-        except OSError:
-            return {}
-        return {m[1]: float(m[2]) for m in re.finditer(r"^(kvledger_\S+) (\S+)$", text, re.M)}
-
-    def total(self, name: str) -> float:
-        return sum(v for k, v in self.metrics().items() if k.split("{")[0] == name)
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
 @pytest.fixture
 def cluster(kafka_bootstrap, tmp_path):
     """Start workers of one group on fresh topics: `start(name)`; all stopped at the end."""
@@ -163,35 +79,11 @@ def cluster(kafka_bootstrap, tmp_path):
     workers: list[Worker] = []
 
     def start(name: str, partitions: int = 3) -> Worker:
-        port = free_port()
-        log = tmp_path / f"{name}.log"
-        args = [
-            KVLEDGER,
-            "stream",
-            "--bootstrap",
-            kafka_bootstrap,
-            "--partitions",
-            str(partitions),
-            "--state-dir",
-            str(tmp_path / f"state-{name}"),
-            "--web-port",
-            str(port),
-            "--group",
-            prefix,
-            "--topic-prefix",
-            prefix,
-            "--settle-after",
-            str(SETTLE_AFTER),
-            "--session-timeout",
-            "6",
-            "--loglevel",
-            os.environ.get("KVLEDGER_TEST_WORKER_LOGLEVEL", "warning"),
-        ]
-        proc = subprocess.Popen(args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV)
-        worker = Worker(proc, port, log)
+        worker = start_worker(
+            kafka_bootstrap, prefix, tmp_path / f"state-{name}", tmp_path / f"{name}.log",
+            "--partitions", str(partitions), "--settle-after", str(SETTLE_AFTER), "--session-timeout", "6",
+        )  # fmt: skip
         workers.append(worker)
-        # Serving /metrics means its topics exist (with `partitions`, not the broker's auto-create default).
-        wait_for("the worker's web server", lambda: worker.get_ok("/metrics"), [worker])
         return worker
 
     start.prefix = prefix
@@ -203,54 +95,6 @@ def cluster(kafka_bootstrap, tmp_path):
             worker.stop()
 
 
-def wait_for(what: str, condition: Callable[[], bool], workers: list[Worker], timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        for w in workers:
-            if w.proc.poll() is not None:
-                pytest.fail(f"worker exited with {w.proc.returncode}:\n{w.log.read_text()[-3000:]}")
-        time.sleep(0.2)
-    logs = "\n".join(w.log.read_text()[-2000:] for w in workers)
-    views = [w.get("/engines") for w in workers if w.proc.poll() is None and w.get_ok("/engines")]
-    pytest.fail(f"timed out waiting for {what}\nengines: {views}\n{logs}")
-
-
-def events_done(workers: list[Worker], expected: dict[str, int]) -> Callable[[], bool]:
-    """Every engine's ledger (restored state included) counts all its valid events, no step held."""
-
-    def done() -> bool:
-        seen = {}
-        for w in workers:
-            try:
-                for engine in json.loads(w.get("/engines")):
-                    if engine["held_steps"] == 0:
-                        seen[engine["engine_id"]] = engine["events"]
-            except OSError:
-                continue
-        return seen == expected
-
-    return done
-
-
-# -- what the CLI reads back ----------------------------------------------------------------------
-def kvledger(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([KVLEDGER, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
-
-
-def online_violations(bootstrap: str, prefix: str) -> tuple[list[dict], dict]:
-    proc = kvledger(
-        "violations", "--bootstrap", bootstrap, "--topic-prefix", prefix, "--from-beginning",
-        "--idle-timeout", "3", "--format", "json",
-    )  # fmt: skip
-    assert "Traceback" not in proc.stderr, proc.stderr
-    *violations, summary = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert summary["type"] == "summary"
-    assert proc.returncode == (1 if violations else 0), proc.stderr
-    return violations, summary
-
-
 def offline_violations(events: list[dict], root: Path) -> list[dict]:
     with FileSink(root) as sink:
         sink.write(events)
@@ -258,10 +102,6 @@ def offline_violations(events: list[dict], root: Path) -> list[dict]:
     *violations, summary = [json.loads(line) for line in proc.stdout.splitlines()]
     assert summary["type"] == "summary"
     return violations
-
-
-def as_multiset(violations: list[dict]) -> Counter:
-    return Counter(json.dumps(v, sort_keys=True) for v in violations)
 
 
 def assert_same_as_offline(bootstrap: str, prefix: str, events: list[dict], tmp_path: Path) -> list[dict]:
@@ -370,9 +210,7 @@ def test_two_workers_share_partitions_and_one_takes_over_when_the_other_dies(clu
 
 
 def test_unreachable_broker_is_one_line_and_exit_2():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens there
     for args in (["stream"], ["violations", "--idle-timeout", "1"]):
         proc = kvledger(*args, "--bootstrap", f"127.0.0.1:{port}")
         assert proc.returncode == 2, proc.stderr

@@ -203,3 +203,20 @@ def test_joining_mid_stream_waits_for_a_snapshot():
     assert _run(late, ledger) == []
     assert ledger.coverage.unchecked["joined_mid_stream"] == 1
     assert ledger.coverage.unchecked["after_gap"] > 0 and ledger.coverage.checks["write"] > 0
+
+
+def test_a_watermark_mid_stream_settles_once_and_late_records_are_counted_not_held():
+    events = simulate(dataclasses.replace(REALISTIC, faults=())).events
+    assert _run(events) == []
+    # Rank 1 falls silent after step 20; a watermark settles what waits for it; then its records come late.
+    cut = next(i for i, e in enumerate(events) if e["tp_rank"] == 1 and e["body"][1].get("step", -1) == 21)
+    late = [e for e in events[cut:] if e["tp_rank"] == 1]
+    rest = [e for e in events[cut:] if e["tp_rank"] != 1]
+    ledger = Ledger()
+    found = [v for e in events[:cut] + rest for v in ledger.apply(e)]
+    assert found == []  # held, not yet reported
+    settled = ledger.settle_held()
+    assert [(v.kind, v.tp_rank, v.step) for v in settled] == [("rank_missing", 1, 21)]  # one run, reported once
+    found = [v for e in late for v in ledger.apply(e)] + ledger.settle_held() + ledger.finish()
+    assert found == []  # rank 0 reported every step: never missing
+    assert ledger.coverage.unchecked["rank_late_after_settle"] > 0

@@ -65,7 +65,7 @@ def online(events, seed: int, resend: bool = False) -> tuple[Counter, set[str]]:
         if resend and rng.random() < 0.1:  # a restarted worker: a stretch of the transfers again
             for partition in transfers:
                 partition += partition[-rng.randint(1, 10) :]
-    for engine_id, projection in projections.items():
+    for projection in projections.values():
         for event in projection.progress():
             for partition in transfers:
                 partition.append(CODEC.encode(event))
