@@ -216,7 +216,7 @@ class StreamWorker:
             projection = EngineProjection.restore(blob) if blob else EngineProjection(engine_id)
             self.engines[engine_id] = projection
             log.info(
-                "engine %s: %s, first event at %s/%d",
+                "engine %s: %s, in a batch up to %s/%d",
                 engine_id,
                 f"restored, offsets < {projection.next_offset} covered" if blob else "new",
                 anchor.message.tp.partition,
