@@ -177,25 +177,38 @@ class RequestView:
     last_seen: int | None
 
 
+class RequestTrace:
+    """Follows one request through one engine's events: its rows on every rank, at the end."""
+
+    def __init__(self, engine_id: str, req_id: str, ledger: Ledger | None = None):
+        self.engine_id, self.req_id = engine_id, req_id
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.seen: dict[RankKey, tuple[int, int]] = {}  # rank -> first and last step the request was live
+
+    def apply(self, at: int, event: dict) -> None:
+        self.ledger.apply(event)
+        key = RankKey(self.engine_id, event["dp_rank"], event["tp_rank"], event["pp_rank"])
+        state = self.ledger.ranks[key].state
+        if state is not None and self.req_id in state.index_of:
+            self.seen[key] = (self.seen.get(key, (at, at))[0], at)
+
+    def views(self) -> list[RequestView]:
+        views = []
+        for key, slot in sorted(self.ledger.ranks.items(), key=lambda kv: (kv[0].dp, kv[0].pp, kv[0].tp)):
+            rows = slot.state.request_rows(self.req_id) if slot.state is not None else None
+            first, last = self.seen.get(key, (None, None))
+            views.append(RequestView(self.engine_id, key.dp, key.tp, key.pp, slot.last_step, rows, first, last))
+        return views
+
+
 def query(root: str | Path, engine_id: str, req_id: str, step: int | None = None) -> list[RequestView]:
     """The block table of `req_id` at `step` (default: the last step) on every rank of the engine."""
     problems: list[ReadProblem] = []
     _, events = iter_ledger(root, problems, engine_id=engine_id)
-    ledger = Ledger()
-    seen: dict[RankKey, tuple[int, int]] = {}
+    trace = RequestTrace(engine_id, req_id)
     for at, event in events:
         if step is not None and at > step:
             break  # merged by step: everything after is later too
-        if isinstance(event, StreamLost):
-            continue
-        ledger.apply(event)
-        key = RankKey(engine_id, event["dp_rank"], event["tp_rank"], event["pp_rank"])
-        state = ledger.ranks[key].state
-        if state is not None and req_id in state.index_of:
-            seen[key] = (seen.get(key, (at, at))[0], at)
-    views = []
-    for key, slot in sorted(ledger.ranks.items(), key=lambda kv: (kv[0].dp, kv[0].pp, kv[0].tp)):
-        rows = slot.state.request_rows(req_id) if slot.state is not None else None
-        first, last = seen.get(key, (None, None))
-        views.append(RequestView(engine_id, key.dp, key.tp, key.pp, slot.last_step, rows, first, last))
-    return views
+        if not isinstance(event, StreamLost):
+            trace.apply(at, event)
+    return trace.views()

@@ -86,8 +86,8 @@ class Worker:
     port: int
     log: Path
 
-    def get(self, path: str) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as response:
+    def get(self, path: str, timeout: float = 5) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=timeout) as response:
             return response.read().decode()
 
     def get_ok(self, path: str) -> bool:

@@ -14,7 +14,7 @@ import hashlib
 import json
 import pickle
 import zlib
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from kvledger.schemas import LEDGER_EVENT, DecodeError, SingleObjectCodec, UnknownSchemaError
@@ -23,6 +23,8 @@ from kvledger.stream_app.core import Ledger, Violation
 from kvledger.stream_app.core.violations import RankKey
 
 CHECKPOINT_FORMAT = 2
+WAYPOINTS = 8  # checkpoints an engine keeps in memory for time travel ...
+WAYPOINT_EVERY = 512  # ... at least this many steps apart
 SETTLE = None  # marks, in an engine's replay log, where the watermark settled held steps
 
 
@@ -49,6 +51,15 @@ class IssuedViolation:
 
     id: str
     violation: Violation
+
+
+@dataclass(frozen=True, slots=True)
+class Waypoint:
+    """An engine's checkpoint kept for time travel: no rank of the engine was past `step`."""
+
+    step: int
+    next_offset: int
+    blob: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +142,7 @@ class EngineProjection:
         self.ids: ViolationIds = ids if ids is not None else ViolationIds()
         self.reported_unchecked: Counter = Counter(self.ledger.coverage.unchecked)
         self.progress_sent: dict[RankKey, int] = {}  # rank -> last step forwarded to the join
+        self.waypoints: deque[Waypoint] = deque(maxlen=WAYPOINTS)
         # Since the last checkpoint: its bytes and the events applied after it, to
         # rebuild the state when a record makes the core raise.
         self._base: bytes = base if base is not None else self.checkpoint()
@@ -158,7 +170,15 @@ class EngineProjection:
     def mark_checkpointed(self) -> bytes:
         blob = self.checkpoint()
         self._base, self._log = blob, []
+        steps = [slot.last_step for slot in self.ledger.ranks.values()]
+        step = max(steps, default=-1)
+        if step >= 0 and (not self.waypoints or step - self.waypoints[-1].step >= WAYPOINT_EVERY):
+            self.waypoints.append(Waypoint(step, self.next_offset, blob))
         return blob
+
+    @staticmethod
+    def ledger_of(blob: bytes) -> Ledger:
+        return EngineProjection.restore(blob).ledger
 
     # -- applying -----------------------------------------------------------------------
     def apply(self, items: list[tuple[Record, dict]]) -> Outcome:

@@ -3,18 +3,24 @@
 /metrics       Prometheus exposition
 /engines       engines and ranks seen: last step, lag, events dropped by producers
 /violations    the most recent violations, newest last
-/block-table   ?engine=E&req=R: a request's block table per rank, at each rank's current step
+/block-table   ?engine=E&req=R[&step=S]: a request's block table per rank, at each rank's current
+               step, or at step S (time travel: rebuilt from a kept checkpoint and the events topic)
 /transfers     the transfer joins of this worker's partitions: offsets covered, transfers open
 /              a small HTML status page over the three JSON views
 """
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import asdict
 from importlib import resources
 from typing import TYPE_CHECKING
 
 import faust
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvledger.stream_app.worker.projection import EngineProjection
+from kvledger.stream_app.worker.travel import travel
 
 if TYPE_CHECKING:
     from kvledger.stream_app.worker.app import StreamWorker
@@ -84,6 +90,28 @@ def block_table_view(worker: StreamWorker, engine_id: str, req_id: str) -> list[
     return views
 
 
+async def travel_view(worker: StreamWorker, engine_id: str, req_id: str, step: int) -> dict | None:
+    projection = worker.engines.get(engine_id)
+    anchor = worker.anchors.get(engine_id)
+    if projection is None or anchor is None:
+        return None
+    tp = anchor.message.tp
+    journey = await asyncio.to_thread(
+        travel,
+        worker.settings.bootstrap,
+        tp.topic,
+        tp.partition,
+        engine_id,
+        req_id,
+        step,
+        list(projection.waypoints),
+        worker.positions.get(tp, projection.next_offset),
+        EngineProjection.ledger_of,
+    )
+    ranks = [{"rank": f"dp{v.dp_rank}-tp{v.tp_rank}-pp{v.pp_rank}", **asdict(v)} for v in journey.views]
+    return {"start_offset": journey.start_offset, "from_waypoint": journey.from_waypoint, "ranks": ranks}
+
+
 def register_views(app: faust.App, worker: StreamWorker) -> None:
     status_page = resources.files("kvledger.stream_app.worker").joinpath("status.html").read_text()
 
@@ -110,13 +138,22 @@ def register_views(app: faust.App, worker: StreamWorker) -> None:
 
     @app.page("/block-table")
     async def block_table(web, request):
-        engine_id, req_id = request.query.get("engine"), request.query.get("req")
-        if not engine_id or not req_id:
-            return web.json({"error": "give ?engine=ENGINE&req=REQUEST"}, status=400)
-        found = block_table_view(worker, engine_id, req_id)
-        if found is None:
-            return web.json({"error": f"engine {engine_id!r} is not projected by this worker"}, status=404)
-        return web.json({"engine_id": engine_id, "req_id": req_id, "ranks": found})
+        engine_id, req_id, step = (request.query.get(k) for k in ("engine", "req", "step"))
+        if not engine_id or not req_id or (step is not None and not step.isdigit()):
+            return web.json({"error": "give ?engine=ENGINE&req=REQUEST[&step=STEP]"}, status=400)
+        not_here = web.json({"error": f"engine {engine_id!r} is not projected by this worker"}, status=404)
+        if step is None:
+            found = block_table_view(worker, engine_id, req_id)
+            if found is None:
+                return not_here
+            return web.json({"engine_id": engine_id, "req_id": req_id, "ranks": found})
+        try:
+            journey = await travel_view(worker, engine_id, req_id, int(step))
+        except Exception as exc:  # the broker went away mid-replay: say so, keep serving
+            return web.json({"error": f"time travel failed: {type(exc).__name__}: {exc}"}, status=503)
+        if journey is None:
+            return not_here
+        return web.json({"engine_id": engine_id, "req_id": req_id, "step": int(step), **journey})
 
     @app.page("/")
     async def status(web, request):

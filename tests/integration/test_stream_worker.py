@@ -152,6 +152,28 @@ def test_online_equals_offline_and_bad_records_go_to_dead_letters(cluster, tmp_p
     assert len(json.loads(worker.get("/violations"))) == len(online)
     table = json.loads(worker.get("/block-table?engine=eng-a&req=req-1"))
     assert [r["rank"] for r in table["ranks"]] == ["dp0-tp0-pp0", "dp0-tp1-pp0"]
+    assert_time_travel_matches_offline(worker, tmp_path / "ledger")
+
+
+def offline_query(ledger: Path, engine_id: str, req_id: str, step: int | None = None) -> list[dict]:
+    args = ["query", str(ledger), "--engine", engine_id, "--req", req_id, "--format", "json"]
+    proc = kvledger(*args, *(["--step", str(step)] if step is not None else []))
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def assert_time_travel_matches_offline(worker: Worker, ledger: Path) -> None:
+    """A request's block table at past steps, from the worker, equals `kvledger query` over the file ledger."""
+    for req_id in ("req-1", "req-6"):
+        live = offline_query(ledger, "eng-a", req_id)[0]
+        first, last = live["first_seen"], live["last_seen"]
+        assert first is not None and last > first, live
+        for step in (first, (first + last) // 2, last):
+            offline = offline_query(ledger, "eng-a", req_id, step)
+            online = json.loads(worker.get(f"/block-table?engine=eng-a&req={req_id}&step={step}", timeout=60))
+            assert [(r["rank"], r["step"], r["rows"]) for r in online["ranks"]] == [
+                (f"dp{v['dp_rank']}-tp{v['tp_rank']}-pp{v['pp_rank']}", v["step"], v["rows"]) for v in offline
+            ], (req_id, step, online["start_offset"])
+            assert any(r["rows"] for r in online["ranks"]), (req_id, step)
 
 
 def test_sigkill_mid_stream_then_restart_loses_and_duplicates_nothing(cluster, tmp_path):

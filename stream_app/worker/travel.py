@@ -1,0 +1,95 @@
+"""Time travel in the worker: a request's block table at any step, rebuilt from the events topic.
+
+The state at step S is the engine's state at a waypoint at or before S (a
+checkpoint the projection kept) plus the engine's events after it, each rank
+up to S; with no such waypoint, the partition's events from its start. It is
+the offline `kvledger query` (replay.RequestTrace) over Kafka instead of
+files: a blocking consumer, run off the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from confluent_kafka import Consumer, TopicPartition
+
+from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from kvledger.stream_app.core import Ledger
+from kvledger.stream_app.replay import RequestTrace, RequestView
+from kvledger.stream_app.worker.projection import Waypoint
+from kvledger.stream_app.worker.topics import QUIET
+
+POLL_BATCH = 1024
+READ_TIMEOUT = 30.0  # seconds without a record before a replay gives up
+
+
+@dataclass(frozen=True)
+class Journey:
+    start_offset: int  # where the replay began: a waypoint's offset, or the partition's first
+    from_waypoint: int | None  # the waypoint's step, if one was used
+    views: list[RequestView]
+
+
+def partition_events(
+    bootstrap: str, topic: str, partition: int, engine_id: str, start: int, end: int
+) -> Iterator[dict]:
+    """The engine's events of one partition, offsets [start, end), decoded."""
+    codec, key = SingleObjectCodec(LEDGER_EVENT), engine_id.encode()
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "kvledger-time-travel",  # assigned, never subscribed: no offsets committed
+            "enable.auto.commit": False,
+            "logger": QUIET,
+        }
+    )
+    try:
+        low, _ = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
+        offset = max(start, low)
+        consumer.assign([TopicPartition(topic, partition, offset)])
+        while offset < end:
+            # Never ask for more than is there: consume() waits for the count or the timeout.
+            messages = consumer.consume(min(POLL_BATCH, end - offset), timeout=READ_TIMEOUT)
+            if not messages:
+                raise TimeoutError(f"no records from {topic}/{partition} at offset {offset} (up to {end})")
+            for m in messages:
+                if m.error() is not None:
+                    continue
+                offset = m.offset() + 1
+                if m.offset() >= end:
+                    return
+                if m.key() == key:
+                    try:
+                        yield codec.decode(m.value())
+                    except Exception:  # a dead letter: the projection left it out too
+                        continue
+    finally:
+        consumer.close()
+
+
+def travel(
+    bootstrap: str,
+    topic: str,
+    partition: int,
+    engine_id: str,
+    req_id: str,
+    step: int,
+    waypoints: list[Waypoint],
+    end: int,
+    restore,
+) -> Journey:
+    """`req_id`'s rows on every rank of the engine at `step`; `restore(blob)` gives a waypoint's Ledger."""
+    base = max((w for w in waypoints if w.step <= step), key=lambda w: w.step, default=None)
+    ledger = restore(base.blob) if base is not None else Ledger(join_transfers=False)
+    start = base.next_offset if base is not None else 0
+    trace = RequestTrace(engine_id, req_id, ledger)
+    past: set[tuple[int, int, int]] = set()  # ranks whose stream went beyond `step`: the rest of it too
+    for event in partition_events(bootstrap, topic, partition, engine_id, start, end):
+        rank = (event["dp_rank"], event["tp_rank"], event["pp_rank"])
+        at = event["body"][1].get("step")
+        if rank in past or (at is not None and at > step):
+            past.add(rank)
+            continue
+        trace.apply(at if at is not None else step, event)
+    return Journey(start, base.step if base is not None else None, trace.views())
