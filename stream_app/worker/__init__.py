@@ -22,6 +22,14 @@ checkpoint, under the same ids. The violations topic is compacted on that
 key and `kvledger violations` drops repeated ids, so consumers see each
 violation exactly once and lose none.
 
+The transfer join follows the same rules over `<prefix>.transfers`: its
+state per partition (the `TransferJoin`, the next offset, the id counters)
+is checkpointed after its violations were flushed, and its input is acked
+only then. What the engine projections re-send after a crash (connector
+events and progress they had sent before their checkpoint) reaches the join
+as repeats, which it ignores: a connector event is identified by its rank,
+kind and step, and progress only ever moves a rank's clock forward.
+
 Why not Kafka transactions (exactly-once): they make a re-send invisible
 only within one run of one worker group. Ids go further: dropping the state
 and replaying the topic from the start (the event-sourcing way to repair a
