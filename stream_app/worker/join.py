@@ -10,12 +10,9 @@ partition of that topic, checkpointed like an engine.
 
 from __future__ import annotations
 
-import pickle
-import zlib
-
 from kvledger.schemas import LEDGER_EVENT, DecodeError, SingleObjectCodec, UnknownSchemaError
 from kvledger.stream_app.core.transfers import TransferJoin
-from kvledger.stream_app.worker.projection import DeadLetter, Outcome, Record, ViolationIds
+from kvledger.stream_app.worker.projection import DeadLetter, Outcome, Record, ViolationIds, pack_state, unpack_state
 
 CHECKPOINT_FORMAT = 1
 
@@ -31,20 +28,13 @@ class JoinProjection:
         self.codec = SingleObjectCodec(LEDGER_EVENT)
 
     def checkpoint(self) -> bytes:
-        state = {
-            "format": CHECKPOINT_FORMAT,
-            "partition": self.partition,
-            "join": self.join,
-            "next_offset": self.next_offset,
-            "ids": self.ids,
-        }
-        return zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
+        return pack_state(
+            CHECKPOINT_FORMAT, partition=self.partition, join=self.join, next_offset=self.next_offset, ids=self.ids
+        )
 
     @classmethod
     def restore(cls, blob: bytes) -> JoinProjection:
-        state = pickle.loads(zlib.decompress(blob))
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"join checkpoint format {state.get('format')!r} is not {CHECKPOINT_FORMAT}")
+        state = unpack_state(blob, CHECKPOINT_FORMAT)
         return cls(state["partition"], state["join"], next_offset=state["next_offset"], ids=state["ids"])
 
     def apply(self, records: list[Record]) -> Outcome:

@@ -89,6 +89,18 @@ class Outcome:
         self.unchecked.update(other.unchecked)
 
 
+def pack_state(fmt: int, **state) -> bytes:
+    """A checkpoint: the state pickled and compressed (the ledger's arrays are sparse)."""
+    return zlib.compress(pickle.dumps({"format": fmt, **state}, protocol=pickle.HIGHEST_PROTOCOL), 1)
+
+
+def unpack_state(blob: bytes, fmt: int) -> dict:
+    state = pickle.loads(zlib.decompress(blob))
+    if state.get("format") != fmt:
+        raise ValueError(f"checkpoint format {state.get('format')!r} is not {fmt}")
+    return state
+
+
 def violation_digest(v: Violation) -> str:
     content = json.dumps(v.to_record(), sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(content.encode(), digest_size=10).hexdigest()
@@ -150,21 +162,14 @@ class EngineProjection:
 
     # -- checkpoints ---------------------------------------------------------------------
     def checkpoint(self) -> bytes:
-        """The whole state as bytes (pickled and compressed: the ledger's arrays are sparse)."""
-        state = {
-            "format": CHECKPOINT_FORMAT,
-            "engine_id": self.engine_id,
-            "ledger": self.ledger,
-            "next_offset": self.next_offset,
-            "ids": self.ids,
-        }
-        return zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
+        """The whole state as bytes."""
+        return pack_state(
+            CHECKPOINT_FORMAT, engine_id=self.engine_id, ledger=self.ledger, next_offset=self.next_offset, ids=self.ids
+        )
 
     @classmethod
     def restore(cls, blob: bytes) -> EngineProjection:
-        state = pickle.loads(zlib.decompress(blob))
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"checkpoint format {state.get('format')!r} is not {CHECKPOINT_FORMAT}")
+        state = unpack_state(blob, CHECKPOINT_FORMAT)
         return cls(state["engine_id"], state["ledger"], next_offset=state["next_offset"], ids=state["ids"], base=blob)
 
     def mark_checkpointed(self) -> bytes:
