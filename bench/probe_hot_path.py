@@ -44,6 +44,9 @@ class _NullSink:
     def write(self, events: list[dict]) -> None:
         pass
 
+    def tick(self) -> None:
+        pass
+
     def close(self, timeout: float) -> None:
         pass
 

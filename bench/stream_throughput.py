@@ -1,12 +1,16 @@
 """One stream worker on a real Kafka broker: step-events per second, and detection latency.
 
 Throughput: a decode-heavy ledger (64 running requests, one token each per
-step) is loaded into the events topic first; then one `kvledger stream`
-worker starts and the time from its first applied event to its last is
-measured (from its /metrics). Latency: with the worker caught up, a live
-engine produces steps at a steady rate with a fault every few dozen steps;
-each violation's latency is the time from producing the step that reveals it
-to reading the violation from the violations topic.
+step) is loaded into the events topic first, twice, side by side: as the
+engines' Kafka sink writes it (several events per message, `LedgerEventBatch`,
+fed to the sink 10 events at a time as a drain thread at 200 steps/s does)
+and with one event per message; then one `kvledger stream` worker per copy
+starts and the time from its first applied event to its last is measured
+(from its /metrics). Latency: with the worker caught up, a live engine (a
+real RankRecorder and Kafka sink) captures steps at a steady rate with a
+fault every few dozen steps; each violation's latency is the time from
+capturing the step that reveals it to reading the violation from the
+violations topic.
 
     python bench/stream_throughput.py [--steps N] [--bootstrap HOST:PORT]
 
@@ -34,7 +38,9 @@ from pathlib import Path
 from confluent_kafka import Consumer, Producer
 from replay_throughput import STREAMS
 
-from kvledger.producer.sinks import KAFKA_DEFAULTS
+from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.records import RankIdentity
+from kvledger.producer.sinks import KAFKA_DEFAULTS, KafkaSink
 from kvledger.producer.synthetic import FaultSpec, SimConfig, simulate
 from kvledger.schemas import LEDGER_EVENT, VIOLATION, SingleObjectCodec
 
@@ -119,6 +125,19 @@ def broker(bootstrap: str | None, workdir: Path) -> Iterator[str]:
         local.run("down")
 
 
+DRAIN_WRITE = 10  # events per sink write: a drain thread's 50 ms at 200 steps/s
+
+
+def produce_batched(bootstrap: str, topic: str, events: list[dict]) -> int:
+    """Through the engines' Kafka sink; returns the number of messages it made."""
+    sink = KafkaSink(bootstrap, topic)
+    for i in range(0, len(events), DRAIN_WRITE):
+        sink.write(events[i : i + DRAIN_WRITE])
+    sink.close(60)
+    assert sink.lost == 0, sink.lost
+    return sink.messages
+
+
 def produce_all(bootstrap: str, topic: str, events: list[dict]) -> None:
     codec = SingleObjectCodec(LEDGER_EVENT)
     producer = Producer({**KAFKA_DEFAULTS, "bootstrap.servers": bootstrap})
@@ -132,15 +151,19 @@ def produce_all(bootstrap: str, topic: str, events: list[dict]) -> None:
     assert producer.flush(60) == 0
 
 
-def throughput(bootstrap: str, steps: int, workdir: Path) -> tuple[float, int]:
-    sim = simulate(SimConfig(seed=1, steps=steps, snapshot_interval=500, health_interval=500, **DECODE_HEAVY))
-    step_events = sum(e["body"][0] == "kvledger.Step" for e in sim.events)
+def throughput(bootstrap: str, events: list[dict], batched: bool, workdir: Path) -> tuple[float, int]:
+    """Step-events per second of one worker over `events`, and the number of messages they took."""
+    step_events = sum(e["body"][0] == "kvledger.Step" for e in events)
     prefix = f"bench{uuid.uuid4().hex[:6]}"
-    worker = WorkerProcess(bootstrap, prefix, workdir / "state-throughput")
+    worker = WorkerProcess(bootstrap, prefix, workdir / f"state-{prefix}")
     try:
         worker.wait_ready()
-        produce_all(bootstrap, f"{prefix}.events", sim.events)
-        total = len(sim.events)
+        if batched:
+            messages = produce_batched(bootstrap, f"{prefix}.events", events)
+        else:
+            produce_all(bootstrap, f"{prefix}.events", events)
+            messages = len(events)
+        total = len(events)
         first_at = first_count = None
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -154,7 +177,7 @@ def throughput(bootstrap: str, steps: int, workdir: Path) -> tuple[float, int]:
         else:
             raise SystemExit("the worker did not finish in 10 minutes")
         rate = (applied - first_count) / (now - first_at) * step_events / total
-        return rate, step_events
+        return rate, messages
     finally:
         worker.stop()
 
@@ -187,16 +210,15 @@ def latency(bootstrap: str, steps: int, rate: float, workdir: Path) -> list[floa
         reader = threading.Thread(target=read_violations, daemon=True)
         reader.start()
         time.sleep(3)  # the reader joins its group
-        events_codec = SingleObjectCodec(LEDGER_EVENT)
-        producer = Producer({**KAFKA_DEFAULTS, "bootstrap.servers": bootstrap})
+        # A live engine rank: its recorder's drain thread feeds the Kafka sink, as in vLLM.
+        recorder = RankRecorder(RankIdentity(sim.events[0]["engine_id"]), KafkaSink(bootstrap, f"{prefix}.events"))
         start = time.monotonic()
         for i, event in enumerate(sim.events):
             time.sleep(max(0.0, start + i / rate - time.monotonic()))  # a live engine's pace
-            producer.produce(f"{prefix}.events", key=event["engine_id"].encode(), value=events_codec.encode(event))
-            producer.poll(0)
+            recorder.capture(event["body"])
             if event["body"][0] == "kvledger.Step":
                 produced_at.setdefault(event["body"][1]["step"], time.monotonic())
-        producer.flush(30)
+        recorder.close(step=steps, timeout=30)
         wanted = {e.step for e in sim.expected}
         deadline = time.monotonic() + 30
         while not wanted <= seen_at.keys() and time.monotonic() < deadline:
@@ -217,9 +239,13 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, broker(args.bootstrap, Path(tmp)) as bootstrap:
         workdir = Path(tmp)
-        rate, n = throughput(bootstrap, args.steps, workdir)
-        print(f"throughput (decode-heavy, 64 req/step, one worker): {rate:,.0f} step-events/s over {n:,} "
-              f"(target >= {TARGET_EVENTS_PER_S:,})")  # fmt: skip
+        sim = simulate(SimConfig(seed=1, steps=args.steps, snapshot_interval=500, health_interval=500, **DECODE_HEAVY))
+        for batched in (True, False, True, False):  # alternated: the machine's noise falls on both
+            rate, messages = throughput(bootstrap, sim.events, batched, workdir)
+            framing = "sink batches" if batched else "one event per message"
+            print(f"throughput (decode-heavy, 64 req/step, one worker, {framing}, {messages:,} messages): "
+                  f"{rate:,.0f} step-events/s over {args.steps:,} steps "
+                  f"(target >= {TARGET_EVENTS_PER_S:,})")  # fmt: skip
         lat = latency(bootstrap, args.latency_steps, args.latency_rate, workdir)
         if not lat:
             raise SystemExit("no violation came back: latency not measured")

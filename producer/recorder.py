@@ -27,6 +27,8 @@ log = logging.getLogger("kvledger.producer")
 class Sink(Protocol):
     def write(self, events: list[dict]) -> None: ...
 
+    def tick(self) -> None: ...  # the drain thread's regular call, to send what waited long enough
+
     def close(self, timeout: float) -> None: ...
 
     @property
@@ -92,6 +94,10 @@ class RankRecorder:
             self._wake.wait(self._drain_interval)
             self._wake.clear()
             self._flush_buffer()
+            try:
+                self.sink.tick()  # lingering batches leave even when the engine is idle
+            except Exception:
+                log.exception("kv_trace: the sink failed to flush")
         self._flush_buffer()  # what arrived with the stop
 
     def _flush_buffer(self) -> None:

@@ -5,6 +5,7 @@ nothing here imports the rest of kvledger.
 """
 
 from kvledger.schemas.codec import (
+    BatchCodec,
     ConfluentCodec,
     DecodeError,
     SingleObjectCodec,
@@ -21,10 +22,12 @@ from kvledger.schemas.packing import (
     unpack_i64,
     unpack_u64,
 )
-from kvledger.schemas.registry import LEDGER_EVENT, VIOLATION, load_schema
+from kvledger.schemas.registry import LEDGER_EVENT, LEDGER_EVENT_BATCH, VIOLATION, load_schema
 
 __all__ = [
     "LEDGER_EVENT",
+    "LEDGER_EVENT_BATCH",
+    "BatchCodec",
     "VIOLATION",
     "ConfluentCodec",
     "DecodeError",

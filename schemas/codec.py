@@ -82,6 +82,51 @@ class SingleObjectCodec:
         return _read_body(data, 10, writer, reader)
 
 
+def _avro_long(n: int) -> bytes:
+    """Avro's zig-zag varint encoding of a long."""
+    z, out = (n << 1) ^ (n >> 63), bytearray()
+    while z > 0x7F:
+        out.append((z & 0x7F) | 0x80)
+        z >>= 7
+    out.append(z)
+    return bytes(out)
+
+
+class BatchCodec:
+    """Several records of one schema in one message, single-object encoded.
+
+    The batch schema is a record whose only field is an array of the item
+    schema (`kvledger.LedgerEventBatch`). A batch is built from its items'
+    own bodies, so a writer can cut batches by size without encoding twice;
+    `decode` reads a batch or a single item and returns the items.
+    """
+
+    def __init__(self, item: Schema, batch: Schema):
+        self.item, self.batch = item, batch
+        self._item_fp, self._batch_fp = schema_fingerprint(item), schema_fingerprint(batch)
+        self._prefix = SINGLE_OBJECT_MAGIC + self._batch_fp
+
+    def body(self, record: Record) -> bytes:
+        return _write_body(self.item, record)
+
+    def join(self, bodies: list[bytes]) -> bytes:
+        """One message of the items whose bodies these are (an Avro array: count, items, end)."""
+        return self._prefix + _avro_long(len(bodies)) + b"".join(bodies) + b"\x00"
+
+    def encode(self, records: list[Record]) -> bytes:
+        return self.join([self.body(r) for r in records])
+
+    def decode(self, data: bytes) -> list[Record]:
+        if len(data) < 10 or data[:2] != SINGLE_OBJECT_MAGIC:
+            raise DecodeError("not an Avro single-object encoded record (bad magic)")
+        fp = data[2:10]
+        if fp == self._batch_fp:
+            return _read_body(data, 10, self.batch, None)["events"]
+        if fp == self._item_fp:
+            return [_read_body(data, 10, self.item, None)]
+        raise UnknownSchemaError(f"unknown writer schema fingerprint {fp.hex()}")
+
+
 class ConfluentCodec:
     """Confluent Schema Registry wire format for one registered schema id.
 

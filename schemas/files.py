@@ -102,6 +102,12 @@ class SegmentWriter:
         if self._file.tell() >= self.max_segment_bytes:
             self._open_next()
 
+    def flush_if_due(self) -> None:
+        """Flush a block that has waited `flush_interval` seconds (for writers that go idle)."""
+        if self._pending_since is not None and time.monotonic() - self._pending_since >= self.flush_interval:
+            self._writer.flush()
+            self._pending_since = None
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.flush()

@@ -25,7 +25,15 @@ def raw_schema(name: str) -> dict[str, Any]:
     return json.loads(text)
 
 
+def _batch_schema() -> Schema:
+    """`ledger_event_batch.avsc` with LedgerEvent's definition in place of its name."""
+    batch = raw_schema("ledger_event_batch")
+    batch["fields"][0]["type"]["items"] = raw_schema("ledger_event")
+    return fastavro.parse_schema(batch)
+
+
 LEDGER_EVENT = load_schema("ledger_event")
+LEDGER_EVENT_BATCH = _batch_schema()
 VIOLATION = load_schema("violation")
 
 # Names of the body union's branches, as decoders return them.

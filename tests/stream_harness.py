@@ -26,12 +26,13 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from kvledger.producer.sinks import KAFKA_DEFAULTS
-from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from kvledger.producer.sinks import KAFKA_DEFAULTS, KafkaSink
+from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec, SingleObjectCodec
 
 KVLEDGER = str(Path(sys.executable).with_name("kvledger"))
 ENV = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")}
 CODEC = SingleObjectCodec(LEDGER_EVENT)
+BATCHES = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH)
 
 
 def free_port() -> int:
@@ -49,6 +50,15 @@ def produce(bootstrap: str, topic: str, events: Iterable[dict], raw: Iterable[tu
     for key, value in raw:
         producer.produce(topic, key=key, value=value)
     assert producer.flush(30) == 0
+
+
+def produce_batched(bootstrap: str, topic: str, events: list[dict], drain: int = 16) -> None:
+    """As engines' Kafka sinks append: several events per message, written `drain` at a time."""
+    sink = KafkaSink(bootstrap, topic)
+    for i in range(0, len(events), drain):
+        sink.write(events[i : i + drain])
+    sink.close(30)
+    assert sink.lost == 0 and sink.delivered == len(events)
 
 
 def read_all(bootstrap: str, topic: str) -> list:
@@ -75,8 +85,11 @@ def read_all(bootstrap: str, topic: str) -> list:
 
 
 def events_per_engine(bootstrap: str, topic: str) -> Counter:
-    """How many records each engine (the message key) has on the topic."""
-    return Counter(m.key().decode() for m in read_all(bootstrap, topic))
+    """How many events each engine (the message key) has on the topic (a message may hold several)."""
+    counts: Counter = Counter()
+    for m in read_all(bootstrap, topic):
+        counts[m.key().decode()] += len(BATCHES.decode(m.value()))
+    return counts
 
 
 # -- workers --------------------------------------------------------------------------------------

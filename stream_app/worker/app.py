@@ -237,18 +237,17 @@ class StreamWorker:
             self.recent.append(issued)
         for dead in outcome.dead_letters:
             r = dead.record
-            await self.deadletter_topic.send(
-                key=r.key,
-                value=r.value,
-                headers=[
-                    ("kvledger.reason", dead.reason.encode()),
-                    ("kvledger.detail", dead.detail.encode(errors="replace")),
-                    ("kvledger.source", f"{source or self.topics.events}/{r.partition}/{r.offset}".encode()),
-                ],
-            )
+            headers = [
+                ("kvledger.reason", dead.reason.encode()),
+                ("kvledger.detail", dead.detail.encode(errors="replace")),
+                ("kvledger.source", f"{source or self.topics.events}/{r.partition}/{r.offset}".encode()),
+            ]
+            if dead.index is not None:  # one event of a batch: the message is kept whole, this names the event
+                headers.append(("kvledger.event_index", str(dead.index).encode()))
+            await self.deadletter_topic.send(key=r.key, value=r.value, headers=headers)
             m.deadletters.labels(dead.reason).inc()
-        for transfer_id, r in outcome.transfers:
-            await self.transfers_topic.send(key=transfer_id.encode(), value=r.value)
+        for transfer_id, event in outcome.transfers:
+            await self.transfers_topic.send(key=transfer_id.encode(), value=self.event_codec.encode(event))
         for health in outcome.health:
             m.producer_dropped.labels(health.engine_id, health.rank).set(health.events_dropped)
         for engine_id, n in outcome.events.items():

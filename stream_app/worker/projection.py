@@ -17,7 +17,7 @@ import zlib
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from kvledger.schemas import LEDGER_EVENT, DecodeError, SingleObjectCodec, UnknownSchemaError
+from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec, DecodeError, UnknownSchemaError
 from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH, STEP
 from kvledger.stream_app.core import Ledger, Violation
 from kvledger.stream_app.core.violations import RankKey
@@ -43,6 +43,7 @@ class DeadLetter:
     record: Record
     reason: str  # undecodable, unknown_schema, wrong_key, rejected_by_ledger
     detail: str
+    index: int | None = None  # the event's place in its message, when only that event was set aside
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +76,7 @@ class Outcome:
 
     violations: list[IssuedViolation] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
-    transfers: list[tuple[str, Record]] = field(default_factory=list)  # (transfer id, original record)
+    transfers: list[tuple[str, dict]] = field(default_factory=list)  # (transfer id, connector event)
     health: list[ProducerHealth] = field(default_factory=list)
     events: Counter = field(default_factory=Counter)  # engine -> events applied
     unchecked: Counter = field(default_factory=Counter)  # reason -> newly unchecked
@@ -192,31 +193,32 @@ class EngineProjection:
         A rebalance makes the consumer seek back to the committed offset, so
         records it had already delivered come again, possibly in the same
         batch as their first delivery: an offset at or below one just taken is
-        a repeat, and is skipped like one the checkpoint covers.
+        a repeat, and is skipped like one the checkpoint covers. A message
+        carries one event or several (a batch): its events come together.
         """
-        fresh, next_offset = [], self.next_offset
+        fresh, next_offset, taken = [], self.next_offset, None
         for record, event in items:
-            if record.offset >= next_offset:
+            if record is taken or record.offset >= next_offset:
                 fresh.append((record, event))
-                next_offset = record.offset + 1
+                next_offset, taken = record.offset + 1, record
         items = fresh
         out = Outcome()
         if not items:
             return out
+        self.next_offset = next_offset
         try:
             found = self.ledger.apply_many([e for _, e in items])
-        except Exception:  # a record the core cannot take: find it, set it aside, keep the rest
+        except Exception:  # an event the core cannot take: find it, set it aside, keep the rest
             found, rejected = self._apply_one_by_one(items)
-            out.dead_letters += rejected
-            items = [(r, e) for r, e in items if all(r is not d.record for d in rejected)]
+            out.dead_letters += rejected.values()
+            items = [item for i, item in enumerate(items) if i not in rejected]
         self._log += items
-        self.next_offset = max(self.next_offset, items[-1][0].offset + 1) if items else self.next_offset
         out.violations += self.ids.issue(found)
         out.events[self.engine_id] += len(items)
-        for record, event in items:
+        for _, event in items:
             name, body = event["body"]
             if name == CONNECTOR_EVENT and body.get("transfer_id"):
-                out.transfers.append((body["transfer_id"], record))
+                out.transfers.append((body["transfer_id"], event))
             elif name == HEALTH:
                 rank = f"dp{event['dp_rank']}-tp{event['tp_rank']}-pp{event['pp_rank']}"
                 out.health.append(ProducerHealth(self.engine_id, rank, body["events_dropped"]))
@@ -256,8 +258,9 @@ class EngineProjection:
         self.reported_unchecked = Counter(now)
         return delta
 
-    def _apply_one_by_one(self, items: list[tuple[Record, dict]]) -> tuple[list[Violation], list[DeadLetter]]:
-        """Rebuild from the last checkpoint, event by event, leaving out every event the core raises on."""
+    def _apply_one_by_one(self, items: list[tuple[Record, dict]]) -> tuple[list[Violation], dict[int, DeadLetter]]:
+        """Rebuild from the last checkpoint, event by event, leaving out every event the core raises on
+        (by its place in `items`)."""
         rejected: dict[int, DeadLetter] = {}
         while True:
             base = EngineProjection.restore(self._base)
@@ -276,32 +279,38 @@ class EngineProjection:
                     found += ledger.apply(event)
                 except Exception as exc:
                     failed = i
-                    rejected[i] = DeadLetter(record, "rejected_by_ledger", f"{type(exc).__name__}: {exc}")
+                    index = sum(1 for r, _ in items[:i] if r is record)
+                    detail = f"{type(exc).__name__}: {exc}"
+                    rejected[i] = DeadLetter(record, "rejected_by_ledger", detail, index)
                     break
             if failed is None:
                 self.ledger = ledger
-                return found, list(rejected.values())
+                return found, rejected
 
 
 class Decoder:
-    """Raw records -> (record, event) per engine, or dead letters."""
+    """Raw records -> (record, event) per engine, or dead letters. A record holds one event or a batch."""
 
     def __init__(self) -> None:
-        self.codec = SingleObjectCodec(LEDGER_EVENT)
+        self.codec = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH)
 
-    def decode(self, record: Record) -> dict | DeadLetter:
+    def decode(self, record: Record) -> list[dict] | DeadLetter:
         if record.value is None:
             return DeadLetter(record, "undecodable", "record without a value")
         try:
-            event = self.codec.decode(record.value)
+            events = self.codec.decode(record.value)
         except UnknownSchemaError as exc:
             return DeadLetter(record, "unknown_schema", str(exc))
         except DecodeError as exc:
             return DeadLetter(record, "undecodable", str(exc))
-        if record.key != event["engine_id"].encode():
-            # Keyed otherwise, the engine's ranks may sit in several partitions, out of order.
-            return DeadLetter(record, "wrong_key", f"key {record.key!r} is not the engine id {event['engine_id']!r}")
-        return event
+        if not events:
+            return DeadLetter(record, "undecodable", "an empty batch")
+        for event in events:
+            if record.key != event["engine_id"].encode():
+                # Keyed otherwise, the engine's ranks may sit in several partitions, out of order.
+                detail = f"key {record.key!r} is not the engine id {event['engine_id']!r}"
+                return DeadLetter(record, "wrong_key", detail)
+        return events
 
     def split(self, records: list[Record]) -> tuple[dict[str, list[tuple[Record, dict]]], list[DeadLetter]]:
         per_engine: dict[str, list[tuple[Record, dict]]] = {}
@@ -310,6 +319,7 @@ class Decoder:
             decoded = self.decode(record)
             if isinstance(decoded, DeadLetter):
                 dead.append(decoded)
-            else:
-                per_engine.setdefault(decoded["engine_id"], []).append((record, decoded))
+                continue
+            for event in decoded:
+                per_engine.setdefault(event["engine_id"], []).append((record, event))
         return per_engine, dead

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from confluent_kafka import Consumer, TopicPartition
 
-from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import RequestTrace, RequestView
 from kvledger.stream_app.worker.projection import Waypoint
@@ -34,8 +34,8 @@ class Journey:
 def partition_events(
     bootstrap: str, topic: str, partition: int, engine_id: str, start: int, end: int
 ) -> Iterator[dict]:
-    """The engine's events of one partition, offsets [start, end), decoded."""
-    codec, key = SingleObjectCodec(LEDGER_EVENT), engine_id.encode()
+    """The engine's events of one partition, offsets [start, end), decoded (batches unpacked)."""
+    codec, key = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH), engine_id.encode()
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -61,9 +61,10 @@ def partition_events(
                     return
                 if m.key() == key:
                     try:
-                        yield codec.decode(m.value())
+                        events = codec.decode(m.value())
                     except Exception:  # a dead letter: the projection left it out too
                         continue
+                    yield from events
     finally:
         consumer.close()
 

@@ -15,7 +15,7 @@ import socket
 import pytest
 from confluent_kafka import Consumer
 
-from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.schemas.files import discover, read_segment
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import replay
@@ -160,11 +160,11 @@ def test_trace_to_kafka(kafka_bootstrap, tmp_path, engine):
     engine(spec)
     consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": topic, "auto.offset.reset": "earliest"})
     consumer.subscribe([topic])
-    codec, ledger, events = SingleObjectCodec(LEDGER_EVENT), Ledger(), []
+    codec, ledger, events = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH), Ledger(), []
     try:
         while (message := consumer.poll(10)) is not None:
             assert message.error() is None, message.error()
-            events.append(codec.decode(message.value()))
+            events += codec.decode(message.value())  # the sink sends several events per message
     finally:
         consumer.close()
     assert events and [e["seq"] for e in events] == list(range(len(events)))

@@ -13,28 +13,30 @@ from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KafkaSink
 from kvledger.producer.synthetic import SimConfig, simulate
-from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.stream_app.core import Ledger
 
 pytestmark = pytest.mark.integration
 
 
-def consume(bootstrap: str, topic: str, n: int) -> list[dict]:
-    codec = SingleObjectCodec(LEDGER_EVENT)
+def consume(bootstrap: str, topic: str, n: int) -> tuple[list[dict], int]:
+    """The first `n` events on the topic, and how many messages carried them."""
+    codec = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH)
     consumer = Consumer(
         {"bootstrap.servers": bootstrap, "group.id": f"t-{uuid.uuid4().hex[:6]}", "auto.offset.reset": "earliest"}
     )
     consumer.subscribe([topic])
-    out = []
+    out, messages = [], 0
     try:
         while len(out) < n:
             message = consumer.poll(15)
             assert message is not None, f"timed out after {len(out)} of {n} events"
             assert message.error() is None, message.error()
-            out.append(codec.decode(message.value()))
+            out += codec.decode(message.value())
+            messages += 1
     finally:
         consumer.close()
-    return out
+    return out, messages
 
 
 def test_two_ranks_trace_to_kafka(kafka_bootstrap):
@@ -49,7 +51,8 @@ def test_two_ranks_trace_to_kafka(kafka_bootstrap):
         recorder.close(step=149, timeout=30)
         assert recorder.dropped == 0
         assert recorder.sink.delivered == recorder.captured
-    received = consume(kafka_bootstrap, topic, len(sim.events) + 2)
+    received, messages = consume(kafka_bootstrap, topic, len(sim.events) + 2)
+    assert messages < len(received) / 4, "events travel several to a message"
     # Each rank's events arrive in order (one partition per engine); ranks interleave as they like.
     for tp in (0, 1):
         mine = [e for e in received if e["tp_rank"] == tp]

@@ -27,6 +27,7 @@ from tests.stream_harness import (
     kvledger,
     online_violations,
     produce,
+    produce_batched,
     read_all,
     start_worker,
     wait_for,
@@ -125,8 +126,9 @@ def test_online_equals_offline_and_bad_records_go_to_dead_letters(cluster, tmp_p
         (None, b""),
     ]
     worker = cluster("w1")
-    produce(cluster.bootstrap, f"{cluster.prefix}.events", events[:200], bad[:2])
-    produce(cluster.bootstrap, f"{cluster.prefix}.events", events[200:], bad[2:])
+    produce(cluster.bootstrap, f"{cluster.prefix}.events", events[:200], bad[:2])  # one event per message
+    produce_batched(cluster.bootstrap, f"{cluster.prefix}.events", events[200:])  # as the Kafka sink writes
+    produce(cluster.bootstrap, f"{cluster.prefix}.events", [], bad[2:])
     expected = {e: len(evs) for e, evs in per_engine.items()}
     wait_for("all events", events_done([worker], expected), [worker])
 

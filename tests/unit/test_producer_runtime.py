@@ -98,6 +98,9 @@ class ListSink:
             raise OSError("disk full")
         self.events += events
 
+    def tick(self):
+        pass
+
     def close(self, timeout):
         pass
 

@@ -27,7 +27,9 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.synthetic import GroupSpec, SimConfig, simulate
 from kvledger.schemas import (
     LEDGER_EVENT,
+    LEDGER_EVENT_BATCH,
     VIOLATION,
+    BatchCodec,
     ConfluentCodec,
     DecodeError,
     SingleObjectCodec,
@@ -218,6 +220,37 @@ def test_fingerprint_is_crc64_avro_of_canonical_form_little_endian(name):
     expected = crc64_avro(canonical.encode()).to_bytes(8, "little")
     assert schema_fingerprint(PARSED[name]) == expected
     assert bytes(avro.schema.parse(json.dumps(raw_schema(name))).fingerprint("CRC-64-AVRO")) == expected
+
+
+def batch_schema_inlined() -> dict:
+    batch = raw_schema("ledger_event_batch")
+    batch["fields"][0]["type"]["items"] = raw_schema("ledger_event")
+    return batch
+
+
+def test_batch_framing_is_plain_avro(events):
+    codec = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH)
+    batch = events[:30]
+    data = codec.encode(batch)
+    assert data[:2] == b"\xc3\x01"
+    canonical = avro.schema.parse(json.dumps(batch_schema_inlined())).canonical_form
+    assert data[2:10] == crc64_avro(canonical.encode()).to_bytes(8, "little")  # covers LedgerEvent's definition
+    assert data[10:] == avro_body(LEDGER_EVENT_BATCH, {"events": batch})  # built from bodies, as Avro writes it
+    reader = avro.io.DatumReader(avro.schema.parse(json.dumps(batch_schema_inlined())))
+    decoded = reader.read(avro.io.BinaryDecoder(io.BytesIO(data[10:])))  # the reference implementation reads it
+    assert [e["seq"] for e in decoded["events"]] == [e["seq"] for e in batch]
+    assert codec.decode(data) == batch
+    assert codec.decode(SingleObjectCodec(LEDGER_EVENT).encode(batch[0])) == [batch[0]]  # one event alone
+    assert codec.decode(codec.encode([])) == []
+    with pytest.raises(UnknownSchemaError):
+        codec.decode(b"\xc3\x01" + b"\x00" * 8 + data[10:])
+    with pytest.raises(DecodeError):
+        codec.decode(data[:-40])
+
+
+def test_batch_schema_fields_have_docs():
+    batch = raw_schema("ledger_event_batch")
+    assert batch["doc"] and all(f.get("doc") for f in batch["fields"])
 
 
 def test_single_object_framing(events):

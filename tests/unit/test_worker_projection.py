@@ -55,8 +55,8 @@ def online(events, seed: int, resend: bool = False) -> tuple[Counter, set[str]]:
         split, dead = decoder.split(batch)
         assert not dead
         outcome = projections[engine_id].apply(split[engine_id])
-        for tid, record in outcome.transfers:
-            transfers[zlib.crc32(tid.encode()) % PARTITIONS].append(record.value)
+        for tid, event in outcome.transfers:
+            transfers[zlib.crc32(tid.encode()) % PARTITIONS].append(CODEC.encode(event))
         found += outcome.violations
         if rng.random() < 0.3:  # a checkpoint: progress to every partition
             for event in projections[engine_id].progress():
