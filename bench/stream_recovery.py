@@ -2,7 +2,8 @@
 
 Decode-heavy synthetic engines (64 running requests; one simulated stream of
 20,000 events relabelled as many engines as it takes) fill the events topic
-with N events; one `kvledger stream` worker processes them all, then is
+with N events, through the engines' Kafka sink (several events per message);
+one `kvledger stream` worker processes them all, then is
 killed with SIGKILL. Two restarts are timed, from process start to the
 worker reporting (its /engines view) every event applied and no step held:
 
@@ -26,7 +27,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from stream_throughput import DECODE_HEAVY, WorkerProcess, broker, produce_all
+from stream_throughput import DECODE_HEAVY, WorkerProcess, broker, produce_batched
 
 from kvledger.producer.synthetic import SimConfig, simulate
 
@@ -75,8 +76,9 @@ def run(bootstrap: str, events: int, work: Path) -> None:
     state = work / "state"
     first = WorkerProcess(bootstrap, prefix, state)
     first.wait_ready()
-    print(f"producing {total:,} events ...", flush=True)
-    produce_all(bootstrap, f"{prefix}.events", ledger)
+    print(f"producing {total:,} events through the engines' Kafka sink ...", flush=True)
+    messages = produce_batched(bootstrap, f"{prefix}.events", ledger)
+    print(f"{messages:,} messages", flush=True)
     seconds = wait_caught_up(first, total, timeout=3600)
     print(f"first pass: {total:,} events in {seconds:.0f} s ({total / seconds:,.0f} events/s)", flush=True)
     first.proc.send_signal(signal.SIGKILL)
