@@ -30,6 +30,7 @@ import faust
 from faust import streams as faust_streams
 
 from kvledger.schemas import LEDGER_EVENT, VIOLATION, SingleObjectCodec
+from kvledger.stream_app.worker.faust_fixes import close_fetching_holes
 from kvledger.stream_app.worker.join import JoinProjection
 from kvledger.stream_app.worker.metrics import WorkerMetrics
 from kvledger.stream_app.worker.projection import Decoder, EngineProjection, Outcome, Record
@@ -53,6 +54,7 @@ class WorkerSettings:
     settle_after: float = 5.0  # watermark: an engine silent this long has its held steps settled
     checkpoint_every: float = 1.0  # seconds between checkpoints (and so between offset commits)
     checkpoint_events: int = 8192  # ... or events, whichever comes first
+    checkpoint_share: float = 0.1  # ... but checkpoints take at most this share of the time
     batch_size: int = 2048
     session_timeout: float = 10.0  # how soon the group notices a dead worker
 
@@ -72,6 +74,7 @@ class StreamWorker:
     """Builds the Faust app and holds the engines it projects."""
 
     def __init__(self, settings: WorkerSettings):
+        close_fetching_holes()
         self.settings = s = settings
         self.topics = Topics(s.topic_prefix)
         self.metrics = WorkerMetrics()
@@ -89,6 +92,7 @@ class StreamWorker:
         self.positions: dict[Any, int] = {}  # events tp -> next offset to process
         self.recent: deque = deque(maxlen=RECENT_VIOLATIONS)
         self.last_checkpoint = time.monotonic()
+        self.checkpoint_cost = 0.0  # seconds the last checkpoint took
         self.lock = asyncio.Lock()
         self.app = self._make_app()
 
@@ -147,7 +151,7 @@ class StreamWorker:
         async def housekeeping() -> None:
             async with self.lock:
                 await self._settle_silent_engines()
-                if time.monotonic() - self.last_checkpoint >= s.checkpoint_every:
+                if self._checkpoint_due(s.checkpoint_every):
                     await self._checkpoint()
             self._update_lag()
 
@@ -180,7 +184,7 @@ class StreamWorker:
             self.dirty.add(engine_id)
         await self._publish(outcome)
         self.unacked += [(stream, e) for e in events]
-        if len(self.unacked) >= self.settings.checkpoint_events:
+        if len(self.unacked) >= self.settings.checkpoint_events and self._checkpoint_due(0.0):
             await self._checkpoint()
 
     async def _join(self, stream: faust.StreamT, events: list[faust.EventT]) -> None:
@@ -195,7 +199,7 @@ class StreamWorker:
             self.dirty_joins.add(partition)
         await self._publish(outcome, source=self.topics.transfers)
         self.unacked += [(stream, e) for e in events]
-        if len(self.unacked) >= self.settings.checkpoint_events:
+        if len(self.unacked) >= self.settings.checkpoint_events and self._checkpoint_due(0.0):
             await self._checkpoint()
 
     def _join_projection(self, partition: int) -> JoinProjection:
@@ -257,16 +261,38 @@ class StreamWorker:
 
     # -- watermark, checkpoints, rebalance ---------------------------------------------------
     async def _settle_silent_engines(self) -> None:
-        """A rank still missing once its engine went quiet is reported (rank_missing), never held forever."""
+        """A rank still missing once its engine went quiet is reported (rank_missing), never held forever.
+
+        Quiet means: nothing of the engine for `settle_after` seconds while the
+        worker was consuming (a rebalance restarts the count) and nothing of its
+        partition left to read, so a worker that is behind never blames a rank.
+        """
+        if not self.app.flow_control.is_active():
+            return  # a rebalance: nothing is being read, so no engine can be called silent
         now = time.monotonic()
         assigned = self.app.consumer.assignment()
         outcome = Outcome()
         for engine_id, projection in self.engines.items():
+            tp = self.anchors[engine_id].message.tp
             silent = now - self.last_active.get(engine_id, now) >= self.settings.settle_after
-            if silent and projection.holding and self.anchors[engine_id].message.tp in assigned:
+            if silent and projection.holding and tp in assigned and self._read_to_end(tp):
                 outcome.merge(projection.settle())
                 self.dirty.add(engine_id)
         await self._publish(outcome)
+
+    def _read_to_end(self, tp) -> bool:
+        try:
+            highwater = self.app.consumer.highwater(tp)
+        except Exception:  # not fetched since the assignment
+            return False
+        done = self.positions.get(tp)
+        return highwater is not None and done is not None and done >= highwater
+
+    def _checkpoint_due(self, interval: float) -> bool:
+        """`interval` seconds passed since the last checkpoint, and enough for its cost to stay a small
+        share of the time: with many engines per partition a checkpoint pickles many ledgers."""
+        since = time.monotonic() - self.last_checkpoint
+        return since >= max(interval, self.checkpoint_cost / self.settings.checkpoint_share)
 
     async def _checkpoint(self) -> None:
         """Publish, then record state, then let the offsets go.
@@ -275,7 +301,7 @@ class StreamWorker:
         before the checkpoint that covers them is written, and events are acked
         (so their offsets may be committed) only once a checkpoint covers them.
         """
-        self.last_checkpoint = time.monotonic()
+        started = self.last_checkpoint = time.monotonic()
         if not self.dirty and not self.dirty_joins and not self.unacked:
             return
         await self._flush()
@@ -304,6 +330,7 @@ class StreamWorker:
             # would stay with the consumer and be committed if the partition came back to us.
             if event.message.tp in assigned:
                 await stream.ack(event)
+        self.checkpoint_cost = time.monotonic() - started
 
     async def _send_progress(self, assigned) -> None:
         """Each rank that moved tells every transfers partition its step (the joins' clock)."""
@@ -332,6 +359,9 @@ class StreamWorker:
             for held in (self.engines, self.anchors, self.last_active):
                 held.pop(engine_id, None)
             self.dirty.discard(engine_id)
+        now = time.monotonic()
+        for engine_id in self.last_active:  # kept: silence counts from now, the rebalance was no engine's
+            self.last_active[engine_id] = now
         for partition in [p for p, a in self.join_anchors.items() if a.message.tp not in assigned]:
             for held in (self.joins, self.join_anchors):
                 held.pop(partition, None)

@@ -1,0 +1,85 @@
+"""Three holes in Faust's fetching around a rebalance (faust-streaming 0.15, aiokafka 0.14),
+through which records were skipped for good; closed here, when the worker is imported.
+
+Found by the two-workers takeover test (tests/integration/test_stream_worker.py),
+which lost records about one run in seven before:
+
+1. Faust hands its *live* set of active partitions to the consumer thread, and
+   aiokafka reads an empty set as "every partition". A fetch still pending when a
+   rebalance pauses every partition (or recovery pauses the changelogs) returns the
+   records of all assigned partitions, paused stream partitions included, and moves
+   their positions past records Faust then drops (or yields only once the partition
+   is resumed, mid-batch: the first records lost, the rest ahead of them). The
+   thread gets a copy, and an empty set fetches nothing.
+2. Faust undoes such drops by seeking to the committed offsets, and aiokafka's
+   `seek_to_committed` leaves a partition without a committed offset where it is:
+   the partition of a worker that died before its first commit stayed at its end,
+   unread. Such partitions go back to their beginning, as
+   `consumer_auto_offset_reset="earliest"` says (re-reading is harmless: the
+   projections skip the offsets their checkpoints cover).
+3. Recovery resumes the stream partitions and seeks them while the flow is already
+   on (it was turned on to read the changelogs), then resumes the flow again, which
+   empties the agents' queues: records of the new assignment already handed over
+   were thrown away, and their re-fetch dropped as already read. Only a suspended
+   flow is resumed now (suspending clears the queues anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from faust.transport import consumer as faust_consumer
+from faust.transport.drivers import aiokafka as faust_aiokafka
+from mode.utils.queues import FlowControlEvent
+
+log = logging.getLogger("kvledger.worker")
+_PATCHED = False
+
+
+def close_fetching_holes() -> None:
+    global _PATCHED
+    if _PATCHED:
+        return
+    needed = [
+        (faust_aiokafka.AIOKafkaConsumerThread, "getmany"),
+        (faust_aiokafka, "ensure_aiokafka_TP"),
+        (faust_consumer.Consumer, "perform_seek"),
+        (faust_consumer.Consumer, "_is_changelog_tp"),
+        (FlowControlEvent, "resume"),
+        (FlowControlEvent, "is_active"),
+    ]
+    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needed if not hasattr(owner, name)]
+    if missing:
+        log.warning("this Faust lacks %s: its rebalance fixes are not applied", ", ".join(missing))
+        return
+    thread_getmany = faust_aiokafka.AIOKafkaConsumerThread.getmany
+
+    async def getmany(self, active_partitions, timeout):
+        if active_partitions is not None:
+            active_partitions = set(active_partitions)
+            if not active_partitions:
+                return {}
+        return await thread_getmany(self, active_partitions, timeout)
+
+    faust_perform_seek = faust_consumer.Consumer.perform_seek
+
+    async def perform_seek(self) -> None:
+        await faust_perform_seek(self)
+        uncommitted = [
+            faust_aiokafka.ensure_aiokafka_TP(tp)
+            for tp in self.assignment()
+            if not self._is_changelog_tp(tp) and self._committed_offset.get(tp) is None
+        ]
+        if uncommitted:
+            await self._thread.seek_to_beginning(*uncommitted)
+
+    flow_resume = FlowControlEvent.resume
+
+    def resume(self) -> None:
+        if not self.is_active():
+            flow_resume(self)
+
+    faust_aiokafka.AIOKafkaConsumerThread.getmany = getmany
+    faust_consumer.Consumer.perform_seek = perform_seek
+    FlowControlEvent.resume = resume
+    _PATCHED = True
