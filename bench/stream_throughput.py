@@ -43,6 +43,7 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KAFKA_DEFAULTS, KafkaSink
 from kvledger.producer.synthetic import FaultSpec, SimConfig, simulate
 from kvledger.schemas import LEDGER_EVENT, VIOLATION, SingleObjectCodec
+from kvledger.stream_app.worker.topics import Topics, ensure_topics
 
 ROOT = Path(__file__).resolve().parents[1]
 KVLEDGER = str(Path(sys.executable).with_name("kvledger"))
@@ -155,14 +156,16 @@ def throughput(bootstrap: str, events: list[dict], batched: bool, workdir: Path)
     """Step-events per second of one worker over `events`, and the number of messages they took."""
     step_events = sum(e["body"][0] == "kvledger.Step" for e in events)
     prefix = f"bench{uuid.uuid4().hex[:6]}"
+    # The whole ledger is on the topic before the worker starts: the worker, not the producer, sets the pace.
+    ensure_topics(bootstrap, Topics(prefix), partitions=1)
+    if batched:
+        messages = produce_batched(bootstrap, f"{prefix}.events", events)
+    else:
+        produce_all(bootstrap, f"{prefix}.events", events)
+        messages = len(events)
     worker = WorkerProcess(bootstrap, prefix, workdir / f"state-{prefix}")
     try:
         worker.wait_ready()
-        if batched:
-            messages = produce_batched(bootstrap, f"{prefix}.events", events)
-        else:
-            produce_all(bootstrap, f"{prefix}.events", events)
-            messages = len(events)
         total = len(events)
         first_at = first_count = None
         deadline = time.monotonic() + 600
