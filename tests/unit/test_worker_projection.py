@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 
 from kvledger.producer.synthetic import PdConfig, simulate_pd_pair
-from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec, SingleObjectCodec
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.core.transfers import TransferJoin
 from kvledger.stream_app.worker.join import JoinProjection
@@ -108,3 +108,44 @@ def test_engine_projection_leaves_the_join_to_the_transfer_stream():
     ]
     assert all(p["body"][1]["input"] is None and p["body"][1]["plan"] is None for p in progress)
     assert projection.progress() == []  # nothing moved since
+
+
+def broken(event: dict) -> dict:
+    """A Step whose packed column cannot be unpacked: the core raises on it."""
+    bad = CODEC.decode(CODEC.encode(event))  # a deep copy
+    bad["body"][1]["input"]["cached_req_indices"] = b"\x01\x02\x03"
+    return bad
+
+
+def test_an_event_the_core_raises_on_is_set_aside_alone_even_inside_a_batch():
+    sim = simulate_pd_pair(PdConfig(seed=8, requests=5))
+    events = [e for e in sim.events if e["engine_id"] == "sim-decode"]
+    steps = [i for i, e in enumerate(events) if e["body"][0] == "kvledger.Step" and e["body"][1]["input"]]
+    first, second = steps[len(steps) // 3], steps[2 * len(steps) // 3]
+    stream = list(events)
+    stream[first], stream[second] = broken(events[first]), broken(events[second])
+    batches = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH)
+    # Messages of 7 events (the sink's framing); the broken ones sit inside two of them.
+    records = [
+        Record(0, n, b"sim-decode", batches.encode(stream[i : i + 7])) for n, i in enumerate(range(0, len(stream), 7))
+    ]
+    projection, decoder, dead, found, applied = EngineProjection("sim-decode"), Decoder(), [], [], 0
+    for i, record in enumerate(records):
+        split, undecodable = decoder.split([record])
+        assert not undecodable
+        outcome = projection.apply(split["sim-decode"])
+        dead += outcome.dead_letters
+        found += [issued.violation for issued in outcome.violations]
+        applied += outcome.events["sim-decode"]
+        if i == 1:
+            projection.mark_checkpointed()  # both rebuilds start here: the second replays the first's batch
+    assert [(d.reason, d.record.offset, d.index) for d in dead] == [
+        ("rejected_by_ledger", first // 7, first % 7),
+        ("rejected_by_ledger", second // 7, second % 7),
+    ]
+    # Every other event was applied once: the same state and findings as a ledger never given the two.
+    assert projection.ledger.events == applied == len(events) - 2
+    reference = Ledger(join_transfers=False)
+    expected = reference.apply_many([e for i, e in enumerate(events) if i not in (first, second)])
+    assert as_multiset(found) == as_multiset(expected) and expected  # their seq numbers are gaps
+    assert projection.ledger.coverage.checks == reference.coverage.checks
