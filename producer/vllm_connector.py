@@ -263,6 +263,9 @@ class ConnectorProbe:
         self.digester: BlockDigester | None = None
         self.prompt_tokens = prompt_tokens  # the runner's count for a request it still holds
         self.num_tokens: dict[str, int] = {}  # req id -> prompt tokens, noted while the runner had it
+        # Blocks reported as failed to load whose receive has not completed yet: the worker may
+        # report them a step before it reports the receive finished.
+        self.invalid: set[int] = set()
         self._completions: Completions | None = None
         self._broken = False
 
@@ -326,7 +329,7 @@ class ConnectorProbe:
     # -- what the connector was told and what it reported ------------------------------------------
     def _on_bind(self, metadata: Any) -> None:
         if self._completions is not None:  # a runner that never asked for load errors
-            self._record_completions(set())
+            self._record_completions()
         for transfer in self.adapter.transfers(metadata):
             if transfer.kind == "REGISTERED":  # the runner still holds the request: note its size
                 tokens = self.prompt_tokens(transfer.req_id)
@@ -346,12 +349,18 @@ class ConnectorProbe:
     def _on_load_errors(self, invalid: set[int]) -> None:
         if invalid:
             self._emit("INVALID_BLOCKS", None, req_id=None, blocks=[sorted(int(b) for b in invalid)])
-        self._record_completions(invalid)
+            # Kept for the receives that hold them (only those: others can never claim them).
+            receiving = {
+                b for (kind, _), t in self.pending.items() if kind == "RECV_INTENT" for g in t.block_ids for b in g
+            }
+            self.invalid |= {int(b) for b in invalid} & receiving
+        self._record_completions()
 
-    def _record_completions(self, invalid: set[int]) -> None:
+    def _record_completions(self) -> None:
         done, self._completions = self._completions, None
         if done is None:
             return
+        invalid = self.invalid
         expired, self.expired = self.expired, set()
         for req_id in sorted(done.sent):
             kind = "EXPIRED" if req_id in expired else "SEND_DONE"
@@ -361,6 +370,7 @@ class ConnectorProbe:
         for req_id in sorted(done.received | done.failed):
             intent = self.pending.pop(("RECV_INTENT", req_id), None)
             lost = sorted(invalid.intersection(b for group in intent.block_ids for b in group)) if intent else []
+            invalid.difference_update(lost)
             if req_id in done.failed or lost:
                 detail = f"{len(lost)} block(s) failed to load" if lost else "reported failed"
                 self._emit("RECV_FAILED", intent, req_id, detail=detail)

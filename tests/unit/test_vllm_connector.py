@@ -161,6 +161,30 @@ def test_receives_done_failed_and_with_invalid_blocks():
     assert recording.events[7]["detail"] == "1 block(s) failed to load"
 
 
+def test_invalid_blocks_reported_before_their_receive_completes_fail_it():
+    """Seen on the real pair: the worker reports the blocks that failed to load one step before
+    it reports the receive finished."""
+    connector = MooncakeConnector()
+    _, recording, _ = probe_on(connector)
+    pulls = {f"d{i}": PullReqMeta(f"d{i}", f"t{i}", [[10 * i, 10 * i + 1]], "prefill-0") for i in (1, 2)}
+    step(connector, Metadata(reqs_to_recv={"prefill-0": pulls}))
+    connector.next_invalid = {20, 99}  # 99: no receive holds it
+    step(connector)
+    connector.next_results = Results(finished_recving={"d1", "d2"})
+    step(connector)
+    assert recording.kinds()[2:] == [
+        ("INVALID_BLOCKS", None, None),
+        ("RECV_DONE", "d1", "t1"),
+        ("RECV_FAILED", "d2", "t2"),
+    ]
+    assert recording.events[-1]["detail"] == "1 block(s) failed to load"
+    # Claimed once: a later receive of the same block is not failed by the old report.
+    step(connector, Metadata(reqs_to_recv={"prefill-0": {"d5": PullReqMeta("d5", "t5", [[20]], "prefill-0")}}))
+    connector.next_results = Results(finished_recving={"d5"})
+    step(connector)
+    assert recording.kinds()[-1] == ("RECV_DONE", "d5", "t5")
+
+
 def test_a_cancelled_send_is_recorded():
     connector = MooncakeConnector()
     _, recording, _ = probe_on(connector)
