@@ -360,7 +360,6 @@ class ConnectorProbe:
         done, self._completions = self._completions, None
         if done is None:
             return
-        invalid = self.invalid
         expired, self.expired = self.expired, set()
         for req_id in sorted(done.sent):
             kind = "EXPIRED" if req_id in expired else "SEND_DONE"
@@ -369,8 +368,8 @@ class ConnectorProbe:
             self.num_tokens.pop(req_id, None)
         for req_id in sorted(done.received | done.failed):
             intent = self.pending.pop(("RECV_INTENT", req_id), None)
-            lost = sorted(invalid.intersection(b for group in intent.block_ids for b in group)) if intent else []
-            invalid.difference_update(lost)
+            lost = sorted(self.invalid.intersection(b for g in intent.block_ids for b in g)) if intent else []
+            self.invalid.difference_update(lost)
             if req_id in done.failed or lost:
                 detail = f"{len(lost)} block(s) failed to load" if lost else "reported failed"
                 self._emit("RECV_FAILED", intent, req_id, detail=detail)

@@ -249,9 +249,8 @@ class Ledger:
         out: list[Violation] = []
         if self.transfer_join is not None:
             out += self.transfer_join.finish()
-        for gkey, group in self.step_groups.items():
-            for step in sorted(group.pending):
-                self._settle(gkey, group, step, out)
+        out += self.settle_held()
+        for group in self.step_groups.values():
             group.missing_since.clear()
         return out
 

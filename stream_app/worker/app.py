@@ -183,9 +183,7 @@ class StreamWorker:
             outcome.merge(projection.apply(items))
             self.dirty.add(engine_id)
         await self._publish(outcome)
-        self.unacked += [(stream, e) for e in events]
-        if len(self.unacked) >= self.settings.checkpoint_events and self._checkpoint_due(0.0):
-            await self._checkpoint()
+        await self._taken(stream, events)
 
     async def _join(self, stream: faust.StreamT, events: list[faust.EventT]) -> None:
         per_partition: dict[int, list[Record]] = {}
@@ -198,6 +196,10 @@ class StreamWorker:
             outcome.merge(self._join_projection(partition).apply(records))
             self.dirty_joins.add(partition)
         await self._publish(outcome, source=self.topics.transfers)
+        await self._taken(stream, events)
+
+    async def _taken(self, stream: faust.StreamT, events: list[faust.EventT]) -> None:
+        """Events applied and published: acked at the checkpoint that covers them."""
         self.unacked += [(stream, e) for e in events]
         if len(self.unacked) >= self.settings.checkpoint_events and self._checkpoint_due(0.0):
             await self._checkpoint()
@@ -275,18 +277,19 @@ class StreamWorker:
         for engine_id, projection in self.engines.items():
             tp = self.anchors[engine_id].message.tp
             silent = now - self.last_active.get(engine_id, now) >= self.settings.settle_after
-            if silent and projection.holding and tp in assigned and self._read_to_end(tp):
+            if silent and projection.holding and tp in assigned and self.lag(tp) == 0:
                 outcome.merge(projection.settle())
                 self.dirty.add(engine_id)
         await self._publish(outcome)
 
-    def _read_to_end(self, tp) -> bool:
+    def lag(self, tp) -> int | None:
+        """Records of an events partition not processed yet; None before its first fetch."""
         try:
             highwater = self.app.consumer.highwater(tp)
         except Exception:  # not fetched since the assignment
-            return False
+            return None
         done = self.positions.get(tp)
-        return highwater is not None and done is not None and done >= highwater
+        return max(highwater - done, 0) if highwater is not None and done is not None else None
 
     def _checkpoint_due(self, interval: float) -> bool:
         """`interval` seconds passed since the last checkpoint, and enough for its cost to stay a small
@@ -372,17 +375,10 @@ class StreamWorker:
                     self.metrics.consumer_lag.remove(tp.topic, str(tp.partition))
 
     def _update_lag(self) -> None:
-        consumer = self.app.consumer
-        for tp in consumer.assignment():
-            if tp.topic != self.topics.events:
-                continue
-            try:
-                highwater = consumer.highwater(tp)
-            except Exception:  # not fetched yet
-                continue
-            done = self.positions.get(tp)
-            if highwater is not None and done is not None:
-                self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(max(highwater - done, 0))
+        for tp in self.app.consumer.assignment():
+            lag = self.lag(tp) if tp.topic == self.topics.events else None
+            if lag is not None:
+                self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(lag)
 
 
 def run_worker(settings: WorkerSettings, loglevel: str = "warning") -> None:

@@ -182,10 +182,6 @@ class EngineProjection:
             self.waypoints.append(Waypoint(step, self.next_offset, blob))
         return blob
 
-    @staticmethod
-    def ledger_of(blob: bytes) -> Ledger:
-        return EngineProjection.restore(blob).ledger
-
     # -- applying -----------------------------------------------------------------------
     def apply(self, items: list[tuple[Record, dict]]) -> Outcome:
         """Apply decoded events of this engine, in offset order; skip what the state already covers.

@@ -17,7 +17,7 @@ from confluent_kafka import Consumer, TopicPartition
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import RequestTrace, RequestView
-from kvledger.stream_app.worker.projection import Waypoint
+from kvledger.stream_app.worker.projection import EngineProjection, Waypoint
 from kvledger.stream_app.worker.topics import QUIET
 
 POLL_BATCH = 1024
@@ -78,11 +78,10 @@ def travel(
     step: int,
     waypoints: list[Waypoint],
     end: int,
-    restore,
 ) -> Journey:
-    """`req_id`'s rows on every rank of the engine at `step`; `restore(blob)` gives a waypoint's Ledger."""
+    """`req_id`'s rows on every rank of the engine at `step`."""
     base = max((w for w in waypoints if w.step <= step), key=lambda w: w.step, default=None)
-    ledger = restore(base.blob) if base is not None else Ledger(join_transfers=False)
+    ledger = EngineProjection.restore(base.blob).ledger if base is not None else Ledger(join_transfers=False)
     start = base.next_offset if base is not None else 0
     trace = RequestTrace(engine_id, req_id, ledger)
     past: set[tuple[int, int, int]] = set()  # ranks whose stream went beyond `step`: the rest of it too

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import faust
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvledger.stream_app.worker.projection import EngineProjection
 from kvledger.stream_app.worker.travel import travel
 
 if TYPE_CHECKING:
@@ -31,12 +30,7 @@ def engines_view(worker: StreamWorker) -> list[dict]:
     for engine_id, projection in sorted(worker.engines.items()):
         anchor = worker.anchors.get(engine_id)
         tp = anchor.message.tp if anchor is not None else None
-        lag = None
-        if tp is not None and tp in worker.positions:
-            try:
-                lag = max(worker.app.consumer.highwater(tp) - worker.positions[tp], 0)
-            except Exception:  # not fetched yet
-                lag = None
+        lag = worker.lag(tp) if tp is not None else None
         ledger = projection.ledger
         ranks = [
             {
@@ -106,7 +100,6 @@ async def travel_view(worker: StreamWorker, engine_id: str, req_id: str, step: i
         step,
         list(projection.waypoints),
         worker.positions.get(tp, projection.next_offset),
-        EngineProjection.ledger_of,
     )
     ranks = [{"rank": f"dp{v.dp_rank}-tp{v.tp_rank}-pp{v.pp_rank}", **asdict(v)} for v in journey.views]
     return {"start_offset": journey.start_offset, "from_waypoint": journey.from_waypoint, "ranks": ranks}
