@@ -700,6 +700,9 @@ class PdConfig:
     idle_steps: int = 4  # steps both engines run after the last request
     digests: bool = True
     faults: tuple[tuple[str, int], ...] = ()  # (fault, request number)
+    # Full blocks of a system prompt every prompt starts with: the prefill engine's prefix
+    # cache hands them to each later request (a read) while earlier sends still hold them.
+    shared_prefix_blocks: int = 0
     prefill_id: str = "sim-prefill"
     decode_id: str = "sim-decode"
 
@@ -800,18 +803,23 @@ def simulate_pd_pair(cfg: PdConfig) -> PdSimulation:
             prefill.step -= 1  # completions are seen within the step that reports them
             prefill.connector("SEND_DONE", f"p-{i}", tids[i], blocks, digest=digest if cfg.digests else None)
             prefill.step += 1
-            pending_free.append((prefill.step + 1, blocks))
+            pending_free.append((prefill.step + 1, [b for b in blocks if b not in cached]))
 
-    prompts = [[rng.randrange(1000) for _ in range(rng.randint(*cfg.prompt_len))] for _ in range(cfg.requests)]
+    system = [rng.randrange(1000) for _ in range(cfg.shared_prefix_blocks * bs)]
+    prompts = [system + [rng.randrange(1000) for _ in range(rng.randint(*cfg.prompt_len))] for _ in range(cfg.requests)]
+    cached: list[int] = []  # the system prompt's blocks, once computed: kept by the cache, never freed
     p_blocks: dict[int, list[int]] = {}
     for i, prompt in enumerate(prompts):
         n = -(-len(prompt) // bs)
-        blocks = p_blocks[i] = prefill.take(n)
-        prefill_step(new=(i, f"p-{i}", blocks, 0, len(prompt), len(prompt)))
+        hit = cached[: cfg.shared_prefix_blocks]
+        blocks = p_blocks[i] = hit + prefill.take(n - len(hit))
+        computed = len(hit) * bs
+        prefill_step(new=(i, f"p-{i}", blocks, computed, len(prompt), len(prompt) - computed))
+        cached = cached or blocks[: cfg.shared_prefix_blocks]
         prefill.connector("SEND_INTENT", f"p-{i}", tids[i], blocks, num_tokens=len(prompt))
         fault = faults.get(i)
         if fault == "send_reused":
-            prefill.free.appendleft(blocks[0])  # freed while the send still reads it
+            prefill.free.appendleft(blocks[-1])  # freed while the send still reads it
             expected.append(PdExpected(fault, "send_block_reused", cfg.prefill_id, f"p-{i}", tids[i]))
         if fault not in ("orphan", "stuck"):
             sends.append((prefill.step + cfg.send_lag, i, blocks))

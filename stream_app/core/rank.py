@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvledger.schemas.packing import unpack_digests, unpack_i32, unpack_i64, wire_digests
-from kvledger.stream_app.core.tables import NULL_BLOCK, GroupTable
+from kvledger.stream_app.core.tables import NULL_BLOCK, GroupTable, written_from
 from kvledger.stream_app.core.violations import (
     BLOCK_OUT_OF_RANGE,
     FOREIGN_BLOCK_WRITE,
@@ -177,11 +177,13 @@ class RankState:
         inside = g.in_pool(flat)
         suspect = ~inside
         real = inside & (flat != NULL_BLOCK)
-        suspect[real] = g.held_elsewhere(flat[real], cols[real]) | (g.send_hold[flat[real]] > 0)
+        owner = np.repeat(rows_arr, counts_arr)
+        # A pending send only reads its blocks: another request may read them too (a prefix hit).
+        written = cols >= written_from(self.computed[owner], g.block_size)
+        suspect[real] = g.held_elsewhere(flat[real], cols[real]) | ((g.send_hold[flat[real]] > 0) & written[real])
         cov.checks["exclusivity"] += int(real.sum())
         if not suspect.any():
             return
-        owner = np.repeat(rows_arr, counts_arr)
         for row in np.unique(owner[suspect]).tolist():
             mine = suspect & (owner == row)
             req_id = self._req_of_row(row)
@@ -196,13 +198,14 @@ class RankState:
                         g.group_id,
                     )
                 )
-            taken = flat[mine & inside]
+            taken = np.flatnonzero(mine & inside)
             if taken.size:
-                b = int(taken[0])
+                first = int(taken[0])
+                b = int(flat[first])
                 whose = (
                     "a pending KV send still reads it"
-                    if g.send_hold[b] > 0
-                    else ("another live request holds it at another position")
+                    if g.send_hold[b] > 0 and written[first]
+                    else "another live request holds it at another position"
                 )
                 out.append(
                     self._violation(

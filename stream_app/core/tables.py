@@ -17,6 +17,17 @@ NULL_BLOCK = 0
 _LEN_UNIT = np.uint64(length_term(1))
 
 
+def written_from(num_computed_tokens, block_size: int):
+    """The first row position a grant writes, for a request with that many computed tokens.
+
+    Blocks wholly below the computed tokens hold KV that already exists (a
+    prefix-cache hit, a received prefill, a resumed request's surviving
+    prefix): the request only reads them, so sharing them with another
+    holder, or with a pending KV send, is no reuse. Works on arrays too.
+    """
+    return num_computed_tokens // block_size
+
+
 class GroupTable:
     def __init__(self, group_id: int, kind: str, block_size: int, num_blocks: int, window: int | None):
         self.group_id = group_id

@@ -38,6 +38,7 @@ import numpy as np
 
 from kvledger.schemas.packing import unpack_i32
 from kvledger.schemas.registry import CONNECTOR_EVENT, RANK_INFO, STEP
+from kvledger.stream_app.core.tables import written_from
 from kvledger.stream_app.core.violations import (
     ORPHAN_TRANSFER,
     READ_BEFORE_TRANSFER,
@@ -526,7 +527,7 @@ class TransferUse:
         if not held:
             return
         self.coverage.checks["send_hold"] += 1
-        for req_id, group, blocks in _grants(inp, req_id_of):
+        for req_id, group, blocks in _written_grants(inp, req_id_of, state.block_sizes):
             for send in held:
                 if req_id == send.req_id or group >= len(send.blocks):
                     continue
@@ -559,21 +560,41 @@ class TransferUse:
             del state.recvs[req_id]  # checked at its first schedule: later steps compute on its own KV
 
 
-def _grants(inp: dict, req_id_of):
-    """(req id, group, block ids) the step input hands out."""
+def _written_grants(inp: dict, req_id_of, block_sizes: list[int]):
+    """(req id, group, block ids) the step input hands out to be written; prefix hits are only read."""
+
+    def written(blocks: np.ndarray, group: int, computed: int) -> np.ndarray:
+        if group >= len(block_sizes):  # no RankInfo yet: every block counts as written
+            return blocks
+        return blocks[written_from(computed, block_sizes[group]) :]
+
     for req in inp["new_reqs"]:
         for group, data in enumerate(req["block_ids"]):
-            blocks = unpack_i32(data)
+            blocks = written(unpack_i32(data), group, req["num_computed_tokens"])
             if blocks.size:
                 yield req["req_id"], group, blocks.tolist()
     counts = unpack_i32(inp["append_counts"])
     if counts.size:
         indices, groups = unpack_i32(inp["append_req_indices"]), unpack_i32(inp["append_group_ids"])
         blocks = unpack_i32(inp["append_block_ids"])
+        # A resumed request's blocks replace its row from position 0; others extend it.
+        resumed = set(unpack_i32(inp["resumed_req_indices"]).tolist())
+        computed = dict(
+            zip(
+                unpack_i32(inp["cached_req_indices"]).tolist(),
+                unpack_i32(inp["cached_num_computed_tokens"]).tolist(),
+                strict=True,
+            )
+        )
         ends = np.cumsum(counts)
         for i, n in enumerate(counts.tolist()):
-            name = req_id_of(int(indices[i])) if req_id_of else f"#{indices[i]}"
-            yield name, int(groups[i]), blocks[ends[i] - n : ends[i]].tolist()
+            index, group = int(indices[i]), int(groups[i])
+            mine = blocks[ends[i] - n : ends[i]]
+            if index in resumed:
+                mine = written(mine, group, computed.get(index, 0))
+            if mine.size:
+                name = req_id_of(index) if req_id_of else f"#{index}"
+                yield name, group, mine.tolist()
 
 
 def _scheduled(inp: dict, req_id_of):

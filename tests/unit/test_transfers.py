@@ -46,9 +46,17 @@ def test_new_kinds_are_known():
     block_size=st.sampled_from([4, 16, 32]),
     send_lag=st.integers(1, 6),
     digests=st.booleans(),
+    shared=st.integers(0, 3),
 )
-def test_clean_pair_is_silent_and_every_transfer_joined(seed, requests, block_size, send_lag, digests):
-    cfg = PdConfig(seed=seed, requests=requests, block_size=block_size, send_lag=send_lag, digests=digests)
+def test_clean_pair_is_silent_and_every_transfer_joined(seed, requests, block_size, send_lag, digests, shared):
+    cfg = PdConfig(
+        seed=seed,
+        requests=requests,
+        block_size=block_size,
+        send_lag=send_lag,
+        digests=digests,
+        shared_prefix_blocks=shared,
+    )
     sim = simulate_pd_pair(cfg)
     found, ledger = check(sim.events)
     assert found == []
@@ -64,9 +72,11 @@ def test_clean_pair_is_silent_and_every_transfer_joined(seed, requests, block_si
     fault=st.sampled_from(sorted(set(PD_FAULT_KINDS) - {"stuck"})),
     victim=st.integers(0, 4),
     block_size=st.sampled_from([4, 16]),
+    shared=st.integers(0, 2),
 )
-def test_each_fault_is_caught_with_its_transfer_and_request(seed, fault, victim, block_size):
-    sim = simulate_pd_pair(PdConfig(seed=seed, requests=6, block_size=block_size, faults=((fault, victim),)))
+def test_each_fault_is_caught_with_its_transfer_and_request(seed, fault, victim, block_size, shared):
+    cfg = PdConfig(seed=seed, requests=6, block_size=block_size, faults=((fault, victim),), shared_prefix_blocks=shared)
+    sim = simulate_pd_pair(cfg)
     found, _ = check(sim.events)
     for e in sim.expected:
         assert any(
@@ -75,6 +85,24 @@ def test_each_fault_is_caught_with_its_transfer_and_request(seed, fault, victim,
         ), (e, found)
     assert {v.kind for v in found} <= set(PD_FAULT_KINDS[fault]), found
     assert {transfer_of(v) for v in found if v.kind in TRANSFER_KINDS} == {sim.transfer_ids[victim]}
+
+
+def test_a_prefix_hit_on_a_pending_send_is_a_read_not_a_reuse():
+    """Every prompt starts with the same three full blocks: each later prefill request gets them
+    from the prefix cache while the sends of earlier requests still read them."""
+    sim = simulate_pd_pair(PdConfig(seed=3, requests=6, block_size=16, send_lag=4, shared_prefix_blocks=3))
+    steps = [e["body"][1] for e in sim.events if e["engine_id"] == "sim-prefill" and e["body"][0] == STEP]
+    hits = [r for s in steps if s["input"] for r in s["input"]["new_reqs"] if r["num_computed_tokens"] == 48]
+    assert len(hits) == 5  # the scenario really happens: five requests read blocks of pending sends
+    found, ledger = check(sim.events)
+    assert found == []
+    assert ledger.coverage.checks["exclusivity"] > 0 and ledger.coverage.checks["send_hold"] > 0
+    # A block of a pending send handed out to be written is still a reuse.
+    faulty = simulate_pd_pair(
+        PdConfig(seed=3, requests=6, block_size=16, send_lag=4, shared_prefix_blocks=3, faults=(("send_reused", 2),))
+    )
+    found, _ = check(faulty.events)
+    assert {(v.kind, v.req_id) for v in found} == {("send_block_reused", "p-2"), ("foreign_block_write", "p-3")}
 
 
 def test_stuck_transfer_reported_on_both_sides_at_the_deadline():
