@@ -53,8 +53,11 @@ class _NullSink:
 
 def fake_runner(num_reqs: int) -> SimpleNamespace:
     """Just the attributes the probe reads, shaped as vLLM's V1 runner holds them."""
+    rows = np.zeros((num_reqs, MAX_BLOCKS), np.int32)
+    device_rows = torch.from_numpy(rows)  # what attention reads (a CPU engine's "device" tensor)
     table = SimpleNamespace(
-        block_table=SimpleNamespace(np=np.zeros((num_reqs, MAX_BLOCKS), np.int32)),
+        block_table=SimpleNamespace(np=rows),
+        get_device_tensor=lambda n: device_rows[:n],
         num_blocks_per_row=np.zeros(num_reqs, np.int32),
         block_size=BLOCK_SIZE,
     )

@@ -35,6 +35,7 @@ FAULTS = (
     "rank_missing",  # one rank never records a step: rank_missing
     "sequence_gap",  # one rank's event is lost: sequence_gap
     "duplicate_event",  # one rank's event is appended twice: duplicate_event
+    "zero_shared",  # the scheduler zeroes a block several live requests read: foreign_block_write
 )
 
 # Violation kinds each fault may produce; the first is the one it must produce.
@@ -60,6 +61,7 @@ FAULT_KINDS = {
     "rank_missing": ("rank_missing",),
     "sequence_gap": ("sequence_gap",),
     "duplicate_event": ("duplicate_event",),
+    "zero_shared": ("foreign_block_write",),
 }
 
 
@@ -103,6 +105,9 @@ class SimConfig:
     health_interval: int = 50
     dummy_every: int = 0
     full_rows: bool = False
+    # Newly allocated blocks listed to be zeroed (vLLM's new_block_ids_to_zero, sent when the
+    # cache needs zeroing: Mamba layers, mixed precisions).
+    zero_new_blocks: bool = False
     faults: tuple[FaultSpec, ...] = ()
     incarnation: int = 1
 
@@ -472,7 +477,7 @@ class SyntheticEngine:
         scheduled = self._schedule(step)
         preempted = self.preempted_ids[preempted_before:]
         self.preempted_ids = []
-        inp = self._step_input(scheduled, finished, preempted)
+        inp = self._step_input(scheduled, finished, preempted, self._blocks_to_zero(step, scheduled))
         base_plan = self._plan(scheduled)
         self._after_execute(scheduled)
         for rank in self.ranks:
@@ -491,7 +496,21 @@ class SyntheticEngine:
                 yield event
                 yield event
 
-    def _step_input(self, scheduled, finished, preempted) -> dict:
+    def _blocks_to_zero(self, step: int, scheduled) -> list[int]:
+        zero = (
+            []
+            if not self.cfg.zero_new_blocks
+            else [b for _, _, appended, _ in scheduled for row in appended for b in row if 0 < b < self.cfg.num_blocks]
+        )
+        for fault in [f for f in self._faults_due(step) if f.kind == "zero_shared"]:
+            held = Counter(b for r in self.running for b in set(r.blocks[fault.group]) if b != 0)
+            shared = sorted(b for b, n in held.items() if n > 1)
+            if shared:  # a block several live requests read, zeroed under them
+                zero.append(shared[0])
+                self._expect_on_all_ranks(fault, "foreign_block_write", step, None, None)
+        return zero
+
+    def _step_input(self, scheduled, finished, preempted, blocks_to_zero: list[int]) -> dict:
         new_reqs, cached, appends, resumed = [], [], [], []
         for req, n_new, appended, kind in scheduled:
             if kind == "new":
@@ -524,6 +543,7 @@ class SyntheticEngine:
             appends=appends,
             finished=finished,
             preempted=preempted,
+            blocks_to_zero=blocks_to_zero,
         )
 
     def _plan(self, scheduled) -> dict:

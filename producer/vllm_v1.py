@@ -441,7 +441,9 @@ class V1RunnerProbe:
             table = batch.block_table[gid]
             lens = table.num_blocks_per_row[:num_reqs].copy()
             width = int(lens.max()) if num_reqs else 0  # rows are far shorter than the table
-            rows = Staged.host(table.block_table.np[:num_reqs, :width].copy())
+            # The rows attention reads: the device tensor, committed from the CPU mirror before
+            # this step's slot mappings were built; a mirror that drifted from it misleads.
+            rows = stage(table.get_device_tensor(num_reqs)[:, :width])
             groups.append((gid, stage(slot_mappings[gid]), rows, lens))
         positions = self._stage_positions(num_tokens)
         self._plan = PlanCapture(

@@ -106,6 +106,8 @@ def plan_run(state: RankState, steps: list[dict]) -> tuple[Callable[[], None], C
         else:
             if inp["preempted_req_ids"] or inp["resumed_req_indices"]:
                 return None
+            if inp["block_ids_to_zero"] or inp["block_copies"]:  # overwrites: checked step by step
+                return None
             for req_id in inp["finished_req_ids"]:
                 index = index_of.pop(req_id, None)
                 if index is not None:

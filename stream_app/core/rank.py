@@ -132,6 +132,44 @@ class RankState:
         for g, grant in zip(self.groups, grants, strict=True):
             if grant:
                 self._grant(step, g, *grant, out, cov)
+        zero, copies = unpack_i32(inp["block_ids_to_zero"]), unpack_i32(inp["block_copies"]).reshape(-1, 2)
+        if zero.size or copies.size:
+            granted = np.concatenate([np.concatenate(grant[2]) for grant in grants if grant] or [np.empty(0, np.int32)])
+            self._check_overwrites(step, "zeroes", zero, None, out, cov)
+            self._check_overwrites(step, "copies into", copies[:, 1], granted, out, cov)
+
+    def _check_overwrites(self, step, what: str, blocks, fresh, out, cov) -> None:
+        """Blocks the worker overwrites whole this step (zeroed, or a copy's destination) must be
+        read by nobody else: no pending send, at most one live holder, and for a copy's
+        destination (`fresh` given) no holder that had it before this step's grants.
+
+        Block ids name one pool shared by every group, so holders are counted across groups.
+        """
+        if blocks.size == 0:
+            return
+        cov.checks["overwrite_target"] += int(blocks.size)
+        holders = np.zeros(blocks.size, np.int64)
+        sending = np.zeros(blocks.size, bool)
+        for g in self.groups:
+            inside = g.in_pool(blocks) & (blocks != NULL_BLOCK)
+            holders[inside] += g.hold_count[blocks[inside]]
+            sending[inside] |= g.send_hold[blocks[inside]] > 0
+        outside = ~self.groups[0].in_pool(blocks) if self.groups else np.zeros(blocks.size, bool)
+        bad = outside | sending | (holders > 1)
+        if fresh is not None:  # a copy fills a fresh block: nobody held it before this step
+            bad |= (holders == 1) & ~np.isin(blocks, fresh)
+        for i in np.flatnonzero(bad)[:1].tolist():  # one violation per step and kind of overwrite
+            b = int(blocks[i])
+            if outside[i]:
+                kind, why = BLOCK_OUT_OF_RANGE, "outside the pool"
+            elif sending[i]:
+                kind, why = FOREIGN_BLOCK_WRITE, "a pending KV send still reads it"
+            elif holders[i] > 1:
+                kind, why = FOREIGN_BLOCK_WRITE, f"{holders[i]} live requests hold it"
+            else:
+                kind, why = FOREIGN_BLOCK_WRITE, "a live request already held it before this step"
+            more = f" ({int(bad.sum())} such blocks)" if bad.sum() > 1 else ""
+            out.append(self._violation(kind, step, f"the scheduler {what} block {b}, but {why}{more}"))
 
     def _new_requests(self, new_reqs: list[dict]) -> list[list | None]:
         """Rows for new requests; returns per group the blocks to grant: (rows, counts, blocks)."""

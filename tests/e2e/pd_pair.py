@@ -26,7 +26,7 @@ handed out again).
 
 Spec: {"prompts": [[token ids], ...], "max_tokens": 8, "ledger_root": "/abs" | null,
 "transfer_ids": [...] | null, "baseline": false, "transfer_digests": 0.0, "plain_prefill_prompts": [],
-"kv_load_failure_policy": null}. With "baseline", the
+"kv_load_failure_policy": null, "prefix_caching": false, "max_num_batched_tokens": 1024}. With "baseline", the
 prefill engine first serves the prompts alone (no transfer parameters), before any transfer. With a ledger root, both
 engines trace to file ledgers at ROOT/prefill and ROOT/decode.
 """
@@ -110,7 +110,11 @@ def run_pd_pair(
     log = stdout + stderr
     found = re.search(r"^PD_RESULT (.*)$", stdout, re.M)
     if proc.returncode != 0 or not found:
-        pytest.fail(f"prefill/decode pair failed (exit {proc.returncode}):\n{log[-4000:]}", pytrace=False)
+        kept = ""
+        if ledger_root is not None:  # the whole log, for the root cause far above the tail
+            (ledger_root / "pair.log").write_text(log)
+            kept = f" (whole log: {ledger_root / 'pair.log'})"
+        pytest.fail(f"prefill/decode pair failed (exit {proc.returncode}){kept}:\n{log[-4000:]}", pytrace=False)
     result = json.loads(found[1])
     timings = {**result["timings"], "total_s": time.perf_counter() - started}
     return PdPairRun(
@@ -156,7 +160,7 @@ def _engine(model: str, role: str, engine_id: str, spec: dict):
         seed=0,
         max_num_seqs=spec.get("max_num_seqs", 8),
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 1024),
-        enable_prefix_caching=False,
+        enable_prefix_caching=spec.get("prefix_caching", False),
         kv_transfer_config=kv_transfer,
         **extra,
     )

@@ -41,14 +41,21 @@ from tests.stream_harness import as_multiset, events_done, online_violations, pr
 
 pytestmark = pytest.mark.e2e
 
+# Every prompt starts with a system prompt of three full blocks, and both engines cache
+# prefixes (vLLM's default): later prefill requests read those blocks from the prefix cache
+# while the sends of earlier requests still hold them (a read, never a reuse).
+SYSTEM = list(range(450, 498)) * 2  # the tiny model has 512 token ids
 PROMPTS = [
-    list(range(5, 5 + 36)),  # two blocks, the second partly filled
-    [100, 101, 102],  # less than a block
-    list(range(200, 200 + 64)),  # exactly two blocks
-    list(range(10, 10 + 100)),  # four blocks
-    [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33],
+    SYSTEM + list(range(5, 5 + 36)),  # one block past the system prompt, the second partly filled
+    [*SYSTEM, 100, 101, 102],  # less than a block past it
+    SYSTEM + list(range(200, 200 + 64)),  # exactly two blocks past it
+    SYSTEM + list(range(10, 10 + 100)),  # four blocks past it
+    [*SYSTEM, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32],
 ]
 MAX_TOKENS = 8
+# A small token budget: prompts are scheduled over several steps, so later ones arrive while
+# earlier sends are pending.
+PAIR_SETTINGS = {"prefix_caching": True, "max_num_batched_tokens": 160}
 
 
 def _pair_ready() -> str:
@@ -74,7 +81,7 @@ def _pair_ready() -> str:
 @pytest.fixture(scope="module")
 def clean_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-pair")
-    extra = {"baseline": True, "transfer_digests": 1.0}
+    extra = {"baseline": True, "transfer_digests": 1.0, **PAIR_SETTINGS}
     run = run_pd_pair(_pair_ready(), PROMPTS, max_tokens=MAX_TOKENS, ledger_root=root, extra=extra)
     print("prefill/decode pair timings:", json.dumps({k: round(v, 1) for k, v in run.timings.items()}))
     return run
@@ -111,6 +118,27 @@ def test_pair_decodes_exactly_like_one_engine(clean_pair):
     assert clean_pair.decode_outputs == clean_pair.baseline_outputs
     # The prefill engine's one token is the first token of the answer.
     assert clean_pair.prefill_outputs == [out[:1] for out in clean_pair.baseline_outputs]
+
+
+def test_prefill_really_read_blocks_of_pending_sends_from_its_prefix_cache(clean_pair):
+    """The clean pair exercises what used to be a false alarm: a prefix-cache hit on a block
+    a pending send still reads."""
+    sends = by_transfer(connector_events(clean_pair.prefill_ledger))
+    held = [
+        (
+            kinds["SEND_INTENT"]["step"],
+            kinds["SEND_DONE"]["step"],
+            set(unpack_i32(kinds["SEND_INTENT"]["block_ids"][0])),
+        )
+        for kinds in sends.values()
+    ]
+    hits_on_held = 0
+    for step in bodies(clean_pair.prefill_ledger, STEP):
+        for request in step["input"]["new_reqs"] if step["input"] else ():
+            hit = unpack_i32(request["block_ids"][0])[: request["num_computed_tokens"] // 32]
+            if any(begin <= step["step"] < end and held & set(hit.tolist()) for begin, end, held in held):
+                hits_on_held += 1
+    assert hits_on_held > 0
 
 
 def test_decode_computes_only_the_last_prompt_token(clean_pair):
@@ -194,11 +222,11 @@ def test_every_transfer_is_seen_whole_on_both_sides(clean_pair):
 
 # -- injected faults --------------------------------------------------------------------------------
 FAULT_PROMPTS = [
-    list(range(5, 5 + 36)),  # xfer-0: the receive fails
-    [100, 101, 102],  # xfer-1: clean
-    list(range(200, 200 + 64)),  # xfer-2: received blocks corrupted
-    list(range(10, 10 + 100)),  # xfer-3: prefill sends one block fewer than decode expects
-    list(range(300, 300 + 70)),  # xfer-4: a held block handed to the plain request below
+    SYSTEM + list(range(5, 5 + 36)),  # xfer-0: the receive fails
+    [*SYSTEM, 100, 101, 102],  # xfer-1: clean
+    SYSTEM + list(range(200, 200 + 64)),  # xfer-2: received blocks corrupted
+    SYSTEM + list(range(10, 10 + 100)),  # xfer-3: prefill sends one block fewer than decode expects
+    SYSTEM + list(range(300, 300 + 70)),  # xfer-4: a held block handed to the plain request below
 ]
 PLAIN_PROMPT = list(range(400, 440))
 FAULTS = {
@@ -216,6 +244,7 @@ def faulty_pair(tmp_path_factory):
         "transfer_digests": 1.0,
         "plain_prefill_prompts": [PLAIN_PROMPT],
         "kv_load_failure_policy": "recompute",  # a failed receive is recomputed, not fatal
+        **PAIR_SETTINGS,
     }
     run = run_pd_pair(_pair_ready(), FAULT_PROMPTS, max_tokens=4, ledger_root=root, extra=extra, env=FAULTS)
     print("faulty prefill/decode pair timings:", json.dumps({k: round(v, 1) for k, v in run.timings.items()}))

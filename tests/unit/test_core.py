@@ -7,6 +7,7 @@ import pickle
 import random
 
 import numpy as np
+import pytest
 
 from kvledger.producer import records
 from kvledger.producer.records import RankIdentity
@@ -40,12 +41,14 @@ class Stream:
         self.events.append(records.envelope(RANK, self.seq, 0, *body))
         self.seq += 1
 
-    def step(self, n, *, new=(), cached=(), appends=(), finished=(), slots, reqs, rows, padding=0):
+    def step(self, n, *, new=(), cached=(), appends=(), finished=(), slots, reqs, rows, padding=0, zero=(), copies=()):
         inp = records.step_input(
             new_reqs=[records.new_request(i, f"r{i}", [b], c, 64, n) for i, b, c, n in new],
             cached=cached,
             appends=[(i, 0, b) for i, b in appends],
             finished=finished,
+            blocks_to_zero=zero,
+            block_copies=copies,
         )
         slots = np.array([*slots, *([-1] * padding)])
         group = records.group_plan(0, slots, len(slots) - padding, [np.array(r) for r in rows])
@@ -112,6 +115,35 @@ def test_pending_send_holds_blocks_until_done():
     violations, _ = s.check()
     assert [(v.kind, v.req_id) for v in violations] == [("foreign_block_write", "r1")]
     assert "pending KV send" in violations[0].detail
+
+
+def two_requests_sharing_a_prefix(**overwrites) -> Stream:
+    """r0 holds blocks 1, 2; r1 reads block 1 from the prefix cache and writes block 3."""
+    s = Stream()
+    s.step(0, new=[(0, [1, 2], 0, 8)], slots=range(4, 12), reqs=[(0, 8, 0)], rows=[[1, 2]])
+    s.step(1, new=[(1, [1, 3], 4, 4)], slots=range(12, 16), reqs=[(1, 4, 4)], rows=[[1, 3]], **overwrites)
+    return s
+
+
+def test_zeroing_fresh_blocks_and_copying_into_fresh_ones_is_clean():
+    # Block 3 is new this step; a copy-on-write fills block 3 for r1, or block 5 for the cache alone.
+    for copies in ([(2, 3)], [(2, 5)]):
+        violations, ledger = two_requests_sharing_a_prefix(zero=[3], copies=copies).check()
+        assert violations == [] and ledger.coverage.checks["overwrite_target"] == 2
+
+
+@pytest.mark.parametrize(
+    ("overwrites", "why"),
+    [
+        ({"zero": [1]}, "zeroes block 1, but 2 live requests hold it"),
+        ({"copies": [(3, 2)]}, "copies into block 2, but a live request already held it before this step"),
+        ({"copies": [(1, 3), (1, 7)], "zero": [99]}, "zeroes block 99, but outside the pool"),
+    ],
+)
+def test_overwriting_a_block_someone_else_reads_is_caught(overwrites, why):
+    violations, _ = two_requests_sharing_a_prefix(**overwrites).check()
+    assert [(v.step, v.req_id, v.group) for v in violations] == [(1, None, None)]
+    assert why in violations[0].detail, violations
 
 
 def test_padding_into_the_null_block_is_fine_but_not_into_real_blocks():

@@ -73,6 +73,7 @@ def configs(draw, min_ranks: int = 1) -> SimConfig:
         dummy_every=draw(st.sampled_from([0, 0, 7, 19])),
         full_rows=draw(st.booleans()),
         snapshot_interval=draw(st.sampled_from([0, 10, 50])),
+        zero_new_blocks=draw(st.booleans()),
     )
 
 
@@ -117,6 +118,7 @@ REALISTIC = SimConfig(
     prompt_len=(8, 180),
     output_len=(4, 60),
     dummy_every=23,
+    zero_new_blocks=True,
 )
 PREFIX_HEAVY = dataclasses.replace(REALISTIC, groups=(GroupSpec(),), shared_prefix_prob=0.9, seed=5)
 
@@ -139,7 +141,8 @@ def test_clean_streams_exercise_what_breaks_monitors(config):
 @pytest.mark.parametrize("fault", FAULTS)
 def test_fault_kind_and_place(fault):
     tp = 1 if fault in MULTI_RANK_FAULTS else 0
-    config = dataclasses.replace(REALISTIC, faults=(FaultSpec(fault, 120, tp_rank=tp),))
+    base = PREFIX_HEAVY if fault == "zero_shared" else REALISTIC  # shared blocks need prefix caching
+    config = dataclasses.replace(base, faults=(FaultSpec(fault, 120, tp_rank=tp),))
     sim = simulate(config)
     assert not sim.unplaced_faults
     violations, _ = run_ledger(sim.events)

@@ -2,8 +2,9 @@
 
     KVLEDGER_PD_FAULT_RECV_FAIL=TRANSFER_ID    decode: the pull succeeds, the worker reports it failed
     KVLEDGER_PD_FAULT_CORRUPT=TRANSFER_ID      decode: the first received block is zeroed after the pull
-    KVLEDGER_PD_FAULT_REUSE=TRANSFER_ID        prefill: the next new request is handed the first block
-                                               of this transfer's pending send (the scheduler's plan)
+    KVLEDGER_PD_FAULT_REUSE=TRANSFER_ID        prefill: the next new request is handed the last block
+                                               of this transfer's pending send (the scheduler's plan),
+                                               to be written (its own, not a shared prefix block)
     KVLEDGER_PD_FAULT_SHORT_SEND=TRANSFER_ID   prefill: the worker sends one block fewer than decode expects
 
 Each fault fires once, where a real bug would sit, and prints one line
@@ -95,7 +96,7 @@ def _wrap_scheduler(mc, transfer) -> None:
         delay, params = finished(self, request, block_ids)
         kv = request.kv_transfer_params or {}
         if delay and kv.get("transfer_id") == transfer and block_ids and block_ids[0]:
-            held.setdefault("block", int(block_ids[0][0]))
+            held.setdefault("block", int(block_ids[0][-1]))
         return delay, params
 
     schedule = Scheduler.schedule
