@@ -52,6 +52,7 @@ PROMPTS = [
     SYSTEM + list(range(10, 10 + 100)),  # four blocks past it
     [*SYSTEM, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32],
 ]
+SYSTEM_USER = [*SYSTEM, *range(20, 60)]
 MAX_TOKENS = 8
 # A small token budget: prompts are scheduled over several steps, so later ones arrive while
 # earlier sends are pending.
@@ -81,7 +82,9 @@ def _pair_ready() -> str:
 @pytest.fixture(scope="module")
 def clean_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pd-pair")
-    extra = {"baseline": True, "transfer_digests": 1.0, **PAIR_SETTINGS}
+    # Served by the prefill engine alone while the pair's sends wait: it reads the system
+    # prompt's blocks, which those sends hold, from the prefix cache.
+    extra = {"baseline": True, "transfer_digests": 1.0, "plain_prefill_prompts": [SYSTEM_USER], **PAIR_SETTINGS}
     run = run_pd_pair(_pair_ready(), PROMPTS, max_tokens=MAX_TOKENS, ledger_root=root, extra=extra)
     print("prefill/decode pair timings:", json.dumps({k: round(v, 1) for k, v in run.timings.items()}))
     return run
