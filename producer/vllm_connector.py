@@ -447,9 +447,15 @@ def _digest_fraction(runner: Any) -> float:
 
 
 def _prompt_tokens(runner: Any) -> Callable[[str], int | None]:
+    """A request's prompt length, from the V1 runner's request states or MRV2's `req_states`."""
+
     def count(req_id: str) -> int | None:
         state = getattr(runner, "requests", {}).get(req_id)
         prompt = getattr(state, "prompt_token_ids", None)
-        return len(prompt) if prompt is not None else None
+        if prompt is not None:
+            return len(prompt)
+        states = getattr(runner, "req_states", None)  # MRV2: columns indexed by a request slot
+        slot = getattr(states, "req_id_to_index", {}).get(req_id)
+        return int(states.prompt_len.np[slot]) if slot is not None else None
 
     return count

@@ -11,14 +11,24 @@ runner's `BlockTables.num_blocks`. vllm-ascend's NPU runner subclasses this
 runner (int32 slot mappings there), so the same adapter applies.
 
 `execute_model(scheduler_output, ..., dummy_run=, is_profile=)` gives the
-step and its input, as in the V1 adapter.
+step and its input, as in the V1 adapter. Snapshots read MRV2's own request
+state: `req_states` (request -> state index, computed tokens on the host) and
+the device rows of `BlockTables`, gathered and staged like the plan, every
+`snapshot_interval` steps only.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import numpy as np
+
+from kvledger.producer import records
+from kvledger.producer.staging import Staged, StagingFull
 from kvledger.producer.vllm_v1 import AttachPoint, PlanCapture, V1RunnerProbe
+
+log = logging.getLogger("kvledger.producer")
 
 
 class MRV2RunnerProbe(V1RunnerProbe):
@@ -86,10 +96,61 @@ class MRV2RunnerProbe(V1RunnerProbe):
         )
 
     def _snapshot(self):
-        return None  # MRV2 keeps request state on the device; see capabilities
+        """The live requests after this step, from MRV2's request state and device block tables.
+
+        The engine thread copies the host columns and enqueues one device gather and one
+        device-to-host copy per group (no stream sync); the drain thread waits for them.
+        A request the rank never recorded (it arrived while paused) gets its index here:
+        the snapshot is how the ledger learns it.
+        """
+        states, tables = self.runner.req_states, self.runner.block_tables
+        req_ids = list(states.req_id_to_index)
+        slots = np.fromiter((states.req_id_to_index[r] for r in req_ids), np.int64, len(req_ids))
+        computed = states.num_computed_tokens_np[slots].copy()
+        lens = tables.num_blocks.np[:, slots].copy()  # groups x requests
+        try:
+            rows = self._stage_rows(tables.block_tables, slots, lens)
+        except StagingFull as exc:  # the drain thread is behind: the next interval snapshots
+            log.warning("kv_trace: step %d not snapshotted: %s", self.step, exc)
+            return None
+        step, index = self.step, self.index
+
+        def build() -> tuple[str, dict]:
+            host = [r.numpy() for r in rows]
+            live = [
+                (index(req_id), req_id, int(computed[j]), [host[g][j, : lens[g, j]] for g in range(len(host))])
+                for j, req_id in enumerate(req_ids)
+            ]
+            return records.snapshot(step, live)
+
+        return build
+
+    def _stage_rows(self, block_tables, slots: np.ndarray, lens: np.ndarray) -> list[Staged]:
+        """Each group's rows of these request states, `[requests, longest row]`, staged to the host."""
+        import torch
+
+        staged: list[Staged] = []
+        try:
+            for gid, table in enumerate(block_tables):
+                device_rows = table.gpu
+                index = torch.from_numpy(slots).to(device_rows.device)
+                width = int(lens[gid].max()) if slots.size else 0
+                staged.append(self.staging.stage(device_rows.index_select(0, index)[:, :width]))
+        except StagingFull:
+            for s in staged:  # hand back what was staged
+                s.numpy()
+            raise
+        return staged
 
     def capabilities(self) -> list[tuple[str, bool, str | None]]:
-        return [
-            *super().capabilities(),
-            ("snapshot", False, "Model Runner V2 keeps request state on the device; not read"),
-        ]
+        found = super().capabilities()
+        if getattr(self.runner, "adaptive_verification", None) is not None:
+            found.append(
+                (
+                    records.ADAPTIVE_VERIFICATION,
+                    False,
+                    "adaptive verification re-splits draft tokens between requests on the device: "
+                    "the host's per-request token counts are not those the slot mapping was built from",
+                )
+            )
+        return found

@@ -11,19 +11,108 @@ import copy
 import hashlib
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from kvledger.schemas.packing import unpack_i32
 from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH, RANK_INFO, SNAPSHOT, STEP
 from kvledger.stream_app.core import batch
 from kvledger.stream_app.core.rank import RankState
 from kvledger.stream_app.core.transfers import DEFAULT_DEADLINE_STEPS, TransferJoin, TransferUse
 from kvledger.stream_app.core.violations import (
+    BLOCK_OUT_OF_RANGE,
     DUPLICATE_EVENT,
+    FOREIGN_BLOCK_WRITE,
     RANK_DIVERGENCE,
     RANK_MISSING,
     SEQUENCE_GAP,
+    WRITE_TARGET_MISMATCH,
     Coverage,
     RankKey,
     Violation,
 )
+
+# -- declarations -------------------------------------------------------------------------
+# A rank declares a configuration whose addressing the checks do not model as an unavailable
+# capability of that name (kvledger.producer.records.DECLARABLE). Each voids some checks, which
+# are then counted unchecked under the declaration's name and never reported:
+#   plan: the whole plan check (counted per request); writes / positions: those checks;
+#   behind: the position check of a request whose plan is behind the scheduler's computed
+#   tokens (async speculative decoding); steps: counted once per checked step (writes that are
+#   not in the plan); rank_plans: the cross-rank compare of plans (each rank's differs).
+DECLARATIONS: dict[str, tuple[str, ...]] = {
+    "decode_context_parallel": ("writes", "rank_plans"),
+    "prefill_context_parallel": ("plan", "rank_plans"),
+    "async_spec_decode": ("behind",),
+    "adaptive_verification": ("positions", "writes"),
+    "drafter_kv_writes": ("steps",),
+}
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What a rank's declarations void: each field names the declaration voiding it, or None."""
+
+    plan: str | None = None
+    writes: str | None = None
+    positions: str | None = None
+    behind: str | None = None
+    steps: str | None = None
+    rank_plans: str | None = None
+
+    @classmethod
+    def of(cls, info: dict) -> Declared | None:
+        voids: dict[str, str] = {}
+        for cap in info.get("capabilities", ()):
+            if not cap["available"]:
+                for effect in DECLARATIONS.get(cap["name"], ()):
+                    voids.setdefault(effect, cap["name"])
+        return cls(**voids) if voids else None
+
+
+def _is_position(v: Violation) -> bool:
+    return v.kind == WRITE_TARGET_MISMATCH and v.group is None
+
+
+def _is_write(v: Violation) -> bool:
+    return v.kind in (FOREIGN_BLOCK_WRITE, BLOCK_OUT_OF_RANGE) or (
+        v.kind == WRITE_TARGET_MISMATCH and v.group is not None
+    )
+
+
+def _behind(state: RankState, plan: dict) -> set[str]:
+    """Requests whose plan starts before the scheduler's computed tokens, with its token count."""
+    indices = unpack_i32(plan["req_indices"]).astype(np.int64)
+    inside = (indices >= 0) & (indices < state.row_of.size)
+    rows = np.where(inside, state.row_of[np.where(inside, indices, 0)], -1)
+    known = rows >= 0
+    rows = np.where(known, rows, 0)
+    first, num_tokens = unpack_i32(plan["first_positions"]), unpack_i32(plan["num_tokens"])
+    behind = known & (first < state.computed[rows]) & (num_tokens == state.scheduled[rows])
+    return {state.req_id(int(i)) for i in indices[behind]}
+
+
+def check_declared_plan(state: RankState, declared: Declared, step: int, plan: dict, out, cov: Coverage) -> None:
+    """`RankState.check_plan` under a rank's declarations: voided checks counted, never reported."""
+    if declared.plan:
+        cov.unchecked[declared.plan] += len(unpack_i32(plan["req_indices"]))
+        return
+    if declared.steps:
+        cov.unchecked[declared.steps] += 1
+    tolerated = _behind(state, plan) if declared.behind else set()
+    found: list[Violation] = []
+    own = Coverage()
+    state.check_plan(step, plan, found, own)
+    for v in found:
+        if (declared.writes and _is_write(v)) or (_is_position(v) and (declared.positions or v.req_id in tolerated)):
+            continue
+        out.append(v)
+    for voided, check in ((declared.writes, "write"), (declared.positions, "position")):
+        if voided:
+            own.unchecked[voided] += own.checks.pop(check, 0)
+    if tolerated and not declared.positions:
+        own.checks["position"] -= len(tolerated)
+        own.unchecked[declared.behind] += len(tolerated)
+    cov.merge(own)
 
 
 @dataclass
@@ -38,6 +127,7 @@ class RankSlot:
     last_step: int = -1
     events_dropped: int = 0
     gap_after_step: int | None = None  # last step seen before a sequence gap, until the next step
+    declared: Declared | None = None  # configurations the checks do not model (from RankInfo)
 
 
 @dataclass
@@ -198,6 +288,7 @@ class Ledger:
                     slot is None
                     or slot.state is None
                     or slot.desynced
+                    or slot.declared is not None
                     or slot.gap_after_step is not None
                     or slot.incarnation != event["incarnation"]
                 ):
@@ -329,6 +420,7 @@ class Ledger:
         if slot.info is None or slot.info["kv_groups"] != info["kv_groups"]:
             slot.state = None if slot.desynced else RankState(key, info)
         slot.info = info
+        slot.declared = Declared.of(info)
         gkey = (key.engine_id, key.dp)
         expected = frozenset((t, p) for t in range(info["tp_size"]) for p in range(info["pp_size"]))
         group = self.step_groups.get(gkey)
@@ -366,7 +458,9 @@ class Ledger:
             state = slot.state
             if step["input"] is not None:
                 state.apply_input(n, step["input"], out, self.coverage)
-            if step["plan"] is not None:
+            if step["plan"] is not None and slot.declared is not None:
+                check_declared_plan(state, slot.declared, n, step["plan"], out, self.coverage)
+            elif step["plan"] is not None:
                 state.check_plan(n, step["plan"], out, self.coverage)
             elif step["kind"] == "REAL" and step["input"] is not None and _has_tokens(step["input"]):
                 self.coverage.unchecked["no_plan"] += 1
@@ -386,7 +480,13 @@ class Ledger:
             self.coverage.unchecked["rank_late_after_settle"] += 1
             return
         entry = group.pending.setdefault(n, {})
-        entry[rank] = (input_fingerprint(step["input"]), plan_fingerprint(step["plan"]), clean)
+        declared = self.ranks[key].declared
+        if declared is not None and declared.rank_plans and step["plan"] is not None:
+            plan = b""  # each rank's plan is its own share: inputs still compared
+            self.coverage.unchecked[declared.rank_plans] += 1
+        else:
+            plan = plan_fingerprint(step["plan"])
+        entry[rank] = (input_fingerprint(step["input"]), plan, clean)
         gkey = (key.engine_id, key.dp)
         if len(entry) == len(group.expected):
             self._settle(gkey, group, n, out)

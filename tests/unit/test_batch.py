@@ -85,7 +85,8 @@ def test_fast_path_carries_clean_decode(fast_runs, tp):
 @pytest.mark.parametrize("fault", FAULTS)
 def test_fast_path_hands_faulty_runs_to_the_reference(fast_runs, fault):
     tp = 1 if fault in MULTI_RANK_FAULTS else 0
-    config = dataclasses.replace(DECODE_HEAVY, tp_size=2, faults=(FaultSpec(fault, 250, tp_rank=tp),))
+    shared = {"prefix_caching": True, "shared_prefix_prob": 0.9} if fault == "zero_shared" else {}  # shared blocks
+    config = dataclasses.replace(DECODE_HEAVY, tp_size=2, faults=(FaultSpec(fault, 250, tp_rank=tp),), **shared)
     sim = simulate(config)
     assert not sim.unplaced_faults
     violations = assert_same(sim.events)

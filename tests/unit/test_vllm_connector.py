@@ -235,3 +235,17 @@ def test_a_failing_probe_goes_quiet_and_the_connector_goes_on():
     assert connector.bound is bad and probe._broken
     step(connector, Metadata(reqs_to_send={"p1": ("t1", [[4]])}))
     assert recording.events == []
+
+
+def test_prompt_length_from_either_runner():
+    """Send intents carry the prompt length on V1 (request states) and on MRV2 (`req_states` columns)."""
+    import numpy as np
+
+    from kvledger.producer.vllm_connector import _prompt_tokens
+
+    v1 = SimpleNamespace(requests={"a": SimpleNamespace(prompt_token_ids=[1, 2, 3])})
+    mrv2 = SimpleNamespace(
+        req_states=SimpleNamespace(req_id_to_index={"a": 2}, prompt_len=SimpleNamespace(np=np.array([0, 0, 7])))
+    )
+    assert _prompt_tokens(v1)("a") == 3 and _prompt_tokens(v1)("b") is None
+    assert _prompt_tokens(mrv2)("a") == 7 and _prompt_tokens(mrv2)("b") is None
