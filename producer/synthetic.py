@@ -38,6 +38,10 @@ FAULTS = (
     "zero_shared",  # the scheduler zeroes a block several live requests read: foreign_block_write
 )
 
+# Faults whose target is a block several live requests share: they need prefix caching, which
+# this model turns off beside a sliding-window group.
+SHARING_FAULTS = ("zero_shared",)
+
 # Violation kinds each fault may produce; the first is the one it must produce.
 FAULT_KINDS = {
     "slot_shift": ("write_target_mismatch", "foreign_block_write", "block_out_of_range", "rank_divergence"),

@@ -38,7 +38,7 @@ class GroupTable:
         self.table = np.zeros((8, 16), dtype=np.int64)
         self.lens = np.zeros(8, dtype=np.int64)
         self.digests = np.full(8, length_term(0), dtype=np.uint64)
-        # Leading positions of a sliding-window row that the scheduler has freed.
+        # Leading positions of a row that the scheduler has freed (sliding window, spent states).
         self.released = np.zeros(8, dtype=np.int64)
         self.hold_count = np.zeros(num_blocks, dtype=np.int64)
         self.hold_sum = np.zeros(num_blocks, dtype=np.int64)
@@ -116,15 +116,35 @@ class GroupTable:
     def row(self, row: int) -> np.ndarray:
         return self.table[row, : self.lens[row]]
 
-    def release_out_of_window(self, rows: np.ndarray, tokens_done: np.ndarray) -> None:
-        """Forget holders of blocks a sliding-window scheduler has freed.
+    def release_freed(self, rows: np.ndarray, tokens_done: np.ndarray) -> None:
+        """Forget holders of blocks the scheduler frees from live requests without telling workers.
 
-        The scheduler frees blocks that slid out of the window but never tells
-        the workers, so rows keep them. Releasing as early as the scheduler
-        could have (from the tokens done after this step) keeps a legitimate
-        reuse of such a block from looking foreign.
+        Rows keep such blocks (workers are never told), so only the holders go.
+        Releasing as early as the scheduler could have (from the tokens done
+        after this step) keeps a legitimate reuse of such a block from looking
+        foreign. Full-attention groups free nothing before a request ends.
         """
-        upto = np.minimum(np.maximum(tokens_done - self.window + 1, 0) // self.block_size, self.lens[rows])
+        if self.window is not None:
+            self.release_out_of_window(rows, tokens_done)
+        elif self.kind == "MAMBA":
+            self.release_spent_states(rows, tokens_done)
+
+    def release_out_of_window(self, rows: np.ndarray, tokens_done: np.ndarray) -> None:
+        """Sliding window: the blocks whose tokens all slid out of the window of the next token."""
+        self._release_leading(rows, np.maximum(tokens_done - self.window + 1, 0) // self.block_size)
+
+    def release_spent_states(self, rows: np.ndarray, tokens_done: np.ndarray) -> None:
+        """Mamba-style state group: every block before the one holding the latest state.
+
+        vLLM's Mamba manager skips all but the last computed token (prefix
+        caching's `align` mode keeps one state per block and frees the older
+        ones; without prefix caching a row is one block, never freed early).
+        """
+        self._release_leading(rows, np.maximum(tokens_done - 1, 0) // self.block_size)
+
+    def _release_leading(self, rows: np.ndarray, upto: np.ndarray) -> None:
+        """Drop the holds of row positions below upto[i] in rows[i] (once each)."""
+        upto = np.minimum(upto, self.lens[rows])
         moved = upto > self.released[rows]
         for row, new in zip(rows[moved].tolist(), upto[moved].tolist(), strict=True):
             old = int(self.released[row])
