@@ -9,18 +9,35 @@ the V1 runner (`kvledger.producer.vllm_v1`) or Model Runner V2 and its
 subclasses such as vllm-ascend's NPU runner (`kvledger.producer.vllm_mrv2`).
 Engines without the option run untouched code. An invalid option fails the
 engine start with the key's name.
+
+Shutdown: a probe closes (a last Health event, the ledger confirmed complete)
+when vLLM shuts its worker down (`WorkerWrapperBase.shutdown`, on every clean
+stop and after an engine failure), else at the exit of its process (atexit,
+and multiprocessing's exit hooks for vLLM's engine-core and worker processes,
+which skip atexit). SIGTERM and SIGINT first flush every probe of the process
+(within `SIGNAL_FLUSH_S`), then run vLLM's own handler unchanged: vLLM's
+server force-kills its engine core right after its SIGTERM, so the flush is
+a last chance; what holds without it is the sinks' bound (an idle rank holds
+nothing in memory, a busy one at most its sink's linger).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing.util
+import os
+import signal
+import threading
+import time
 from typing import Any
 
 from kvledger.producer.config import TraceConfig
 
 log = logging.getLogger("kvledger.producer")
 _probes: list = []
+SIGNAL_FLUSH_S = 0.25  # how long a SIGTERM/SIGINT may wait for the probes' flush before vLLM's handler
+_exit_hooks_installed = False
 V1_MODULE = "vllm.v1.worker.gpu_model_runner"
 MRV2_MODULE = "vllm.v1.worker.gpu.model_runner"
 
@@ -34,6 +51,7 @@ def register() -> None:
     if getattr(WorkerWrapperBase, "_kvledger_hooked", False):
         return
     initialize_from_config = WorkerWrapperBase.initialize_from_config
+    shutdown = getattr(WorkerWrapperBase, "shutdown", None)  # absent: the exit hooks still close
 
     def initialize_from_config_then_trace(self, *args, **kwargs):
         result = initialize_from_config(self, *args, **kwargs)
@@ -43,10 +61,21 @@ def register() -> None:
             if runner is None:
                 log.warning("kv_trace: this worker has no model runner; nothing recorded")
             else:
-                attach(runner, config)
+                self._kvledger_probe = attach(runner, config)
         return result
 
+    def close_trace_then_shutdown(self, *args, **kwargs):
+        probe = getattr(self, "_kvledger_probe", None)
+        if probe is not None:  # before the worker goes: a clean stop closes the ledger
+            self._kvledger_probe = None
+            close_probe(probe)
+        return shutdown(self, *args, **kwargs)
+
     WorkerWrapperBase.initialize_from_config = initialize_from_config_then_trace
+    if shutdown is not None:
+        WorkerWrapperBase.shutdown = close_trace_then_shutdown
+    else:
+        log.warning("kv_trace: WorkerWrapperBase.shutdown not found; ledgers close at process exit only")
     WorkerWrapperBase._kvledger_hooked = True
 
 
@@ -71,11 +100,30 @@ def attach(runner, config: TraceConfig):
         return None
     probe = adapter(runner, config)
     probe.attach()
-    if not _probes:
-        atexit.register(close_all)
+    if probe.recorder is not None:
+        flush_when_idle(runner, probe.recorder)
+    install_exit_hooks()
     _probes.append(probe)
     log.info("kv_trace: recording %s to %s (%s runner)", probe.recorder.identity, config.sink, probe.runner_name)
     return probe
+
+
+def flush_when_idle(runner: Any, recorder: Any) -> None:
+    """After a step with nothing scheduled (vLLM runs one to tell workers which requests
+    finished, once it has run out of work), the rank's events leave at once, not after the
+    sink's linger: a server stopped right after its last response, and force-killed, keeps
+    them. The wrapper goes outside the probe's own, so the step is captured by then."""
+    execute_model = runner.execute_model
+
+    def execute_model_then_flush_when_idle(*args, **kwargs):
+        try:
+            return execute_model(*args, **kwargs)
+        finally:
+            scheduler_output = kwargs.get("scheduler_output", args[0] if args else None)
+            if getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0:
+                recorder.request_flush()
+
+    runner.execute_model = execute_model_then_flush_when_idle
 
 
 def pause_tracing(worker: Any = None) -> int:
@@ -96,7 +144,67 @@ def resume_tracing(worker: Any = None) -> int:
     return len(_probes)
 
 
+def close_probe(probe: Any, timeout: float = 5.0) -> None:
+    if probe in _probes:
+        _probes.remove(probe)
+    probe.close(timeout)
+
+
 def close_all(timeout: float = 5.0) -> None:
-    """Flush every probe of this process (at exit, within `timeout` seconds each)."""
+    """Close every probe of this process (at exit, within `timeout` seconds each)."""
     while _probes:
         _probes.pop().close(timeout)
+
+
+def flush_all(timeout: float = SIGNAL_FLUSH_S) -> None:
+    """Deliver what every probe of this process captured, now (within `timeout` seconds in all)."""
+    deadline = time.monotonic() + timeout
+    for probe in list(_probes):
+        recorder = getattr(probe, "recorder", None)
+        if recorder is not None:
+            recorder.flush(max(deadline - time.monotonic(), 0.0))
+
+
+def _forget_inherited() -> None:
+    """In a forked child: the parent's probes (their threads did not follow) are not ours to close."""
+    global _exit_hooks_installed
+    _probes.clear()
+    _exit_hooks_installed = False
+
+
+os.register_at_fork(after_in_child=_forget_inherited)
+
+
+def install_exit_hooks() -> None:
+    """Once per process: close at exit, flush on SIGTERM/SIGINT."""
+    global _exit_hooks_installed
+    if _exit_hooks_installed:
+        return
+    _exit_hooks_installed = True
+    atexit.register(close_all)
+    # vLLM's engine-core and worker processes end through multiprocessing, which runs
+    # its own exit hooks but not atexit's (os._exit after a forked child's target).
+    multiprocessing.util.Finalize(None, close_all, exitpriority=100)
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            chain_signal(signum)
+
+
+def chain_signal(signum: int) -> None:
+    """Flush the probes on `signum`, then do what the handler installed before ours did."""
+    previous = signal.getsignal(signum)
+    if previous is None:  # installed outside Python: ours could not hand over to it
+        return
+
+    def flush_then_chain(sig: int, frame: Any) -> None:
+        try:
+            flush_all()
+        except Exception:  # never keep vLLM's own handler from running
+            log.exception("kv_trace: flush on signal %d failed", sig)
+        if callable(previous):
+            previous(sig, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)  # the default action, as if we had never been here
+
+    signal.signal(signum, flush_then_chain)

@@ -7,6 +7,14 @@ raises into it. A drain thread wraps events in their envelope and hands them
 to the sink. Sequence numbers are taken at capture, so every loss, in the
 buffer or in the sink, shows in the ledger as a gap, and `Health` events
 carry the counts.
+
+Shutdown: vLLM may kill a worker at any moment (its server force-kills them
+right after SIGTERM), so nothing waits for a close. A busy rank's events
+reach the sink's destination within the sink's linger; once the rank is
+idle (its newest event `idle_after` seconds old, nothing buffered) the
+drain thread flushes the sink at once, so an idle rank holds nothing in
+memory; `request_flush()` and `flush()` (from a signal handler) do the same
+on request.
 """
 
 from __future__ import annotations
@@ -23,11 +31,17 @@ from kvledger.producer.records import RankIdentity
 
 log = logging.getLogger("kvledger.producer")
 
+# A rank whose newest event is this old, with nothing buffered, is idle: its sink is flushed.
+IDLE_AFTER_S = 0.02
+
 
 class Sink(Protocol):
     def write(self, events: list[dict]) -> None: ...
 
     def tick(self) -> None: ...  # the drain thread's regular call, to send what waited long enough
+
+    # Optional: deliver everything now (the rank is idle); sinks without it get `tick`.
+    def flush(self) -> None: ...
 
     def close(self, timeout: float) -> None: ...
 
@@ -43,6 +57,7 @@ class RankRecorder:
         *,
         capacity: int = 4096,
         drain_interval: float = 0.05,
+        idle_after: float = IDLE_AFTER_S,
         observer: Callable[[list[dict]], None] | None = None,
     ):
         self.identity = identity
@@ -58,6 +73,11 @@ class RankRecorder:
         self._wake = threading.Event()
         self._stop = False
         self._drain_interval = drain_interval
+        self._idle_after_us = int(idle_after * 1e6)
+        self._newest_us = 0  # capture time of the newest event handed to the sink
+        self._unflushed = False  # events handed to the sink since it was last flushed
+        self._flush_waiters: deque[threading.Event] = deque()
+        self._sink_flush = getattr(sink, "flush", sink.tick)
         self._observer = observer  # sees every batch on the drain thread (in-process checks)
         self._thread = threading.Thread(target=self._drain, name=f"kvledger-drain-tp{identity.tp_rank}", daemon=True)
         self._thread.start()
@@ -93,12 +113,46 @@ class RankRecorder:
         while not self._stop:
             self._wake.wait(self._drain_interval)
             self._wake.clear()
-            self._flush_buffer()
-            try:
+            self._drain_once()
+        self._flush_buffer()  # what arrived with the stop (close() closes the sink next)
+        while self._flush_waiters:
+            self._flush_waiters.popleft().set()
+
+    def _drain_once(self) -> None:
+        waiters = []  # taken first: every event captured before a request is in the buffer now
+        while self._flush_waiters:
+            waiters.append(self._flush_waiters.popleft())
+        self._flush_buffer()
+        idle = self._unflushed and not self._buffer and time.time_ns() // 1000 - self._newest_us >= self._idle_after_us
+        try:
+            if waiters or idle:
+                self._sink_flush()
+                self._unflushed = False
+            else:
                 self.sink.tick()  # lingering batches leave even when the engine is idle
-            except Exception:
-                log.exception("kv_trace: the sink failed to flush")
-        self._flush_buffer()  # what arrived with the stop
+        except Exception:
+            log.exception("kv_trace: the sink failed to flush")
+        for waiter in waiters:
+            waiter.set()
+
+    def request_flush(self, *, wake: bool = True) -> threading.Event:
+        """Ask the drain thread to deliver every event captured so far now, without waiting for
+        it; the event returned is set once the sink had them. Never blocks. `wake=False` leaves
+        the request for the drain thread's next round (at most `drain_interval` later) and takes
+        no lock at all, so a signal handler may call it whatever the code it interrupted holds."""
+        done = threading.Event()
+        if not self._thread.is_alive():
+            done.set()
+            return done
+        self._flush_waiters.append(done)  # a deque: atomic
+        if wake:
+            self._wake.set()
+        return done
+
+    def flush(self, timeout: float = 0.25) -> bool:
+        """From a signal handler, a last chance before the process may be killed: deliver what
+        was captured, waiting up to `timeout` seconds; True when the sink had it in time."""
+        return self.request_flush(wake=False).wait(timeout) and not self._buffer
 
     def _flush_buffer(self) -> None:
         batch = []
@@ -115,6 +169,7 @@ class RankRecorder:
             time.sleep(0)  # let the engine thread have the interpreter lock between events
         if not batch:
             return
+        self._newest_us, self._unflushed = batch[-1]["emitted_at_us"], True
         if self._observer is not None:
             try:
                 self._observer(batch)

@@ -4,18 +4,27 @@ Layout, one stream per rank, rotated by size::
 
     ROOT/<engine_id>/dp<D>-tp<T>-pp<P>/<incarnation>-<segment:06d>.avro
 
-Any Avro tool reads a segment (the writer schema is in its header). Readers
-report what they could not read instead of failing: a truncated last block
-(a writer killed mid-write) or a corrupt file becomes a `ReadProblem`.
+Any Avro tool reads a segment (the writer schema is in its header). Each
+Avro block reaches the file whole, in one write(2), so a killed writer loses
+only what it still held in memory; `<incarnation>.end` beside the segments
+says through which event the writer last confirmed the stream complete (when
+idle, and at close), so a reader can tell a complete stream from one whose
+writer died mid-run. Readers report what they could not read instead of
+failing: a torn last block or an unconfirmed end is a truncated tail (every
+whole block before it is kept), damage before the end is `corrupt`; each is
+a `ReadProblem`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
@@ -27,6 +36,7 @@ from fastavro.write import Writer
 from kvledger.schemas.registry import LEDGER_EVENT
 
 SEGMENT_SUFFIX = ".avro"
+END_SUFFIX = ".end"
 _RANK_DIR = re.compile(r"^dp(\d+)-tp(\d+)-pp(\d+)$")
 _SEGMENT = re.compile(r"^(\d+)-(\d+)\.avro$")
 
@@ -43,13 +53,36 @@ def rank_dir(root: Path, engine_id: str, dp: int, tp: int, pp: int) -> Path:
     return root / engine_dir_name(engine_id) / f"dp{dp}-tp{tp}-pp{pp}"
 
 
+def end_marker_path(directory: Path, incarnation: int) -> Path:
+    """Where a rank incarnation's writer records how far its stream is confirmed complete."""
+    return directory / f"{incarnation}{END_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class EndMarker:
+    seq: int  # the newest event in the file when the writer confirmed it (-1: none yet)
+    closed: bool  # confirmed by the writer's close, not by an idle moment
+
+
+def read_end_marker(path: Path) -> EndMarker | None:
+    """The end marker, or None where the stream has none (another tool, an older writer)."""
+    try:
+        raw = json.loads(path.read_text())
+        return EndMarker(int(raw["seq"]), bool(raw["closed"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 class SegmentWriter:
     """Appends events of one rank incarnation, rotating segments by size.
 
     Events are cut into Avro blocks of about `block_bytes` (compression works
     across the steps of a block) and every block reaches the file within
-    `flush_interval` seconds of its first event; `flush_interval=0` makes each
-    `write` durable at once.
+    `flush_interval` seconds of its first event, whole, in one write(2): a
+    killed process leaves whole blocks only (a torn one only if the write
+    itself fails, e.g. a full disk). `flush_interval=0` writes each `write`
+    at once. `confirm()` and `close()` record in the end marker that the file
+    holds every event so far.
     """
 
     def __init__(
@@ -76,44 +109,87 @@ class SegmentWriter:
         self.block_bytes = block_bytes
         self.flush_interval = flush_interval
         self._pending_since: float | None = None  # when the unflushed block got its first event
+        self.last_seq = -1  # the newest event handed to `write`
         self.segment = 0
         self._file = None
+        self._size = 0  # bytes in the file
+        self._out = BytesIO()  # whole blocks (and the header) waiting for their write(2)
         self._writer: Writer | None = None
+        self._marker = end_marker_path(self.dir, incarnation)
+        self._write_marker(closed=False)  # from here on, a stream without its confirmation is a truncated one
         self._open_next()
 
     def _open_next(self) -> None:
-        self.close()
+        self._close_file()
         self.segment += 1
         path = self.dir / f"{self.incarnation}-{self.segment:06d}{SEGMENT_SUFFIX}"
-        self._file = open(path, "wb")  # noqa: SIM115 - closed on rotation/close
-        self._writer = Writer(self._file, LEDGER_EVENT, codec=self.codec, sync_interval=self.block_bytes)
+        self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed on rotation/close
+        self._size = 0
+        self._writer = Writer(self._out, LEDGER_EVENT, codec=self.codec, sync_interval=self.block_bytes)
+        self._commit()
+
+    def _commit(self) -> None:
+        """Hand the whole blocks fastavro has finished to the OS, in one write(2)."""
+        data = memoryview(self._out.getvalue())
+        self._out.seek(0)
+        self._out.truncate(0)
+        done = 0
+        try:
+            while done < len(data):
+                done += self._file.write(data[done:])
+        finally:
+            self._size += done
 
     def write(self, events: list[dict[str, Any]]) -> None:
         """Append events; they are in the file within `flush_interval` seconds."""
         assert self._writer is not None, "writer is closed"
         for event in events:
             self._writer.write(event)
+        if events:
+            self.last_seq = events[-1]["seq"]
         now = time.monotonic()
         if self._pending_since is None:
             self._pending_since = now
         if now - self._pending_since >= self.flush_interval:
-            self._writer.flush()
-            self._pending_since = None
-        if self._file.tell() >= self.max_segment_bytes:
+            self.flush()
+        else:
+            self._commit()  # blocks fastavro cut at `block_bytes`
+        if self._size >= self.max_segment_bytes:
             self._open_next()
+
+    def flush(self) -> None:
+        """End the current block and write it."""
+        if self._writer is not None:
+            self._writer.flush()
+            self._commit()
+        self._pending_since = None
 
     def flush_if_due(self) -> None:
         """Flush a block that has waited `flush_interval` seconds (for writers that go idle)."""
         if self._pending_since is not None and time.monotonic() - self._pending_since >= self.flush_interval:
-            self._writer.flush()
-            self._pending_since = None
+            self.flush()
 
-    def close(self) -> None:
+    def confirm(self) -> None:
+        """Write everything and record that the file holds every event so far (the writer is idle)."""
+        self.flush()
+        self._write_marker(closed=False)
+
+    def _write_marker(self, *, closed: bool) -> None:
+        tmp = self._marker.with_name(f".{self._marker.name}.tmp")
+        tmp.write_text(json.dumps({"seq": self.last_seq, "closed": closed}))
+        os.replace(tmp, self._marker)  # atomic: a reader sees the old marker or the new one
+
+    def _close_file(self) -> None:
         if self._writer is not None:
-            self._writer.flush()
+            self.flush()
             self._file.close()
             self._writer = self._file = None
         self._pending_since = None
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._close_file()
+            self._write_marker(closed=True)
 
 
 @dataclass(frozen=True)
@@ -175,6 +251,9 @@ def read_segment(
 ) -> Iterator[dict[str, Any]]:
     """Yield the events of one segment; append a ReadProblem for what is unreadable.
 
+    A block that fails to read with no sync marker anywhere after its start
+    was never finished (a torn last block): `truncated`, every whole block
+    before it read. One that fails with whole blocks after it is `corrupt`.
     `progress[path]`, when given, follows the bytes read so far.
     """
     count = 0
@@ -194,17 +273,77 @@ def read_segment(
             except Exception as exc:
                 problems.append(ReadProblem(str(path), "not_avro", f"not an Avro container file: {exc}", 0))
                 return
-            for block in blocks:
-                if progress is not None:
-                    progress[path] = block.offset + block.size
-                if block.num_records < 0:  # fastavro would take a garbage count as an empty block
-                    problems.append(ReadProblem(str(path), "corrupt", f"block with {block.num_records} records", count))
-                    return
-                for event in block:
-                    count += 1
-                    yield event
-    except (EOFError, ValueError, OSError, StopIteration, fastavro.read.SchemaResolutionError) as exc:
-        reason = "truncated" if isinstance(exc, EOFError) else "corrupt"
-        problems.append(ReadProblem(str(path), reason, f"{type(exc).__name__}: {exc}", count))
-    except Exception as exc:  # zlib and codec errors surface as assorted types
+            whole_end = fo.tell()  # the end of the header, then of the last whole block
+            try:
+                for block in blocks:
+                    if block.num_records < 0:  # fastavro would take a garbage count as an empty block
+                        raise ValueError(f"block with {block.num_records} records")
+                    for event in block:
+                        count += 1
+                        yield event
+                    whole_end = block.offset + block.size
+                    if progress is not None:
+                        progress[path] = whole_end
+            except Exception as exc:  # zlib and codec errors surface as assorted types
+                problems.append(_block_problem(path, blocks._header["sync"], whole_end, exc, count))
+    except (OSError, ValueError) as exc:
         problems.append(ReadProblem(str(path), "corrupt", f"{type(exc).__name__}: {exc}", count))
+
+
+def _block_problem(path: Path, sync: bytes, start: int, exc: Exception, events_read: int) -> ReadProblem:
+    """A block at `start` failed: torn (nothing whole after it) or corrupt (whole blocks follow)."""
+    with open(path, "rb") as fo:
+        fo.seek(start)
+        rest = fo.read()
+    if sync not in rest:
+        detail = f"torn last block: {len(rest)} byte(s) after the last whole block at offset {start}"
+        return ReadProblem(str(path), "truncated", detail, events_read)
+    return ReadProblem(str(path), "corrupt", f"block at offset {start}: {type(exc).__name__}: {exc}", events_read)
+
+
+def incarnation_of(segment: Path) -> int | None:
+    match = _SEGMENT.match(segment.name)
+    return int(match[1]) if match else None
+
+
+def unconfirmed_end(segment: Path, last_seq: int, events_read: int) -> ReadProblem | None:
+    """For the last segment of a rank incarnation: a truncated tail where its writer never
+    confirmed that the file ends where it does (it was killed while busy); None otherwise,
+    and where the stream has no end marker to go by."""
+    incarnation = incarnation_of(segment)
+    marker = None if incarnation is None else read_end_marker(end_marker_path(segment.parent, incarnation))
+    if marker is None or marker.seq == last_seq:
+        return None
+    if marker.seq < last_seq:
+        detail = (
+            f"the stream ends at seq {last_seq} without its writer's confirmation (last at seq {marker.seq}): "
+            "its writer was killed while busy (or is still writing); what it still held is missing"
+        )
+    else:
+        detail = f"the writer confirmed the stream through seq {marker.seq}, the file ends at seq {last_seq}"
+    return ReadProblem(str(segment), "truncated", detail, events_read)
+
+
+def read_stream(
+    stream: RankStream, problems: list[ReadProblem], progress: dict[Path, int] | None = None
+) -> Iterator[dict[str, Any]]:
+    """Yield the events of a rank stream, segment after segment; the last segment of each
+    incarnation is checked against its end marker (`unconfirmed_end`)."""
+    last_seq, events_read = -1, 0
+    for i, path in enumerate(stream.segments):
+        known = len(problems)
+        for event in read_segment(path, problems, progress):
+            last_seq = event["seq"]
+            events_read += 1
+            yield event
+        if progress is not None:
+            with contextlib.suppress(OSError):
+                progress[path] = path.stat().st_size
+        following = stream.segments[i + 1] if i + 1 < len(stream.segments) else None
+        if following is not None and incarnation_of(following) == incarnation_of(path):
+            continue
+        if len(problems) == known:  # a torn or corrupt file already says its tail is lost
+            problem = unconfirmed_end(path, last_seq, events_read)
+            if problem is not None:
+                problems.append(problem)
+        last_seq, events_read = -1, 0

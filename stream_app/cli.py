@@ -64,8 +64,10 @@ def _print_text_summary(console: Console, result: Replay) -> None:
         unchecked = ", ".join(f"{k} {n}" for k, n in s["unchecked"].items())
         console.print(f"[yellow]not checked:[/] {unchecked}")
     for p in s["problems"]:
+        # A truncated tail lost only its end (every whole block before it was replayed).
+        label = "tail lost" if p["reason"] == "truncated" else "unreadable"
         console.print(
-            f"[yellow]unreadable:[/] {p['path']}: {p['reason']} after {p['events_read']} event(s) ({p['detail']})"
+            f"[yellow]{label}:[/] {p['path']}: {p['reason']} after {p['events_read']} event(s) ({p['detail']})"
         )
     if s["violations"]:
         table = Table(title="violations", show_edge=False)

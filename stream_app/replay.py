@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvledger.schemas.files import LedgerPathError, RankStream, ReadProblem, discover, read_segment
+from kvledger.schemas.files import LedgerPathError, RankStream, ReadProblem, discover, read_stream
 from kvledger.stream_app.core import Ledger, RankKey, Violation
 
 # Events handed to the core at once (its fast path checks runs of steps together).
@@ -66,17 +66,16 @@ class StreamLost:
 
 
 def _stream_events(stream: RankStream, problems: list[ReadProblem], done: dict) -> Iterator[tuple]:
-    """(sort step, event) of one rank stream, segments in order; StreamLost after an unreadable tail."""
+    """(sort step, event) of one rank stream, segments in order; StreamLost after a lost tail
+    (a torn or corrupt last segment, or a stream whose writer died before confirming its end)."""
     last_step = -1
-    for i, path in enumerate(stream.segments):
-        known = len(problems)
-        for event in read_segment(path, problems, progress=done):
-            body = event["body"][1]
-            last_step = body.get("step", last_step)
-            yield last_step, event
-        done[path] = path.stat().st_size
-        if len(problems) > known and i == len(stream.segments) - 1:
-            yield last_step, StreamLost(stream)
+    known = len(problems)
+    for event in read_stream(stream, problems, progress=done):
+        body = event["body"][1]
+        last_step = body.get("step", last_step)
+        yield last_step, event
+    if any(p.path == str(stream.segments[-1]) for p in problems[known:]):
+        yield last_step, StreamLost(stream)
 
 
 def _discover(roots: Sequence[str | Path]) -> list[RankStream]:

@@ -6,22 +6,36 @@ ReadProblem whose events_read equals the number of events it yielded.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import fastavro
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvledger.producer import plugin
+from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.records import RankIdentity
+from kvledger.producer.sinks import FILE_LINGER_S, FileSink
 from kvledger.producer.synthetic import SimConfig, simulate
 from kvledger.schemas.files import (
+    EndMarker,
     LedgerPathError,
     ReadProblem,
     SegmentWriter,
     discover,
+    end_marker_path,
     rank_dir,
+    read_end_marker,
     read_segment,
+    read_stream,
 )
+from kvledger.stream_app.replay import replay
 
 BATCH = 5
 
@@ -288,3 +302,252 @@ def test_read_segment_never_raises(tmp_path, small_segment, events, data):
     if problems:
         assert problems[0].events_read == len(got)
         assert problems[0].reason in ("truncated", "corrupt", "not_avro", "empty_file")
+
+
+# -- torn tails and shutdown -------------------------------------------------------------------
+
+
+def block_events(path: Path) -> list[tuple[int, int]]:
+    """(end offset, events so far) after the header and after every block of a segment."""
+    with open(path, "rb") as fo:
+        blocks = fastavro.block_reader(fo)
+        out, total = [(fo.tell(), 0)], 0
+        for block in blocks:
+            total += block.num_records
+            out.append((block.offset + block.size, total))
+    return out
+
+
+def cut_offsets(ends: list[int], size: int, n: int = 150) -> list[int]:
+    """Every offset around each block boundary (a cut in the count, the size, the sync marker),
+    and `n` more spread over the rest."""
+    near = {c for end in ends for c in range(end - 17, end + 6)}
+    spread = set(range(ends[0], size, max(1, (size - ends[0]) // n)))
+    return sorted(c for c in near | spread if ends[0] <= c < size)
+
+
+@pytest.mark.parametrize("codec", ["deflate", "null"])
+def test_a_segment_cut_anywhere_keeps_every_whole_block_and_is_truncated(tmp_path, events, codec):
+    """A writer killed mid-write: the cut tail is `truncated`, never `corrupt`, and every whole
+    block before the cut is read back, wherever the cut falls after the header."""
+    write(tmp_path / "ledger", events, codec=codec)
+    [stream] = discover(tmp_path / "ledger")
+    [path] = stream.segments
+    data = path.read_bytes()
+    ends = block_events(path)
+    assert len(ends) > 6, "several blocks"
+    cut_path = tmp_path / "cut" / path.name
+    cut_path.parent.mkdir()
+    whole = dict(ends)
+    cuts = cut_offsets(list(whole), len(data))
+    for cut in cuts:
+        cut_path.write_bytes(data[:cut])
+        got, problems = read_one(cut_path)
+        kept = max(n for end, n in ends if end <= cut)
+        assert got == events[:kept], cut
+        if cut in whole:
+            assert problems == [], cut
+        else:
+            [problem] = problems
+            assert (problem.reason, problem.events_read) == ("truncated", kept), (cut, problem)
+            assert "torn last block" in problem.detail
+    assert len(cuts) > 300
+
+
+def test_a_torn_last_block_in_a_replay_is_counted_and_keeps_the_rest(tmp_path, events):
+    write(tmp_path / "ledger", events)
+    [stream] = discover(tmp_path / "ledger")
+    [path] = stream.segments
+    data = path.read_bytes()
+    end, kept = block_events(path)[-2]
+    path.write_bytes(data[: end + (len(data) - end) // 2])
+    result = replay(tmp_path / "ledger")
+    summary = result.summary()
+    assert result.ledger.events == kept and result.violations == []
+    assert [(p["reason"], p["events_read"]) for p in summary["problems"]] == [("truncated", kept)]
+    assert summary["unchecked"]["truncated_file"] == 1
+
+
+def test_a_corrupt_block_before_whole_blocks_is_corrupt_not_truncated(tmp_path, events):
+    write(tmp_path, events[:40], codec="null")
+    [stream] = discover(tmp_path)
+    path = stream.segments[0]
+    ends = block_ends(path)
+    data = bytearray(path.read_bytes())
+    data[ends[2] : ends[2] + 2] = b"\x01\x7f"  # block 2's count and size are garbage; blocks 3... are whole
+    path.write_bytes(bytes(data))
+    got, problems = read_one(path)
+    assert [p.reason for p in problems] == ["corrupt"] and got == events[: 2 * BATCH]
+
+
+def test_the_end_marker_tells_a_closed_or_idle_stream_from_a_killed_one(tmp_path, events):
+    root = tmp_path / "ledger"
+    writer = SegmentWriter(root, "eng", 0, 0, 0, 3, flush_interval=0.0)
+    [marker] = root.glob("eng/dp0-tp0-pp0/3.end")
+    assert read_end_marker(marker) == EndMarker(-1, False)
+    writer.write(events[:10])
+    # Every block is in the file, but the writer never said the stream ends there: killed while busy.
+    [stream] = discover(root)
+    got, problems = read_stream_all(stream)
+    assert got == events[:10]
+    [problem] = problems
+    assert (problem.reason, problem.events_read) == ("truncated", 10) and "confirmation" in problem.detail
+    writer.confirm()  # idle: the file holds everything
+    assert read_end_marker(marker) == EndMarker(events[9]["seq"], False)
+    assert read_stream_all(stream) == (events[:10], [])
+    writer.write(events[10:20])
+    assert [p.reason for p in read_stream_all(stream)[1]] == ["truncated"]
+    writer.close()
+    assert read_end_marker(marker) == EndMarker(events[19]["seq"], True)
+    assert read_stream_all(stream) == (events[:20], [])
+
+
+def test_the_end_marker_follows_rotation_and_incarnations(tmp_path, events):
+    root = tmp_path / "ledger"
+    write(root, events[:12], incarnation=1, max_segment_bytes=1)  # closed, one segment per write
+    killed = SegmentWriter(root, "eng", 0, 0, 0, 2, max_segment_bytes=1)
+    killed.write(events[:5])  # rotated: the newest segment holds only a header
+    [stream] = discover(root)
+    got, problems = read_stream_all(stream)
+    assert got == events[:12] + events[:5]
+    [problem] = problems
+    assert problem.reason == "truncated" and problem.path == str(stream.segments[-1])
+    assert problem.events_read == 5  # of the incarnation
+    assert Path(problem.path).name.startswith("2-")
+
+
+def test_a_stream_without_end_marker_is_read_as_it_is(tmp_path, events):
+    """Segments written by other tools (or an older writer) have no marker: no judgement."""
+    write(tmp_path / "ledger", events[:10])
+    [stream] = discover(tmp_path / "ledger")
+    for marker in (tmp_path / "ledger").rglob("*.end"):
+        marker.unlink()
+    assert read_stream_all(stream) == (events[:10], [])
+
+
+def read_stream_all(stream) -> tuple[list[dict], list[ReadProblem]]:
+    problems: list[ReadProblem] = []
+    return list(read_stream(stream, problems)), problems
+
+
+# A producer process tracing a synthetic engine to a file ledger, one step every PACE seconds,
+# with the plugin's signal handlers chained in front of the default ones; idle at the end.
+WRITER = """
+import os, signal, sys, time
+from kvledger.producer import plugin
+from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.records import RankIdentity
+from kvledger.producer.sinks import FileSink
+from kvledger.producer import plugin
+from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.records import RankIdentity
+from kvledger.producer.sinks import FILE_LINGER_S, FileSink
+from kvledger.producer.synthetic import SimConfig, simulate
+
+bodies = [e["body"] for e in simulate(SimConfig(seed=2, steps=int(sys.argv[3]), snapshot_interval=50)).events]
+recorder = RankRecorder(RankIdentity("killed", 0, 0, 0, 1), FileSink(sys.argv[1]))
+probe = type("Probe", (), {"recorder": recorder})()
+plugin._probes.append(probe)
+for signum in (signal.SIGTERM, signal.SIGINT):
+    plugin.chain_signal(signum)
+print("BUSY", flush=True)
+try:
+    for body in bodies:
+        recorder.capture(body)
+        time.sleep(float(sys.argv[2]))
+    print("IDLE", flush=True)
+    time.sleep(60)
+except KeyboardInterrupt:
+    os._exit(130)  # no close: what the signal's flush wrote is all there is
+"""
+PACE = 0.003
+# A busy rank's events are in the file within the sink's linger and a drain period (plus
+# the time the drain thread takes); the assertion leaves room for a loaded machine.
+LOSS_BOUND_S = FILE_LINGER_S + 0.05
+BOUND_SLACK_S = 0.1
+
+
+def kill_writer(root: Path, signum: int, *, when: str, steps: int = 300) -> tuple[int, float]:
+    """Start the writer, send `signum` while it is busy (0.4 s in) or once idle; (exit status, kill time)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(root), str(PACE), str(steps)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "BUSY"
+        if when == "busy":
+            time.sleep(0.4)
+        else:
+            assert proc.stdout.readline().strip() == "IDLE"
+            time.sleep(0.1)
+        killed_at = time.time()
+        proc.send_signal(signum)
+        return proc.wait(10), killed_at
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def newest_event_at(root: Path) -> float:
+    [stream] = discover(root)
+    return max(e["emitted_at_us"] for e in read_stream(stream, [])) / 1e6
+
+
+def test_sigkill_of_a_busy_writer_loses_at_most_the_bound_and_says_so(tmp_path):
+    status, killed_at = kill_writer(tmp_path, signal.SIGKILL, when="busy")
+    assert status == -signal.SIGKILL
+    lost_s = killed_at - newest_event_at(tmp_path)
+    print(f"SIGKILL while busy: the newest event in the file is {lost_s * 1000:.0f} ms older than the kill")
+    assert 0 <= lost_s <= LOSS_BOUND_S + BOUND_SLACK_S
+    result = replay(tmp_path)
+    [problem] = result.problems
+    assert problem.reason == "truncated" and "confirmation" in problem.detail, problem  # never corrupt
+    assert result.violations == [] and result.unchecked["truncated_file"] == 1
+    assert result.ledger.events > 0.4 / PACE / 3  # most of the 0.4 s of steps (the machine may be slow)
+
+
+def test_sigkill_of_an_idle_writer_loses_nothing(tmp_path):
+    status, _ = kill_writer(tmp_path, signal.SIGKILL, when="idle", steps=60)
+    assert status == -signal.SIGKILL
+    result = replay(tmp_path)
+    assert result.problems == [] and not result.unchecked and result.violations == []
+    assert result.ledger.steps == 60
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130)])
+def test_sigterm_and_sigint_flush_everything_then_run_the_handler_before_ours(tmp_path, signum, status):
+    """The chained handler flushes, then the previous one acts: the default SIGTERM kills the
+    process, Python's SIGINT raises KeyboardInterrupt (the writer then exits without a close)."""
+    got, killed_at = kill_writer(tmp_path, signum, when="busy")
+    assert got == status
+    result = replay(tmp_path)
+    assert result.problems == [] and not result.unchecked and result.violations == []
+    assert killed_at - newest_event_at(tmp_path) <= PACE + BOUND_SLACK_S  # the step just before the signal
+
+
+def test_a_step_with_nothing_scheduled_flushes_the_rank_at_once(tmp_path):
+    """vLLM runs one empty step after the last request finishes (to hand workers the finished
+    ids): the plugin flushes the rank then, without waiting for the idle timer or the linger."""
+    recorder = RankRecorder(RankIdentity("eng", 0, 0, 0, 1), FileSink(tmp_path), idle_after=3600)
+    runner = type("Runner", (), {})()
+    runner.execute_model = lambda scheduler_output: recorder.capture(next(bodies))
+    plugin.flush_when_idle(runner, recorder)
+    bodies = iter(e["body"] for e in simulate(SimConfig(seed=4, steps=8, snapshot_interval=0)).events)
+    marker = None
+    try:
+        for _ in range(5):
+            runner.execute_model(SimpleNamespace(total_num_scheduled_tokens=7))
+        time.sleep(0.3)  # a busy rank's block is in the file by now (the linger), unconfirmed
+        [stream] = discover(tmp_path)
+        got, problems = read_stream_all(stream)
+        assert len(got) == 5 and [p.reason for p in problems] == ["truncated"]
+        runner.execute_model(SimpleNamespace(total_num_scheduled_tokens=0))
+        marker = end_marker_path(stream.segments[0].parent, 1)
+        deadline = time.monotonic() + 1
+        while read_end_marker(marker).seq != 5 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert read_end_marker(marker) == EndMarker(5, False)
+        got, problems = read_stream_all(stream)
+        assert len(got) == 6 and problems == []
+    finally:
+        recorder.close(step=6)
+    assert read_end_marker(marker) == EndMarker(6, True)  # the closing Health

