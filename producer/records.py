@@ -76,6 +76,81 @@ def rank_info(
     }
 
 
+# Configurations whose addressing the ledger's checks do not model. A rank running one declares
+# it as an unavailable capability of that name (the reason says why); the ledger core counts the
+# checks it voids as unchecked under the same name, never as violations (core/engine.py).
+DECODE_CONTEXT_PARALLEL = "decode_context_parallel"
+PREFILL_CONTEXT_PARALLEL = "prefill_context_parallel"
+ASYNC_SPEC_DECODE = "async_spec_decode"
+DRAFTER_KV_WRITES = "drafter_kv_writes"
+ADAPTIVE_VERIFICATION = "adaptive_verification"
+DECLARABLE = (
+    DECODE_CONTEXT_PARALLEL,
+    PREFILL_CONTEXT_PARALLEL,
+    ASYNC_SPEC_DECODE,
+    DRAFTER_KV_WRITES,
+    ADAPTIVE_VERIFICATION,
+)
+
+
+def _size(config, name: str) -> int:
+    return int(getattr(config, name, 1) or 1)
+
+
+def _calls(config, method: str) -> bool:
+    fn = getattr(config, method, None)
+    return bool(fn()) if callable(fn) else False
+
+
+def config_declarations(vllm_config) -> list[tuple[str, bool, str | None]]:
+    """The declarations (capability tuples) a rank's vLLM config calls for; read by attribute
+    name so any vLLM version (or a stand-in config) reads."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    spec = getattr(vllm_config, "speculative_config", None)
+    found = []
+    dcp = _size(parallel, "decode_context_parallel_size")
+    if dcp > 1:
+        found.append(
+            (
+                DECODE_CONTEXT_PARALLEL,
+                False,
+                f"decode context parallel size {dcp}: each rank stores only its share of every scheduler "
+                f"block's tokens (its slot mapping pads the others), in blocks 1/{dcp} of the scheduler's size; "
+                "write checks and the cross-rank plan compare are not modelled",
+            )
+        )
+    pcp = _size(parallel, "prefill_context_parallel_size")
+    if pcp > 1:
+        found.append(
+            (
+                PREFILL_CONTEXT_PARALLEL,
+                False,
+                f"prefill context parallel size {pcp}: each rank runs its own partition of the batch's tokens; "
+                "plan checks and the cross-rank plan compare are not modelled",
+            )
+        )
+    if spec is not None and getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
+        found.append(
+            (
+                ASYNC_SPEC_DECODE,
+                False,
+                "async scheduling with speculative decoding: the worker moves a request back by the previous "
+                "step's rejected drafts on the device, which the scheduler's computed-token count (the step "
+                "input) learns a step later; a plan behind that count is not checked",
+            )
+        )
+    if spec is not None and _calls(spec, "uses_draft_kv_cache"):
+        found.append(
+            (
+                DRAFTER_KV_WRITES,
+                False,
+                f"the {getattr(spec, 'method', '?')} drafter writes KV through slot mappings of its own, "
+                "which are not recorded",
+            )
+        )
+    return found
+
+
 def slot_runs(slot_mapping: np.ndarray) -> bytes:
     """Compress a slot mapping into packed (start, length) runs (see the schema)."""
     slots = np.asarray(slot_mapping, dtype=np.int64)
@@ -213,12 +288,29 @@ def step_input(
     }
 
 
-def step_plan(req_indices, num_tokens, first_positions, groups: list[dict]) -> dict:
+def step_plan(
+    req_indices, num_tokens, first_positions, groups: list[dict], draft_writes: list[dict] | None = None
+) -> dict:
     return {
         "req_indices": pack_i32(req_indices),
         "num_tokens": pack_i32(num_tokens),
         "first_positions": pack_i32(first_positions),
         "groups": groups,
+        "draft_writes": draft_writes,
+    }
+
+
+def draft_pass(group_id: int, pass_index: int, num_tokens, first_positions, slot_mapping: np.ndarray) -> dict:
+    """A DraftPass: one drafter pass's slot mapping; its first sum(num_tokens) entries are real."""
+    num_real = int(np.sum(num_tokens, dtype=np.int64))
+    return {
+        "group_id": group_id,
+        "pass_index": pass_index,
+        "num_tokens": pack_i32(num_tokens),
+        "first_positions": pack_i32(first_positions),
+        "slot_runs": slot_runs(slot_mapping),
+        "num_real": num_real,
+        "num_padding": int(len(slot_mapping) - num_real),
     }
 
 

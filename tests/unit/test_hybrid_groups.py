@@ -82,8 +82,8 @@ def test_a_state_block_granted_to_two_live_requests_is_caught():
     s.step(1, new=[(1, 0, 3, [5], [2])], cached=[(0, 4, 1)], appends={0: ([], [3])})
     violations, ledger = s.check()
     assert _found(violations) == [("foreign_block_write", 1, "r1", MAMBA)], violations
-    assert "state block 5" in violations[0].detail
-    assert ledger.coverage.checks["state_ownership"] == 2
+    assert "block 5 to be written, but another live request holds it" in violations[0].detail
+    assert ledger.coverage.checks["exclusivity"] == 5  # every real block granted, in both groups
 
 
 def test_a_spent_state_block_handed_to_another_request_is_no_violation():
@@ -95,7 +95,7 @@ def test_a_spent_state_block_handed_to_another_request_is_no_violation():
     s.step(2, new=[(1, 0, 5, [0, 5], [3, 4])], cached=[(0, 5, 1)])
     violations, ledger = s.check()
     assert violations == []
-    assert ledger.coverage.checks["state_ownership"] == 3
+    assert ledger.coverage.checks["exclusivity"] == 7
 
 
 def test_a_prefix_hit_shares_a_state_block_but_a_write_to_it_is_caught():
@@ -105,7 +105,7 @@ def test_a_prefix_hit_shares_a_state_block_but_a_write_to_it_is_caught():
     clean.step(0, new=[(0, 0, 8, [0, 5], [1, 2])])
     clean.step(1, new=[(1, 8, 2, [0, 5, 7], [1, 2, 3])])
     violations, ledger = clean.check()
-    assert violations == [] and ledger.coverage.checks["state_ownership"] == 2
+    assert violations == [] and ledger.coverage.checks["exclusivity"] == 8
     # The same block handed as the state r1 will write (it has computed only 4 tokens).
     faulty = HybridStream()
     faulty.step(0, new=[(0, 0, 8, [0, 5], [1, 2])])

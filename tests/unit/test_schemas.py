@@ -596,6 +596,36 @@ def test_reordered_symbols_never_decode_silently_with_a_stale_schema(samples):
     assert SingleObjectCodec(V1, known=[reordered], reader=V1).decode(data) == dummy
 
 
+def without_draft_writes(event: dict) -> dict:
+    """The event as a reader (or writer) from before StepPlan.draft_writes sees it."""
+    name, body = event["body"]
+    if name != STEP or body["plan"] is None:
+        return event
+    plan = {k: v for k, v in body["plan"].items() if k != "draft_writes"}
+    return {**event, "body": (name, {**body, "plan": plan})}
+
+
+def test_step_plan_draft_writes_evolve_both_ways(events):
+    before = copy.deepcopy(raw_schema("ledger_event"))
+    fields = _record(before, "StepPlan")["fields"]
+    fields[:] = [f for f in fields if f["name"] != "draft_writes"]
+    old = fastavro.parse_schema(before)
+    assert schema_fingerprint(old) != schema_fingerprint(V1)
+    draft = records.draft_pass(0, 1, [1, 1], [40, 9], np.array([72, 41, -1]))
+    step = next(e for e in events if e["body"][0] == STEP and e["body"][1]["plan"] is not None)
+    name, body = step["body"]
+    drafted = {**step, "body": (name, {**body, "plan": {**body["plan"], "draft_writes": [draft]}})}
+    # Old readers read new writers: the drafter's passes are skipped, the rest is intact.
+    old_reader = SingleObjectCodec(old, known=[V1], reader=old)
+    assert old_reader.decode(SingleObjectCodec(V1).encode(drafted)) == without_draft_writes(step)
+    # New readers read old data: no passes recorded (null), never an empty list that would claim none ran.
+    new_reader = SingleObjectCodec(V1, known=[old], reader=V1)
+    old_writer = SingleObjectCodec(old)
+    for event in events:
+        assert new_reader.decode(old_writer.encode(without_draft_writes(event))) == event
+    assert new_reader.decode(SingleObjectCodec(V1).encode(drafted)) == drafted
+
+
 def test_read_segment_resolves_a_segment_written_with_v2(tmp_path, events):
     seg = rank_dir(tmp_path, "eng v2", 0, 0, 0) / "5-000001.avro"
     seg.parent.mkdir(parents=True)
