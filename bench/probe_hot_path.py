@@ -34,7 +34,7 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.vllm_v1 import V1RunnerProbe
 from kvledger.schemas import LEDGER_EVENT
 
-BLOCK_SIZE, MAX_BLOCKS, PROMPT = 16, 128, 100
+BLOCK_SIZE, MAX_BLOCKS, PROMPT = 16, 192, 100  # rows long enough for PROMPT + the default 2000 steps
 TARGET_US = 20.0
 
 

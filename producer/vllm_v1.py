@@ -221,6 +221,7 @@ class V1RunnerProbe:
         self._plan: PlanCapture | None = None
         self.staging = StagingPool()
         self._positions_np: np.ndarray | None = None
+        self._rows_np: dict[int, tuple[Any, np.ndarray]] = {}  # id(block table) -> (it, view of its device rows)
         self._dummy_kind: str | None = None
         self._broken = False
         # Set by kvledger.producer.plugin.pause_tracing: steps are counted, nothing recorded
@@ -470,9 +471,7 @@ class V1RunnerProbe:
             table = batch.block_table[gid]
             lens = table.num_blocks_per_row[:num_reqs].copy()
             width = int(lens.max()) if num_reqs else 0  # rows are far shorter than the table
-            # The rows attention reads: the device tensor, committed from the CPU mirror before
-            # this step's slot mappings were built; a mirror that drifted from it misleads.
-            rows = stage(table.get_device_tensor(num_reqs)[:, :width])
+            rows = self._stage_rows(table, num_reqs, width)
             groups.append((gid, stage(slot_mappings[gid]), rows, lens))
         positions = self._stage_positions(num_tokens)
         self._plan = PlanCapture(
@@ -490,6 +489,17 @@ class V1RunnerProbe:
                 self._positions_np = positions.numpy()
             return Staged.host(self._positions_np[:num_tokens].copy())
         return self.staging.stage(positions[:num_tokens])
+
+    def _stage_rows(self, table: Any, num_reqs: int, width: int) -> Staged:
+        """The rows attention reads: the block table's device tensor, committed from the CPU
+        mirror before this step's slot mappings were built (a mirror that drifted misleads)."""
+        kept = self._rows_np.get(id(table))
+        if kept is None or kept[0] is not table:  # once per block table: it is persistent
+            whole = table.get_device_tensor(1 << 30)  # slicing clamps: the whole tensor
+            kept = self._rows_np[id(table)] = (table, whole.numpy() if whole.is_cpu else None)
+        if kept[1] is None:  # on a device: copied without a stream synchronisation
+            return self.staging.stage(table.get_device_tensor(num_reqs)[:, :width])
+        return Staged.host(kept[1][:num_reqs, :width].copy())
 
     # -- the drafter's KV writes -------------------------------------------------------------
     def drafter_attach_points(self, drafter: Any) -> list[tuple[Any, AttachPoint, Callable]]:
