@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,25 @@ def _faults(stderr: str) -> list[dict]:
 def engine():
     vllm_python()
     return run_engine
+
+
+def step_inputs(ledger_root) -> Iterator[dict]:
+    """The step inputs of every rank stream of a file ledger, each stream in its order."""
+    from kvledger.schemas.files import discover, read_segment
+
+    for stream in discover(ledger_root):
+        for path in stream.segments:
+            for event in read_segment(path, []):
+                name, body = event["body"]
+                if name == "kvledger.Step" and body["input"] is not None:
+                    yield body["input"]
+
+
+def assert_preempted_resumed_and_hit(inputs: list[dict]) -> None:
+    """The run really preempted, resumed and hit the prefix cache, as its step inputs say."""
+    assert any(inp["preempted_req_ids"] for inp in inputs), "no preemption"
+    assert any(len(inp["resumed_req_indices"]) for inp in inputs), "no resume"
+    assert any(r["num_computed_tokens"] > 0 for inp in inputs for r in inp["new_reqs"]), "no prefix-cache hit"
 
 
 def pytest_collection_modifyitems(items):

@@ -22,8 +22,9 @@ from kvledger.schemas.files import discover, read_segment
 from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.core.rank import expand_slot_runs
 from kvledger.stream_app.replay import replay
+from tests.e2e.conftest import assert_preempted_resumed_and_hit, step_inputs
 from tests.e2e.engine_run import TINY_LLAMA
-from tests.e2e.test_spec_decode import spec_counters, step_inputs
+from tests.e2e.test_spec_decode import spec_counters
 
 pytestmark = pytest.mark.e2e
 
@@ -101,9 +102,7 @@ def test_the_drafter_is_recorded_and_really_wrote_kv(clean_run):
         assert passes[0]["num_tokens"] == plan["num_tokens"] and passes[0]["first_positions"] == plan["first_positions"]
         assert all(unpack_i32(p["num_tokens"]).tolist() == [1] * num_reqs(plan) for p in passes[1:])
     inputs = list(step_inputs(ledger_root))
-    assert any(inp["preempted_req_ids"] for inp in inputs), "no preemption"
-    assert any(len(inp["resumed_req_indices"]) for inp in inputs), "no resume"
-    assert any(r["num_computed_tokens"] > 0 for inp in inputs for r in inp["new_reqs"]), "no prefix-cache hit"
+    assert_preempted_resumed_and_hit(inputs)
 
 
 def test_clean_run_is_silent_with_every_drafter_pass_checked(clean_run):

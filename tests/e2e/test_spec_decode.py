@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 from kvledger.schemas.files import discover, read_segment
 from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.replay import replay
+from tests.e2e.conftest import assert_preempted_resumed_and_hit, step_inputs
 
 pytestmark = pytest.mark.e2e
 
@@ -75,15 +75,6 @@ class Planned:
         return self.first_position >= self.prompt_len and self.num_tokens > 1
 
 
-def step_inputs(ledger_root: Path) -> Iterator[dict]:
-    for stream in discover(ledger_root):
-        for path in stream.segments:
-            for event in read_segment(path, []):
-                name, body = event["body"]
-                if name == "kvledger.Step" and body["input"] is not None:
-                    yield body["input"]
-
-
 def plans(ledger_root: Path) -> dict[int, list[Planned]]:
     """Per traced step, what its plan wrote for each request, with the request's prompt length."""
     new: dict[int, tuple[str, int]] = {}
@@ -123,9 +114,7 @@ def test_drafts_really_accepted_and_rejected_under_preemption(clean_run):
     ]
     assert rolled_back, "no rejected draft rolled a request back"
     inputs = list(step_inputs(ledger_root))
-    assert any(inp["preempted_req_ids"] for inp in inputs), "no preemption"
-    assert any(len(inp["resumed_req_indices"]) for inp in inputs), "no resume"
-    assert any(r["num_computed_tokens"] > 0 for inp in inputs for r in inp["new_reqs"]), "no prefix-cache hit"
+    assert_preempted_resumed_and_hit(inputs)
 
 
 def test_clean_run_is_silent_and_every_request_checked(clean_run):

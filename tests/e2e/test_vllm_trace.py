@@ -19,6 +19,7 @@ from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.schemas.files import discover, read_segment
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import replay
+from tests.e2e.conftest import assert_preempted_resumed_and_hit, step_inputs
 
 pytestmark = pytest.mark.e2e
 
@@ -53,15 +54,6 @@ def clean_run(tmp_path_factory, engine):
     return engine(traced(root, action="raise")), replay(root / "ledger"), root / "ledger"
 
 
-def step_inputs(ledger_root):
-    for stream in discover(ledger_root):
-        for path in stream.segments:
-            for event in read_segment(path, []):
-                name, body = event["body"]
-                if name == "kvledger.Step" and body["input"] is not None:
-                    yield body["input"]
-
-
 def test_clean_run_is_silent_and_checked(clean_run):
     _, result, _ = clean_run
     assert result.violations == []
@@ -75,9 +67,7 @@ def test_clean_run_really_preempted_hit_the_prefix_cache_and_chunked(clean_run):
     _, _, ledger_root = clean_run
     inputs = list(step_inputs(ledger_root))
     new = [r for inp in inputs for r in inp["new_reqs"]]
-    assert any(inp["preempted_req_ids"] for inp in inputs), "no preemption"
-    assert any(len(inp["resumed_req_indices"]) for inp in inputs), "no resume"
-    assert any(r["num_computed_tokens"] > 0 for r in new), "no prefix-cache hit"
+    assert_preempted_resumed_and_hit(inputs)
     assert any(r["num_scheduled_tokens"] < r["num_prompt_tokens"] - r["num_computed_tokens"] for r in new), (
         "no chunked prefill"
     )
