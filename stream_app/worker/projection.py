@@ -11,6 +11,7 @@ and back.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import pickle
 import zlib
@@ -95,8 +96,38 @@ def pack_state(fmt: int, **state) -> bytes:
     return zlib.compress(pickle.dumps({"format": fmt, **state}, protocol=pickle.HIGHEST_PROTOCOL), 1)
 
 
+class _CheckpointUnpickler(pickle.Unpickler):
+    """Reads back only what a checkpoint holds: the ledger's own classes, numpy arrays and plain
+    containers. Anything else named in the stream (a function to call, say) is refused, so a
+    record written into the changelog topic cannot run code in the worker."""
+
+    ALLOWED = {
+        ("builtins", name) for name in ("set", "frozenset", "dict", "list", "tuple", "bytes", "bytearray", "int")
+    } | {
+        ("collections", "Counter"),
+        ("collections", "defaultdict"),
+        ("collections", "OrderedDict"),
+        ("collections", "deque"),
+        ("copyreg", "_reconstructor"),
+        ("builtins", "object"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy.core.numeric", "_frombuffer"),
+        ("numpy._core.numeric", "_frombuffer"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED or module.startswith("kvledger.") or module.startswith("numpy.dtypes"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint names {module}.{name}, which a checkpoint never holds")
+
+
 def unpack_state(blob: bytes, fmt: int) -> dict:
-    state = pickle.loads(zlib.decompress(blob))
+    state = _CheckpointUnpickler(io.BytesIO(zlib.decompress(blob))).load()
     if state.get("format") != fmt:
         raise ValueError(f"checkpoint format {state.get('format')!r} is not {fmt}")
     return state
