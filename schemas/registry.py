@@ -32,9 +32,21 @@ def _batch_schema() -> Schema:
     return fastavro.parse_schema(batch)
 
 
+def _checkpoint_schema() -> Schema:
+    """`checkpoint.avsc` with RankInfo's definition (from `ledger_event.avsc`) in place of its name."""
+    checkpoint = raw_schema("checkpoint")
+    rank_info = {**raw_schema("ledger_event")["fields"][-1]["type"][0], "namespace": "kvledger"}
+    engine = checkpoint["fields"][0]["type"][0]
+    slot = engine["fields"][[f["name"] for f in engine["fields"]].index("ranks")]["type"]["items"]
+    info = slot["fields"][[f["name"] for f in slot["fields"]].index("info")]
+    info["type"] = ["null", rank_info]
+    return fastavro.parse_schema(checkpoint)
+
+
 LEDGER_EVENT = load_schema("ledger_event")
 LEDGER_EVENT_BATCH = _batch_schema()
 VIOLATION = load_schema("violation")
+CHECKPOINT = _checkpoint_schema()
 
 # Names of the body union's branches, as decoders return them.
 RANK_INFO = "kvledger.RankInfo"
@@ -42,3 +54,5 @@ STEP = "kvledger.Step"
 CONNECTOR_EVENT = "kvledger.ConnectorEvent"
 SNAPSHOT = "kvledger.Snapshot"
 HEALTH = "kvledger.Health"
+ENGINE_CHECKPOINT = "kvledger.checkpoint.EngineCheckpoint"
+JOIN_CHECKPOINT = "kvledger.checkpoint.JoinCheckpoint"

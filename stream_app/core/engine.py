@@ -373,7 +373,8 @@ class Ledger:
             group.lost.setdefault((key.tp, key.pp), []).append((after, before))
 
     def snapshot(self) -> dict:
-        """The whole state, for checkpoints (restore with `Ledger.restore`)."""
+        """An in-memory copy of the whole state (restore with `Ledger.restore`); what leaves the
+        process is a record of it (core/state.py), never this."""
         return copy.deepcopy(self.__dict__)
 
     @classmethod

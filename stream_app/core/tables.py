@@ -105,6 +105,14 @@ class GroupTable:
         self._hold(blocks, cols, +1)
         return cols
 
+    def load_rows(self, lens: np.ndarray, released: np.ndarray, blocks: np.ndarray) -> None:
+        """Fill empty rows 0 .. len(lens)-1 (a checkpoint's): lens[i] blocks each, taken in order
+        from `blocks`, the first released[i] of them already freed by the scheduler."""
+        rows = np.flatnonzero(lens)
+        if rows.size:
+            self.append_many(rows, lens[rows], blocks)
+            self._release_leading(np.arange(lens.size), released)
+
     def clear(self, row: int) -> None:
         n, start = int(self.lens[row]), int(self.released[row])
         if n > start:

@@ -33,7 +33,17 @@ from kvledger.schemas import LEDGER_EVENT, VIOLATION, SingleObjectCodec
 from kvledger.stream_app.worker.faust_fixes import close_fetching_holes
 from kvledger.stream_app.worker.join import JoinProjection
 from kvledger.stream_app.worker.metrics import WorkerMetrics
-from kvledger.stream_app.worker.projection import Decoder, EngineProjection, Outcome, Record
+from kvledger.stream_app.worker.projection import (
+    CheckpointError,
+    DeadLetter,
+    Decoder,
+    EngineProjection,
+    Outcome,
+    Record,
+    chunk_count,
+    join_chunks,
+    split_checkpoint,
+)
 from kvledger.stream_app.worker.topics import Topics
 from kvledger.stream_app.worker.views import register_views
 
@@ -88,6 +98,7 @@ class StreamWorker:
         self.joins: dict[int, JoinProjection] = {}  # transfers partition -> its join
         self.join_anchors: dict[int, faust.EventT] = {}
         self.dirty_joins: set[int] = set()
+        self.pieces: dict[bytes, int] = {}  # table key -> entries its checkpoint spans
         self.unacked: list[tuple[faust.StreamT, faust.EventT]] = []
         self.positions: dict[Any, int] = {}  # events tp -> next offset to process
         self.recent: deque = deque(maxlen=RECENT_VIOLATIONS)
@@ -173,15 +184,16 @@ class StreamWorker:
             self.positions[m.tp] = m.offset + 1
         by_record = {id(r): e for r, e in zip(records, events, strict=True)}
         per_engine, dead = self.decoder.split(records)
-        outcome = Outcome(dead_letters=dead)
+        outcome, refused = Outcome(dead_letters=dead), Outcome()
         now = time.monotonic()
         for engine_id, items in per_engine.items():
             anchor = by_record[id(items[-1][0])]
-            projection = self._projection(engine_id, anchor)
+            projection = self._projection(engine_id, anchor, refused)
             self.anchors[engine_id] = anchor
             self.last_active[engine_id] = now
             outcome.merge(projection.apply(items))
             self.dirty.add(engine_id)
+        await self._publish(refused, source=self.changelog(self.table))
         await self._publish(outcome)
         await self._taken(stream, events)
 
@@ -191,10 +203,11 @@ class StreamWorker:
             m = event.message
             per_partition.setdefault(m.partition, []).append(Record(m.partition, m.offset, m.key, m.value))
             self.join_anchors[m.partition] = event
-        outcome = Outcome()
+        outcome, refused = Outcome(), Outcome()
         for partition, records in per_partition.items():
-            outcome.merge(self._join_projection(partition).apply(records))
+            outcome.merge(self._join_projection(partition, refused).apply(records))
             self.dirty_joins.add(partition)
+        await self._publish(refused, source=self.changelog(self.join_table))
         await self._publish(outcome, source=self.topics.transfers)
         await self._taken(stream, events)
 
@@ -204,28 +217,75 @@ class StreamWorker:
         if len(self.unacked) >= self.settings.checkpoint_events and self._checkpoint_due(0.0):
             await self._checkpoint()
 
-    def _join_projection(self, partition: int) -> JoinProjection:
+    # -- checkpoints in the tables -----------------------------------------------------------
+    @staticmethod
+    def changelog(table) -> str:
+        return table.changelog_topic.get_topic_name()
+
+    def _read_checkpoint(self, table, key: bytes) -> bytes | None:
+        """A checkpoint, put back together from its entries; CheckpointError if it cannot be."""
+        head = table.get(key)
+        if head is None:
+            return None
+        n = chunk_count(head)
+        self.pieces[key] = n
+        return join_chunks([head, *(table.get(_piece_key(key, i)) for i in range(1, n))])
+
+    def _write_checkpoint(self, table, key: bytes, blob: bytes) -> None:
+        """Entries under the broker's message limit: the other pieces first, the head (which counts
+        them) last, then stale pieces of a longer predecessor dropped."""
+        pieces = split_checkpoint(blob)
+        for i in range(1, len(pieces)):
+            table[_piece_key(key, i)] = pieces[i]
+        table[key] = pieces[0]
+        for i in range(len(pieces), self.pieces.get(key, 1)):
+            del table[_piece_key(key, i)]
+        self.pieces[key] = len(pieces)
+
+    def _restore(self, table, key: bytes, restore, partition: int, refused: Outcome):
+        """The state a table entry holds, None when there is none, or when it cannot be read: then it is
+        dead-lettered with its reason (its bytes kept as data, never run) and the state starts anew."""
+        try:
+            blob = self._read_checkpoint(table, key)
+            return restore(blob) if blob is not None else None
+        except CheckpointError as exc:
+            log.warning("%s %r: checkpoint refused (%s); starting anew", table.name, key, exc)
+            record = Record(partition, -1, key, table.get(key))
+            refused.dead_letters.append(DeadLetter(record, "checkpoint_refused", str(exc)))
+            return None
+
+    def _join_projection(self, partition: int, refused: Outcome) -> JoinProjection:
         projection = self.joins.get(partition)
         if projection is None:
+            key = str(partition).encode()
             with in_partition_of(self.join_anchors[partition]):
-                blob = self.join_table.get(str(partition).encode())
-            projection = JoinProjection.restore(blob) if blob else JoinProjection(partition)
+                restored = self._restore(
+                    self.join_table, key, lambda b: JoinProjection.restore(b, partition), partition, refused
+                )
+            projection = restored if restored is not None else JoinProjection(partition)
             self.joins[partition] = projection
-            log.info("transfers partition %d: %s", partition, "restored" if blob else "new")
+            log.info("transfers partition %d: %s", partition, "restored" if restored else "new")
         return projection
 
-    def _projection(self, engine_id: str, anchor: faust.EventT) -> EngineProjection:
+    def _projection(self, engine_id: str, anchor: faust.EventT, refused: Outcome) -> EngineProjection:
         projection = self.engines.get(engine_id)
         if projection is None:
+            key = engine_id.encode()
+            partition, before = anchor.message.tp.partition, len(refused.dead_letters)
             with in_partition_of(anchor):
-                blob = self.table.get(engine_id.encode())
-            projection = EngineProjection.restore(blob) if blob else EngineProjection(engine_id)
+                restored = self._restore(
+                    self.table, key, lambda b: EngineProjection.restore(b, engine_id), partition, refused
+                )
+            projection = restored if restored is not None else EngineProjection(engine_id)
+            if len(refused.dead_letters) > before:
+                # Rebuilt from the topic: from the committed offset on, the engine resyncs at its next snapshot.
+                projection.ledger.coverage.unchecked["checkpoint_refused"] += 1
             self.engines[engine_id] = projection
             log.info(
                 "engine %s: %s, in a batch up to %s/%d",
                 engine_id,
-                f"restored, offsets < {projection.next_offset} covered" if blob else "new",
-                anchor.message.tp.partition,
+                f"restored, offsets < {projection.next_offset} covered" if restored else "new",
+                partition,
                 anchor.message.offset,
             )
         return projection
@@ -293,7 +353,7 @@ class StreamWorker:
 
     def _checkpoint_due(self, interval: float) -> bool:
         """`interval` seconds passed since the last checkpoint, and enough for its cost to stay a small
-        share of the time: with many engines per partition a checkpoint pickles many ledgers."""
+        share of the time: with many engines per partition a checkpoint encodes many ledgers."""
         since = time.monotonic() - self.last_checkpoint
         return since >= max(interval, self.checkpoint_cost / self.settings.checkpoint_share)
 
@@ -316,13 +376,13 @@ class StreamWorker:
             if anchor.message.tp not in assigned:
                 continue  # revoked: the partition's new owner checkpoints it now
             with in_partition_of(anchor):
-                self.table[engine_id.encode()] = self.engines[engine_id].mark_checkpointed()
+                self._write_checkpoint(self.table, engine_id.encode(), self.engines[engine_id].mark_checkpointed())
             log.debug("engine %s: checkpoint, offsets < %d", engine_id, self.engines[engine_id].next_offset)
         for partition in sorted(self.dirty_joins):
             anchor = self.join_anchors[partition]
             if anchor.message.tp in assigned:
                 with in_partition_of(anchor):
-                    self.join_table[str(partition).encode()] = self.joins[partition].checkpoint()
+                    self._write_checkpoint(self.join_table, str(partition).encode(), self.joins[partition].checkpoint())
         self.dirty.clear()
         self.dirty_joins.clear()
         await self._flush()  # the checkpoints themselves, before the offsets they cover may be committed
@@ -379,6 +439,11 @@ class StreamWorker:
             lag = self.lag(tp) if tp.topic == self.topics.events else None
             if lag is not None:
                 self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(lag)
+
+
+def _piece_key(key: bytes, i: int) -> bytes:
+    """The table key of piece i (>= 1) of a chunked checkpoint (NUL never ends an engine id's key)."""
+    return key + b"\x00" + str(i).encode()
 
 
 def run_worker(settings: WorkerSettings, loglevel: str = "warning") -> None:

@@ -11,10 +11,18 @@ partition of that topic, checkpointed like an engine.
 from __future__ import annotations
 
 from kvledger.schemas import LEDGER_EVENT, DecodeError, SingleObjectCodec, UnknownSchemaError
+from kvledger.schemas.registry import JOIN_CHECKPOINT
+from kvledger.stream_app.core.state import StateError, join_from_record, join_record
 from kvledger.stream_app.core.transfers import TransferJoin
-from kvledger.stream_app.worker.projection import DeadLetter, Outcome, Record, ViolationIds, pack_state, unpack_state
-
-CHECKPOINT_FORMAT = 1
+from kvledger.stream_app.worker.projection import (
+    CheckpointError,
+    DeadLetter,
+    Outcome,
+    Record,
+    ViolationIds,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 
 
 class JoinProjection:
@@ -28,14 +36,22 @@ class JoinProjection:
         self.codec = SingleObjectCodec(LEDGER_EVENT)
 
     def checkpoint(self) -> bytes:
-        return pack_state(
-            CHECKPOINT_FORMAT, partition=self.partition, join=self.join, next_offset=self.next_offset, ids=self.ids
-        )
+        """The whole state as an Avro record (schemas/avro/checkpoint.avsc)."""
+        body = {"partition": self.partition, "next_offset": self.next_offset, "issued": self.ids.to_record()}
+        return encode_checkpoint(JOIN_CHECKPOINT, body | join_record(self.join))
 
     @classmethod
-    def restore(cls, blob: bytes) -> JoinProjection:
-        state = unpack_state(blob, CHECKPOINT_FORMAT)
-        return cls(state["partition"], state["join"], next_offset=state["next_offset"], ids=state["ids"])
+    def restore(cls, blob: bytes, partition: int | None = None) -> JoinProjection:
+        """The join a checkpoint describes (of `partition`, when given); CheckpointError otherwise."""
+        body = decode_checkpoint(blob, JOIN_CHECKPOINT)
+        if partition is not None and body["partition"] != partition:
+            raise CheckpointError(f"the checkpoint of partition {body['partition']} under the key of {partition}")
+        try:
+            join = join_from_record(body)
+        except (StateError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"the checkpoint does not describe a transfer join: {exc}") from exc
+        ids = ViolationIds.from_record(body["issued"])
+        return cls(body["partition"], join, next_offset=body["next_offset"], ids=ids)
 
     def apply(self, records: list[Record]) -> Outcome:
         """Apply records of this partition in offset order; skip what the state already covers."""

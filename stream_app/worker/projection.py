@@ -11,19 +11,23 @@ and back.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import pickle
-import zlib
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
-from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec, DecodeError, UnknownSchemaError
-from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH, STEP
+from kvledger.schemas import (
+    LEDGER_EVENT,
+    LEDGER_EVENT_BATCH,
+    BatchCodec,
+    DecodeError,
+    SingleObjectCodec,
+    UnknownSchemaError,
+)
+from kvledger.schemas.registry import CHECKPOINT, CONNECTOR_EVENT, ENGINE_CHECKPOINT, HEALTH, STEP
 from kvledger.stream_app.core import Ledger, Violation
+from kvledger.stream_app.core.state import StateError, ledger_from_record, ledger_record
 from kvledger.stream_app.core.violations import RankKey
 
-CHECKPOINT_FORMAT = 2
 WAYPOINTS = 8  # checkpoints an engine keeps in memory for time travel ...
 WAYPOINT_EVERY = 512  # ... at least this many steps apart
 SETTLE = None  # marks, in an engine's replay log, where the watermark settled held steps
@@ -91,46 +95,60 @@ class Outcome:
         self.unchecked.update(other.unchecked)
 
 
-def pack_state(fmt: int, **state) -> bytes:
-    """A checkpoint: the state pickled and compressed (the ledger's arrays are sparse)."""
-    return zlib.compress(pickle.dumps({"format": fmt, **state}, protocol=pickle.HIGHEST_PROTOCOL), 1)
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read back: it is set aside, never run, and the engine rebuilt."""
 
 
-class _CheckpointUnpickler(pickle.Unpickler):
-    """Reads back only what a checkpoint holds: the ledger's own classes, numpy arrays and plain
-    containers. Anything else named in the stream (a function to call, say) is refused, so a
-    record written into the changelog topic cannot run code in the worker."""
-
-    ALLOWED = {
-        ("builtins", name) for name in ("set", "frozenset", "dict", "list", "tuple", "bytes", "bytearray", "int")
-    } | {
-        ("collections", "Counter"),
-        ("collections", "defaultdict"),
-        ("collections", "OrderedDict"),
-        ("collections", "deque"),
-        ("copyreg", "_reconstructor"),
-        ("builtins", "object"),
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "scalar"),
-        ("numpy._core.multiarray", "scalar"),
-        ("numpy.core.numeric", "_frombuffer"),
-        ("numpy._core.numeric", "_frombuffer"),
-    }
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in self.ALLOWED or module.startswith("kvledger.") or module.startswith("numpy.dtypes"):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint names {module}.{name}, which a checkpoint never holds")
+_CHECKPOINT_CODEC = SingleObjectCodec(CHECKPOINT)
 
 
-def unpack_state(blob: bytes, fmt: int) -> dict:
-    state = _CheckpointUnpickler(io.BytesIO(zlib.decompress(blob))).load()
-    if state.get("format") != fmt:
-        raise ValueError(f"checkpoint format {state.get('format')!r} is not {fmt}")
-    return state
+def encode_checkpoint(name: str, body: dict) -> bytes:
+    """A checkpoint: a `kvledger.checkpoint.Checkpoint` record, Avro single-object encoded."""
+    return _CHECKPOINT_CODEC.encode({"body": (name, body)})
+
+
+def decode_checkpoint(blob: bytes, name: str) -> dict:
+    """The body of a checkpoint of kind `name`; CheckpointError for anything else."""
+    try:
+        kind, body = _CHECKPOINT_CODEC.decode(blob)["body"]
+    except DecodeError as exc:
+        raise CheckpointError(f"not a checkpoint record: {exc}") from exc
+    if kind != name:
+        raise CheckpointError(f"a {kind} where a {name} belongs")
+    return body
+
+
+# A checkpoint larger than this goes in several table entries (Kafka's default limit is ~1 MB).
+CHUNK_BYTES = 512 << 10
+_CHUNKED = b"KVCK"  # head of a chunked checkpoint: magic, chunk count (u32), blake2b-16 of the whole
+
+
+def split_checkpoint(blob: bytes, limit: int = CHUNK_BYTES) -> list[bytes]:
+    """One entry when it fits, else a head (magic, count, digest, first piece) and the other pieces."""
+    if len(blob) <= limit:
+        return [blob]
+    room = limit - 24
+    pieces = [blob[i : i + room] for i in range(0, len(blob), room)]
+    head = _CHUNKED + len(pieces).to_bytes(4, "little") + hashlib.blake2b(blob, digest_size=16).digest()
+    return [head + pieces[0], *pieces[1:]]
+
+
+def chunk_count(head: bytes) -> int:
+    """How many table entries the checkpoint whose first entry this is spans."""
+    return int.from_bytes(head[4:8], "little") if head[:4] == _CHUNKED and len(head) >= 24 else 1
+
+
+def join_chunks(entries: list[bytes | None]) -> bytes:
+    """The checkpoint from its entries (head first); CheckpointError if one is missing or damaged."""
+    head = entries[0]
+    if len(entries) == 1:
+        return head
+    if any(e is None for e in entries):
+        raise CheckpointError(f"{sum(e is None for e in entries)} of its {len(entries)} pieces are missing")
+    blob = head[24:] + b"".join(entries[1:])
+    if hashlib.blake2b(blob, digest_size=16).digest() != head[8:24]:
+        raise CheckpointError(f"its {len(entries)} pieces do not add up to the checkpoint they were cut from")
+    return blob
 
 
 def violation_digest(v: Violation) -> str:
@@ -142,19 +160,35 @@ class ViolationIds:
     """Violation id = engine id / digest of the violation's content / how many identical
     violations were issued before. The core is deterministic, so replaying the same events
     from the same checkpoint issues the same ids, whatever the batching or the timing of
-    checkpoints."""
+    checkpoints.
 
-    def __init__(self) -> None:
-        self.issued: Counter = Counter()  # violation digest -> times issued
+    Only the `limit` most recently issued digests are remembered: a violation's content names
+    its rank and step, so one identical to a fact that many others ago is that fact again.
+    """
+
+    LIMIT = 4096
+
+    def __init__(self, issued: dict[str, int] | None = None, *, limit: int = LIMIT) -> None:
+        self.limit = limit
+        self.issued: OrderedDict[str, int] = OrderedDict(issued or {})  # digest -> times issued, oldest first
 
     def issue(self, violations: list[Violation]) -> list[IssuedViolation]:
         out = []
         for v in violations:
             digest = violation_digest(v)
-            n = self.issued[digest]
+            n = self.issued.pop(digest, 0)
             self.issued[digest] = n + 1
             out.append(IssuedViolation(f"{v.engine_id}/{digest}/{n}", v))
+        while len(self.issued) > self.limit:
+            self.issued.popitem(last=False)
         return out
+
+    def to_record(self) -> list[dict]:
+        return [{"digest": d, "count": n} for d, n in self.issued.items()]
+
+    @classmethod
+    def from_record(cls, items: list[dict]) -> ViolationIds:
+        return cls({item["digest"]: item["count"] for item in items})
 
 
 def progress_event(key: RankKey, incarnation: int, step: int) -> dict:
@@ -194,15 +228,22 @@ class EngineProjection:
 
     # -- checkpoints ---------------------------------------------------------------------
     def checkpoint(self) -> bytes:
-        """The whole state as bytes."""
-        return pack_state(
-            CHECKPOINT_FORMAT, engine_id=self.engine_id, ledger=self.ledger, next_offset=self.next_offset, ids=self.ids
-        )
+        """The whole state as an Avro record (schemas/avro/checkpoint.avsc)."""
+        body = {"engine_id": self.engine_id, "next_offset": self.next_offset, "issued": self.ids.to_record()}
+        return encode_checkpoint(ENGINE_CHECKPOINT, body | ledger_record(self.ledger))
 
     @classmethod
-    def restore(cls, blob: bytes) -> EngineProjection:
-        state = unpack_state(blob, CHECKPOINT_FORMAT)
-        return cls(state["engine_id"], state["ledger"], next_offset=state["next_offset"], ids=state["ids"], base=blob)
+    def restore(cls, blob: bytes, engine_id: str | None = None) -> EngineProjection:
+        """The projection a checkpoint describes (of `engine_id`, when given); CheckpointError otherwise."""
+        body = decode_checkpoint(blob, ENGINE_CHECKPOINT)
+        if engine_id is not None and body["engine_id"] != engine_id:
+            raise CheckpointError(f"the checkpoint of engine {body['engine_id']!r} under the key of {engine_id!r}")
+        try:
+            ledger = ledger_from_record(body["engine_id"], body)
+        except (StateError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"the checkpoint does not describe a ledger: {exc}") from exc
+        ids = ViolationIds.from_record(body["issued"])
+        return cls(body["engine_id"], ledger, next_offset=body["next_offset"], ids=ids, base=blob)
 
     def mark_checkpointed(self) -> bytes:
         blob = self.checkpoint()

@@ -243,3 +243,47 @@ def test_unreachable_broker_is_one_line_and_exit_2():
             f"kvledger: error: no Kafka broker answers at 127.0.0.1:{port} "
             "(Failed to get metadata: Local: Broker transport failure)"
         ]
+
+
+def test_a_pickle_or_garbage_in_the_changelog_is_refused_and_the_engine_rebuilt(cluster, tmp_path):
+    """Anyone who can write the changelog topic can put anything there: the worker reads
+    checkpoints as Avro data, sets aside what is not one (dead letter, with its reason) and
+    rebuilds the engine from the events topic; nothing in a record is ever run."""
+    import os
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    per_engine = faulty_engines(120, ["ck-pickle", "ck-garbage"])
+    events = interleave(per_engine)
+    from confluent_kafka.admin import AdminClient
+
+    changelog = f"{cluster.prefix}-checkpoints-changelog"
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap})
+    worker = cluster("w")  # creates the topics, the changelog included (with the events' partitions)
+    wait_for("the changelog topic", lambda: changelog in admin.list_topics(timeout=5).topics, [worker])
+    assert len(admin.list_topics(timeout=5).topics[changelog].partitions) == 3
+    worker.stop()
+    planted = [(b"ck-pickle", pickle.dumps({"format": 2, "ledger": Exploit()})), (b"ck-garbage", os.urandom(300))]
+    produce(cluster.bootstrap, changelog, [], planted)  # keyed like the events: the engines' partitions
+    produce(cluster.bootstrap, f"{cluster.prefix}.events", events)
+
+    worker = cluster("w")  # restores its tables from the changelog, planted records included
+    expected = {e: len(evs) for e, evs in per_engine.items()}
+    wait_for("all events", events_done([worker], expected), [worker])
+    assert_same_as_offline(cluster.bootstrap, cluster.prefix, events, tmp_path)
+    assert not marker.exists()
+
+    dead = read_all(cluster.bootstrap, f"{cluster.prefix}.deadletter")
+    assert sorted((m.key(), dict(m.headers())["kvledger.reason"]) for m in dead) == [
+        (b"ck-garbage", b"checkpoint_refused"),
+        (b"ck-pickle", b"checkpoint_refused"),
+    ]
+    assert Counter((m.key(), m.value()) for m in dead) == Counter(planted)  # kept as data
+    assert all(dict(m.headers())["kvledger.source"].startswith(changelog.encode()) for m in dead)
+    assert worker.total("kvledger_deadletter_total") == 2
+    assert worker.metrics().get('kvledger_unchecked_total{reason="checkpoint_refused"}') == 2

@@ -149,24 +149,3 @@ def test_an_event_the_core_raises_on_is_set_aside_alone_even_inside_a_batch():
     expected = reference.apply_many([e for i, e in enumerate(events) if i not in (first, second)])
     assert as_multiset(found) == as_multiset(expected) and expected  # their seq numbers are gaps
     assert projection.ledger.coverage.checks == reference.coverage.checks
-
-
-def test_a_checkpoint_that_names_code_is_refused_not_run():
-    """Checkpoints come back from a changelog topic: one naming a callable beyond the ledger's
-    own classes, numpy arrays and containers is refused, never executed."""
-    import os
-    import pickle
-    import zlib
-
-    import pytest
-
-    from kvledger.stream_app.worker.projection import pack_state, unpack_state
-
-    class Exploit:
-        def __reduce__(self):
-            return (os.system, ("echo pwned",))
-
-    blob = zlib.compress(pickle.dumps({"format": 1, "x": Exploit()}))
-    with pytest.raises(pickle.UnpicklingError, match="system"):
-        unpack_state(blob, 1)
-    assert unpack_state(pack_state(1, ledger=Ledger()), 1)["format"] == 1

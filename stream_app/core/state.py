@@ -1,0 +1,410 @@
+"""The core's state as plain data: records of `schemas/avro/checkpoint.avsc` and back.
+
+A checkpoint holds what cannot be recomputed: each rank's sequence, its live
+rows and pending sends, the steps waiting for ranks, the transfers. Who holds
+each block and every row's digest are rebuilt from the rows, so a checkpoint
+grows with the live requests, not with the pool. Ranks of one TP/PP group get
+the same scheduler output: a rank whose tables equal an earlier rank's is
+stored as a reference to it.
+
+Reading a record builds the state field by field; nothing named in it is ever
+looked up or run. A record that does not describe a consistent state raises
+`StateError`.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from kvledger.schemas.packing import pack_i32, unpack_i32
+from kvledger.stream_app.core.engine import Declared, Ledger, RankSlot, StepGroup
+from kvledger.stream_app.core.rank import RankState
+from kvledger.stream_app.core.transfers import (
+    HeldSend,
+    PendingRecv,
+    RankTransfers,
+    Side,
+    Transfer,
+    TransferJoin,
+)
+from kvledger.stream_app.core.violations import Coverage, RankKey
+
+Record = dict
+
+
+class StateError(ValueError):
+    """A checkpoint record that does not describe a state the core can hold."""
+
+
+# -- small pieces ---------------------------------------------------------------------------------
+def _rank(key: RankKey) -> Record:
+    return {"engine_id": key.engine_id, "dp": key.dp, "tp": key.tp, "pp": key.pp}
+
+
+def _key(rec: Record) -> RankKey:
+    return RankKey(rec["engine_id"], rec["dp"], rec["tp"], rec["pp"])
+
+
+def coverage_record(cov: Coverage) -> Record:
+    return {"checks": dict(cov.checks), "unchecked": dict(cov.unchecked)}
+
+
+def _coverage_into(cov: Coverage, rec: Record) -> None:
+    cov.checks.update(rec["checks"])
+    cov.unchecked.update(rec["unchecked"])
+
+
+def _i32(values) -> bytes:
+    return pack_i32(np.asarray(values, np.int64))
+
+
+def _ints(data: bytes) -> np.ndarray:
+    if len(data) % 4:
+        raise StateError(f"a packed int32 column of {len(data)} bytes")
+    return unpack_i32(data).astype(np.int64)
+
+
+# -- a rank's tables ------------------------------------------------------------------------------
+def _same_tables(a: RankState, b: RankState) -> bool:
+    if a.index_of != b.index_of or a.num_rows != b.num_rows or a.free_rows != b.free_rows:
+        return False
+    if a.pending_sends.keys() != b.pending_sends.keys() or len(a.groups) != len(b.groups):
+        return False
+    rows = np.asarray([a.row_of[i] for i in a.index_of.values()], np.int64)
+    if not (
+        np.array_equal(a.computed[rows], b.computed[rows]) and np.array_equal(a.scheduled[rows], b.scheduled[rows])
+    ):
+        return False
+    n = a.num_rows
+    for ga, gb in zip(a.groups, b.groups, strict=True):
+        if not (np.array_equal(ga.lens[:n], gb.lens[:n]) and np.array_equal(ga.released[:n], gb.released[:n])):
+            return False
+        width = int(ga.lens[:n].max(initial=0))
+        if not np.array_equal(ga.table[:n, :width], gb.table[:n, :width]):
+            return False
+    return all(
+        all(np.array_equal(x, y) for x, y in zip(a.pending_sends[t], b.pending_sends[t], strict=True))
+        for t in a.pending_sends
+    )
+
+
+def table_record(state: RankState) -> Record:
+    n = state.num_rows
+    requests = [
+        {
+            "req_index": index,
+            "req_id": req_id,
+            "row": int(state.row_of[index]),
+            "num_computed_tokens": int(state.computed[state.row_of[index]]),
+            "num_scheduled_tokens": int(state.scheduled[state.row_of[index]]),
+        }
+        for req_id, index in state.index_of.items()
+    ]
+    groups = []
+    for g in state.groups:
+        lens = g.lens[:n]
+        # Row after row: a boolean mask of the filled cells keeps the order of the rows.
+        filled = np.arange(g.table.shape[1]) < lens[:, None]
+        blocks = g.table[:n][filled]
+        groups.append({"lens": _i32(lens), "released": _i32(g.released[:n]), "blocks": zlib.compress(_i32(blocks), 1)})
+    sends = [{"transfer_id": t, "block_ids": [_i32(b) for b in blocks]} for t, blocks in state.pending_sends.items()]
+    return {
+        "same_as": None,
+        "requests": requests,
+        "num_rows": n,
+        "free_rows": _i32(state.free_rows),
+        "groups": groups,
+        "pending_sends": sends,
+    }
+
+
+def table_from_record(key: RankKey, info: dict, rec: Record) -> RankState:
+    state = RankState(key, info)
+    if len(rec["groups"]) != len(state.groups):
+        raise StateError(f"{key}: tables of {len(rec['groups'])} groups for a rank of {len(state.groups)}")
+    n = rec["num_rows"]
+    state.num_rows = n
+    state.grow_rows(n)
+    state.free_rows = _ints(rec["free_rows"]).tolist()
+    for req in rec["requests"]:
+        row, index = req["row"], req["req_index"]
+        if not (0 <= row < n and index >= 0):
+            raise StateError(f"{key}: request {req['req_id']} at row {row}, index {index} (rows: {n})")
+        if index >= state.row_of.size:
+            grown = np.full(max(index + 1, 2 * state.row_of.size), -1, np.int64)
+            grown[: state.row_of.size] = state.row_of
+            state.row_of = grown
+        state.row_of[index] = row
+        state.index_of[req["req_id"]] = index
+        state.req_id_of[index] = req["req_id"]
+        state.computed[row] = req["num_computed_tokens"]
+        state.scheduled[row] = req["num_scheduled_tokens"]
+    for g, grec in zip(state.groups, rec["groups"], strict=True):
+        lens, released = _ints(grec["lens"]), _ints(grec["released"])
+        try:
+            blocks = _ints(zlib.decompress(grec["blocks"]))
+        except zlib.error as exc:
+            raise StateError(f"{key}: group {g.group_id} rows do not decompress: {exc}") from exc
+        if lens.size != n or released.size != n or int(lens.sum()) != blocks.size or (lens < 0).any():
+            raise StateError(f"{key}: group {g.group_id} rows do not match their lengths")
+        if ((released < 0) | (released > lens)).any():
+            raise StateError(f"{key}: group {g.group_id} releases more than a row holds")
+        g.load_rows(lens, released, blocks)
+    for send in rec["pending_sends"]:
+        blocks = [_ints(b) for b in send["block_ids"]]
+        state.pending_sends[send["transfer_id"]] = blocks
+        for g, b in zip(state.groups, blocks, strict=False):
+            g.hold_for_send(b, +1)
+    return state
+
+
+# -- the ledger -----------------------------------------------------------------------------------
+def _rank_steps(values: dict[tuple[int, int], int]) -> list[Record]:
+    return [{"tp": tp, "pp": pp, "step": step} for (tp, pp), step in values.items()]
+
+
+def _step_group_record(dp: int, group: StepGroup) -> Record:
+    return {
+        "dp": dp,
+        "expected": [{"tp": tp, "pp": pp, "step": -1} for tp, pp in sorted(group.expected)],
+        "pending": [
+            {
+                "step": step,
+                "reports": [
+                    {"tp": tp, "pp": pp, "input_fingerprint": fi, "plan_fingerprint": fp, "clean": clean}
+                    for (tp, pp), (fi, fp, clean) in entry.items()
+                ],
+            }
+            for step, entry in group.pending.items()
+        ],
+        "last_step": _rank_steps(group.last_step),
+        "missing_since": _rank_steps(group.missing_since),
+        "lost": [
+            {"tp": tp, "pp": pp, "after": after, "before": None if before == float("inf") else int(before)}
+            for (tp, pp), spans in group.lost.items()
+            for after, before in spans
+        ],
+        "settled_through": group.settled_through,
+    }
+
+
+def _step_group_from_record(rec: Record) -> StepGroup:
+    group = StepGroup(frozenset((r["tp"], r["pp"]) for r in rec["expected"]))
+    for pending in rec["pending"]:
+        group.pending[pending["step"]] = {
+            (r["tp"], r["pp"]): (r["input_fingerprint"], r["plan_fingerprint"], r["clean"]) for r in pending["reports"]
+        }
+    group.last_step = {(r["tp"], r["pp"]): r["step"] for r in rec["last_step"]}
+    group.missing_since = {(r["tp"], r["pp"]): r["step"] for r in rec["missing_since"]}
+    for r in rec["lost"]:
+        before = float("inf") if r["before"] is None else r["before"]
+        group.lost.setdefault((r["tp"], r["pp"]), []).append((r["after"], before))
+    group.settled_through = rec["settled_through"]
+    return group
+
+
+def _slot_record(key: RankKey, slot: RankSlot, table) -> Record:
+    return {
+        "rank": _rank(key),
+        "incarnation": slot.incarnation,
+        "next_seq": slot.next_seq,
+        "info": slot.info,
+        "desynced": slot.desynced,
+        "last_step": slot.last_step,
+        "events_dropped": slot.events_dropped,
+        "gap_after_step": slot.gap_after_step,
+        "table": table,
+    }
+
+
+def _transfers_record(key: RankKey, state: RankTransfers) -> Record:
+    return {
+        "rank": _rank(key),
+        "block_sizes": list(state.block_sizes),
+        "sends": [
+            {
+                "transfer_id": s.transfer_id,
+                "req_id": s.req_id,
+                "intent_step": s.intent_step,
+                "blocks": [_i32(sorted(b)) for b in s.blocks],
+                "reused": [{"step": a, "group": g, "req_id": r, "block": b} for a, g, r, b in s.reused],
+            }
+            for s in state.sends.values()
+        ],
+        "recvs": [
+            {
+                "req_id": req_id,
+                "transfer_id": r.transfer_id,
+                "intent_step": r.intent_step,
+                "blocks": [_i32(b) for b in r.blocks],
+                "done_step": r.done_step,
+                "failed_step": r.failed_step,
+            }
+            for req_id, r in state.recvs.items()
+        ],
+    }
+
+
+def _transfers_from_record(rec: Record) -> RankTransfers:
+    state = RankTransfers(block_sizes=list(rec["block_sizes"]))
+    for s in rec["sends"]:
+        blocks = [set(_ints(b).tolist()) for b in s["blocks"]]
+        reused = [(r["step"], r["group"], r["req_id"], r["block"]) for r in s["reused"]]
+        state.sends[s["transfer_id"]] = HeldSend(s["transfer_id"], s["req_id"], s["intent_step"], blocks, reused)
+    for r in rec["recvs"]:
+        blocks = [_ints(b).tolist() for b in r["blocks"]]
+        state.recvs[r["req_id"]] = PendingRecv(
+            r["transfer_id"], r["intent_step"], blocks, r["done_step"], r["failed_step"]
+        )
+    return state
+
+
+def ledger_record(ledger: Ledger) -> Record:
+    """The fields of an EngineCheckpoint that describe `ledger` (one engine's: the worker's ledgers are)."""
+    if ledger.transfer_join is not None:
+        raise StateError("a ledger that joins transfers itself is not checkpointed (the worker's never does)")
+    slots, written = [], []  # written: (slot index, rank state) of the tables stored in full
+    for key, slot in ledger.ranks.items():
+        table = None
+        if slot.state is not None:
+            same = next((i for i, state in written if _same_tables(state, slot.state)), None)
+            if same is None:
+                written.append((len(slots), slot.state))
+                table = table_record(slot.state)
+            else:
+                table = {**_EMPTY_TABLE, "same_as": same}
+        slots.append(_slot_record(key, slot, table))
+    return {
+        "events": ledger.events,
+        "steps": ledger.steps,
+        "coverage": coverage_record(ledger.coverage),
+        "rank_window": ledger.rank_window,
+        "ranks": slots,
+        "step_groups": [_step_group_record(dp, group) for (_, dp), group in ledger.step_groups.items()],
+        "transfer_use": [_transfers_record(k, s) for k, s in ledger.transfer_use.ranks.items()],
+    }
+
+
+_EMPTY_TABLE: Record = {"requests": [], "num_rows": 0, "free_rows": b"", "groups": [], "pending_sends": []}
+
+
+def ledger_from_record(engine_id: str, rec: Record) -> Ledger:
+    ledger = Ledger(rank_window=rec["rank_window"], join_transfers=False)
+    ledger.events, ledger.steps = rec["events"], rec["steps"]
+    _coverage_into(ledger.coverage, rec["coverage"])
+    states: list[RankState | None] = []
+    for srec in rec["ranks"]:
+        key = _key(srec["rank"])
+        if key.engine_id != engine_id:
+            raise StateError(f"rank {key} in the checkpoint of engine {engine_id}")
+        slot = RankSlot(srec["incarnation"], srec["next_seq"], info=srec["info"])
+        slot.desynced, slot.last_step = srec["desynced"], srec["last_step"]
+        slot.events_dropped, slot.gap_after_step = srec["events_dropped"], srec["gap_after_step"]
+        slot.declared = Declared.of(slot.info) if slot.info is not None else None
+        table = srec["table"]
+        if table is not None and slot.info is None:
+            raise StateError(f"{key}: tables without a RankInfo")
+        if table is None:
+            slot.state = None
+        elif table["same_as"] is None:
+            slot.state = table_from_record(key, slot.info, table)
+        else:
+            same = table["same_as"]
+            if not (0 <= same < len(states)) or states[same] is None:
+                raise StateError(f"{key}: tables the same as rank #{same}, which has none")
+            slot.state = _copy_tables(states[same], key, slot.info)
+        states.append(slot.state)
+        ledger.ranks[key] = slot
+    ledger._keys = {(k.engine_id, k.dp, k.tp, k.pp): k for k in ledger.ranks}
+    for grec in rec["step_groups"]:
+        ledger.step_groups[(engine_id, grec["dp"])] = _step_group_from_record(grec)
+    for trec in rec["transfer_use"]:
+        ledger.transfer_use.ranks[_key(trec["rank"])] = _transfers_from_record(trec)
+    return ledger
+
+
+def _copy_tables(source: RankState, key: RankKey, info: dict) -> RankState:
+    """Another rank's own copy of identical tables (each rank's evolve on their own afterwards)."""
+    return table_from_record(key, info, table_record(source))
+
+
+# -- the transfer join ----------------------------------------------------------------------------
+def _side_record(side: Side) -> Record:
+    return {
+        "rank": _rank(side.rank),
+        "role": side.role,
+        "req_id": side.req_id,
+        "first_step": side.first_step,
+        "intent_step": side.intent_step,
+        "blocks": None if side.blocks is None else [_i32(b) for b in side.blocks],
+        "num_tokens": side.num_tokens,
+        "remote_engine_id": side.remote_engine_id,
+        "outcome": side.outcome,
+        "done_step": side.done_step,
+        "digest": side.digest,
+        "stuck": side.stuck,
+        "open_counted": side.open_counted,
+        "peer_clock": side.peer_clock,
+        "seen": [{"kind": kind, "step": step} for kind, step in sorted(side.seen)],
+    }
+
+
+def _side_from_record(rec: Record) -> Side:
+    blocks = None if rec["blocks"] is None else [_ints(b).tolist() for b in rec["blocks"]]
+    fields = {k: rec[k] for k in ("role", "req_id", "first_step", "intent_step", "num_tokens", "remote_engine_id")}
+    fields |= {k: rec[k] for k in ("outcome", "done_step", "digest", "stuck", "open_counted", "peer_clock")}
+    return Side(_key(rec["rank"]), blocks=blocks, seen={(s["kind"], s["step"]) for s in rec["seen"]}, **fields)
+
+
+def join_record(join: TransferJoin) -> Record:
+    """The fields of a JoinCheckpoint that describe `join`."""
+    transfers = []
+    for tid, t in join.transfers.items():
+        sides = [_side_record(s) for role in t.sides.values() for s in role.values()]
+        transfers.append(
+            {
+                "transfer_id": tid,
+                "sides": sides,
+                "joined": t.joined,
+                "shape_checked": t.shape_checked,
+                "compared": [_rank(k) for k in t.compared],
+                "orphan_settled": t.orphan_settled,
+                "retiring": t.retiring,
+            }
+        )
+    return {
+        "deadline_steps": join.deadline_steps,
+        "coverage": coverage_record(join.coverage),
+        "transfers": transfers,
+        "clock": [{"rank": _rank(k), "step": s} for k, s in join.clock.items()],
+        "engine_clock": dict(join.engine_clock),
+        "pulled_from": {e: sorted(peers) for e, peers in join.pulled_from.items()},
+        "retired": sorted(join.retired),
+        "due": [
+            {"rank": _rank(k), "entries": [{"step": s, "transfer_id": t, "what": w} for s, t, w in heap]}
+            for k, heap in join._due.items()
+        ],
+    }
+
+
+def join_from_record(rec: Record) -> TransferJoin:
+    join = TransferJoin(deadline_steps=rec["deadline_steps"], coverage=Coverage())
+    _coverage_into(join.coverage, rec["coverage"])
+    for trec in rec["transfers"]:
+        t = Transfer(joined=trec["joined"], shape_checked=trec["shape_checked"])
+        t.compared = {_key(r) for r in trec["compared"]}
+        t.orphan_settled, t.retiring = trec["orphan_settled"], trec["retiring"]
+        for srec in trec["sides"]:
+            if srec["role"] not in t.sides:
+                raise StateError(f"transfer {trec['transfer_id']}: a side of role {srec['role']!r}")
+            side = _side_from_record(srec)
+            t.sides[side.role][side.rank] = side
+        join.transfers[trec["transfer_id"]] = t
+    join.clock = {_key(r["rank"]): r["step"] for r in rec["clock"]}
+    join.engine_clock = dict(rec["engine_clock"])
+    join.pulled_from = {e: set(peers) for e, peers in rec["pulled_from"].items()}
+    join.retired = set(rec["retired"])
+    join._due = {_key(r["rank"]): [(e["step"], e["transfer_id"], e["what"]) for e in r["entries"]] for r in rec["due"]}
+    return join

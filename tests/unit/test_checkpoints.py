@@ -1,0 +1,218 @@
+"""Checkpoints are data: Avro records of the core's state, restored exactly, never run.
+
+A worker writes a checkpoint to a changelog topic and reads it back after a
+restart or a rebalance: a ledger restored from one at any point must go on
+exactly as the ledger it was taken from (same violations, same coverage,
+same next checkpoint), and a record that is not a checkpoint (a pickle, bytes
+of garbage, a record whose rows contradict themselves) is refused with its
+reason, never executed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+from collections import Counter
+
+import pytest
+
+from kvledger.producer.synthetic import FaultSpec, GroupSpec, PdConfig, SimConfig, simulate, simulate_pd_pair
+from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from kvledger.schemas.registry import ENGINE_CHECKPOINT
+from kvledger.stream_app.core import Ledger
+from kvledger.stream_app.core.state import join_from_record, join_record, ledger_from_record, ledger_record
+from kvledger.stream_app.core.transfers import TransferJoin
+from kvledger.stream_app.worker.join import JoinProjection
+from kvledger.stream_app.worker.projection import (
+    CheckpointError,
+    Decoder,
+    EngineProjection,
+    Record,
+    ViolationIds,
+    chunk_count,
+    decode_checkpoint,
+    encode_checkpoint,
+    join_chunks,
+    split_checkpoint,
+)
+
+CODEC = SingleObjectCodec(LEDGER_EVENT)
+
+STREAMS = {
+    # TP=2, a sliding-window group beside full attention, rank and plan faults, a lost rank.
+    "tp2-hybrid": SimConfig(
+        seed=3,
+        steps=240,
+        tp_size=2,
+        groups=(GroupSpec(), GroupSpec("SLIDING_WINDOW", 48)),
+        num_blocks=90,
+        max_num_seqs=10,
+        max_batched_tokens=96,
+        snapshot_interval=40,
+        faults=(
+            FaultSpec("slot_shift", 50),
+            FaultSpec("block_swap", 150),
+            FaultSpec("rank_missing", 100, tp_rank=1),
+            FaultSpec("sequence_gap", 170, tp_rank=1),
+        ),
+    ),
+    # A tight pool: preemptions and resumes, prefix hits, zeroed new blocks, a recycled block.
+    "preempting": SimConfig(
+        seed=5,
+        steps=260,
+        num_blocks=48,
+        max_num_seqs=12,
+        arrival_rate=0.8,
+        zero_new_blocks=True,
+        faults=(FaultSpec("recycled_block", 120), FaultSpec("zero_shared", 200)),
+    ),
+}
+
+
+def _violations(found) -> Counter:
+    return Counter(json.dumps(v.to_record(), sort_keys=True) for v in found)
+
+
+def _through_checkpoint(ledger: Ledger, engine_id: str) -> Ledger:
+    """What a worker restores: the ledger's record, Avro-encoded, decoded, rebuilt."""
+    body = {"engine_id": engine_id, "next_offset": 0, "issued": []} | ledger_record(ledger)
+    return ledger_from_record(
+        engine_id, decode_checkpoint(encode_checkpoint(ENGINE_CHECKPOINT, body), ENGINE_CHECKPOINT)
+    )
+
+
+def _derived(ledger: Ledger) -> list:
+    """What a checkpoint leaves out and a restore recomputes: block holders, pending-send holds, digests."""
+    out = []
+    for slot in ledger.ranks.values():
+        for g in slot.state.groups if slot.state is not None else ():
+            n = slot.state.num_rows
+            out += [g.hold_count.tolist(), g.hold_sum.tolist(), g.hold_sumsq.tolist(), g.send_hold.tolist()]
+            out.append(g.digests[:n][g.lens[:n] > 0].tolist())
+    return out
+
+
+def _stream(name: str) -> list[dict]:
+    if name == "pd-prefill":  # pending sends hold blocks across steps
+        sim = simulate_pd_pair(PdConfig(seed=4, requests=8, send_lag=6, faults=(("send_reused", 3),)))
+        return [e for e in sim.events if e["engine_id"] == "sim-prefill"]
+    return simulate(STREAMS[name]).events
+
+
+@pytest.mark.parametrize("name", [*sorted(STREAMS), "pd-prefill"])
+def test_a_ledger_restored_anywhere_goes_on_as_the_original(name):
+    events = _stream(name)
+    engine_id = events[0]["engine_id"]
+    reference = Ledger(join_transfers=False)
+    expected = reference.apply_many(events)
+    assert expected, "the stream's faults are found"
+    for cut in (1, len(events) // 4, len(events) // 2, len(events) - 7):
+        ledger = Ledger(join_transfers=False)
+        found = ledger.apply_many(events[:cut])
+        derived = _derived(ledger)
+        ledger = _through_checkpoint(ledger, engine_id)
+        assert _derived(ledger) == derived, cut
+        found += ledger.apply_many(events[cut:])
+        assert _violations(found) == _violations(expected), cut
+        assert ledger.coverage == reference.coverage, cut
+        # Nothing is lost or added by a round trip: the next checkpoint is the same.
+        assert ledger_record(ledger) == ledger_record(reference), cut
+
+
+def test_a_join_restored_anywhere_goes_on_as_the_original():
+    faults = (("recv_failed", 0), ("content", 1), ("block_count", 2), ("stuck", 4))
+    sim = simulate_pd_pair(PdConfig(seed=2, requests=7, idle_steps=60, faults=faults))
+    reference = TransferJoin(deadline_steps=20)
+    expected = [v for e in sim.events for v in reference.apply(e)] + reference.finish()
+    assert {"transfer_failed", "transfer_stuck", "transfer_content_mismatch"} <= {v.kind for v in expected}
+    for cut in (len(sim.events) // 3, 2 * len(sim.events) // 3):
+        join = TransferJoin(deadline_steps=20)
+        found = [v for e in sim.events[:cut] for v in join.apply(e)]
+        blob = JoinProjection(0, join).checkpoint()
+        join = JoinProjection.restore(blob, 0).join
+        found += [v for e in sim.events[cut:] for v in join.apply(e)] + join.finish()
+        assert _violations(found) == _violations(expected), cut
+        assert join_record(join) == join_record(reference)
+        assert join_record(join_from_record(join_record(join))) == join_record(join)
+
+
+def test_identical_rank_tables_are_stored_once():
+    sim = simulate(dataclasses.replace(STREAMS["tp2-hybrid"], tp_size=8, faults=(), steps=120))
+    ledger = Ledger(join_transfers=False)
+    ledger.apply_many(sim.events)
+    tables = [slot["table"] for slot in ledger_record(ledger)["ranks"]]
+    assert len(tables) == 8 and tables[0]["same_as"] is None and tables[0]["requests"]
+    assert [t["same_as"] for t in tables[1:]] == [0] * 7
+    restored = _through_checkpoint(ledger, sim.events[0]["engine_id"])
+    states = [slot.state for slot in restored.ranks.values()]
+    assert len({id(s) for s in states}) == 8  # each rank owns its copy, equal to the original's
+    assert ledger_record(restored) == ledger_record(ledger)
+
+
+def _projection_blob() -> bytes:
+    sim = simulate(dataclasses.replace(STREAMS["preempting"], steps=80))
+    records = [Record(0, i, b"sim-engine", CODEC.encode(e)) for i, e in enumerate(sim.events)]
+    projection = EngineProjection("sim-engine")
+    projection.apply(Decoder().split(records)[0]["sim-engine"])
+    return projection.mark_checkpointed()
+
+
+def test_a_pickle_in_the_changelog_is_refused_and_never_run(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    with pytest.raises(CheckpointError, match="not a checkpoint record"):
+        EngineProjection.restore(pickle.dumps({"format": 2, "ledger": Exploit()}), "sim-engine")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda blob: b"garbage" * 10,
+        lambda blob: blob[:10] + b"\xff" * 40,  # the right schema, an undecodable body
+        lambda blob: blob[: len(blob) // 2],  # cut short
+    ],
+)
+def test_a_damaged_checkpoint_is_refused(damage):
+    blob = _projection_blob()
+    assert EngineProjection.restore(blob, "sim-engine").ledger.events > 0
+    with pytest.raises(CheckpointError):
+        EngineProjection.restore(damage(blob), "sim-engine")
+
+
+def test_a_checkpoint_whose_rows_contradict_themselves_is_refused():
+    body = decode_checkpoint(_projection_blob(), ENGINE_CHECKPOINT)
+    table = next(slot["table"] for slot in body["ranks"] if slot["table"] is not None)
+    table["groups"][0]["lens"] = table["groups"][0]["lens"][:-4]  # one row fewer than the table has
+    with pytest.raises(CheckpointError, match="rows do not match"):
+        EngineProjection.restore(encode_checkpoint(ENGINE_CHECKPOINT, body), "sim-engine")
+    with pytest.raises(CheckpointError, match="of engine 'sim-engine' under the key of 'other'"):
+        EngineProjection.restore(_projection_blob(), "other")
+
+
+def test_a_big_checkpoint_is_cut_into_pieces_and_put_back_together():
+    blob = os.urandom(3 * 1000 + 17)
+    pieces = split_checkpoint(blob, limit=1000)
+    assert len(pieces) == 4 and all(len(p) <= 1000 for p in pieces) and chunk_count(pieces[0]) == 4
+    assert join_chunks(pieces) == blob
+    assert split_checkpoint(blob[:900], limit=1000) == [blob[:900]] and chunk_count(blob[:900]) == 1
+    with pytest.raises(CheckpointError, match="missing"):
+        join_chunks([pieces[0], None, *pieces[2:]])
+    with pytest.raises(CheckpointError, match="do not add up"):
+        join_chunks([pieces[0], pieces[2], pieces[1], pieces[3]])
+
+
+def test_violation_ids_remember_a_bounded_number_of_facts():
+    sim = simulate(STREAMS["tp2-hybrid"])
+    found = Ledger(join_transfers=False).apply_many(sim.events)
+    ids = ViolationIds(limit=3)
+    issued = ids.issue(found + found[-1:])
+    assert len(ids.issued) == 3
+    assert issued[-1].id.endswith("/1")  # the same fact again, just issued: a repeat, by id
+    assert ViolationIds.from_record(ids.to_record()).issued == ids.issued
