@@ -32,7 +32,7 @@ def _batch_schema() -> Schema:
     return fastavro.parse_schema(batch)
 
 
-def _checkpoint_schema() -> Schema:
+def checkpoint_raw() -> dict[str, Any]:
     """`checkpoint.avsc` with RankInfo's definition (from `ledger_event.avsc`) in place of its name."""
     checkpoint = raw_schema("checkpoint")
     rank_info = {**raw_schema("ledger_event")["fields"][-1]["type"][0], "namespace": "kvledger"}
@@ -40,13 +40,13 @@ def _checkpoint_schema() -> Schema:
     slot = engine["fields"][[f["name"] for f in engine["fields"]].index("ranks")]["type"]["items"]
     info = slot["fields"][[f["name"] for f in slot["fields"]].index("info")]
     info["type"] = ["null", rank_info]
-    return fastavro.parse_schema(checkpoint)
+    return checkpoint
 
 
 LEDGER_EVENT = load_schema("ledger_event")
 LEDGER_EVENT_BATCH = _batch_schema()
 VIOLATION = load_schema("violation")
-CHECKPOINT = _checkpoint_schema()
+CHECKPOINT = fastavro.parse_schema(checkpoint_raw())
 
 # Names of the body union's branches, as decoders return them.
 RANK_INFO = "kvledger.RankInfo"

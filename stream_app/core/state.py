@@ -14,8 +14,6 @@ looked up or run. A record that does not describe a consistent state raises
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 
 from kvledger.schemas.packing import pack_i32, unpack_i32
@@ -90,25 +88,45 @@ def _same_tables(a: RankState, b: RankState) -> bool:
     )
 
 
+def pack_ids(blocks: np.ndarray) -> tuple[bytes, int]:
+    """Block ids as little-endian unsigned integers of the fewest bytes (1 to 4) that hold the largest;
+    8-byte signed ones when some id is negative or wider (a faulty scheduler's, kept as handed out)."""
+    top = int(blocks.max(initial=0))
+    width = max(1, (top.bit_length() + 7) // 8)
+    if (blocks.size and int(blocks.min()) < 0) or width > 4:
+        return blocks.astype("<i8").tobytes(), 8
+    return np.ascontiguousarray(blocks.astype("<u4").view(np.uint8).reshape(-1, 4)[:, :width]).tobytes(), width
+
+
+def unpack_ids(data: bytes, width: int) -> np.ndarray:
+    if width not in (1, 2, 3, 4, 8) or len(data) % width:
+        raise StateError(f"{len(data)} bytes of block ids, {width} bytes each")
+    if width == 8:
+        return np.frombuffer(data, "<i8").astype(np.int64)
+    wide = np.zeros((len(data) // width, 4), np.uint8)
+    wide[:, :width] = np.frombuffer(data, np.uint8).reshape(-1, width)
+    return wide.view("<u4").ravel().astype(np.int64)
+
+
 def table_record(state: RankState) -> Record:
     n = state.num_rows
-    requests = [
-        {
-            "req_index": index,
-            "req_id": req_id,
-            "row": int(state.row_of[index]),
-            "num_computed_tokens": int(state.computed[state.row_of[index]]),
-            "num_scheduled_tokens": int(state.scheduled[state.row_of[index]]),
-        }
-        for req_id, index in state.index_of.items()
-    ]
+    ids = list(state.index_of)
+    indices = np.fromiter(state.index_of.values(), np.int64, len(ids))
+    rows = state.row_of[indices]
+    requests = {
+        "req_ids": ids,
+        "req_indices": _i32(indices),
+        "rows": _i32(rows),
+        "num_computed_tokens": _i32(state.computed[rows]),
+        "num_scheduled_tokens": _i32(state.scheduled[rows]),
+    }
     groups = []
     for g in state.groups:
         lens = g.lens[:n]
         # Row after row: a boolean mask of the filled cells keeps the order of the rows.
         filled = np.arange(g.table.shape[1]) < lens[:, None]
-        blocks = g.table[:n][filled]
-        groups.append({"lens": _i32(lens), "released": _i32(g.released[:n]), "blocks": zlib.compress(_i32(blocks), 1)})
+        blocks, width = pack_ids(g.table[:n][filled])
+        groups.append({"lens": _i32(lens), "released": _i32(g.released[:n]), "blocks": blocks, "id_bytes": width})
     sends = [{"transfer_id": t, "block_ids": [_i32(b) for b in blocks]} for t, blocks in state.pending_sends.items()]
     return {
         "same_as": None,
@@ -128,25 +146,23 @@ def table_from_record(key: RankKey, info: dict, rec: Record) -> RankState:
     state.num_rows = n
     state.grow_rows(n)
     state.free_rows = _ints(rec["free_rows"]).tolist()
-    for req in rec["requests"]:
-        row, index = req["row"], req["req_index"]
-        if not (0 <= row < n and index >= 0):
-            raise StateError(f"{key}: request {req['req_id']} at row {row}, index {index} (rows: {n})")
-        if index >= state.row_of.size:
-            grown = np.full(max(index + 1, 2 * state.row_of.size), -1, np.int64)
-            grown[: state.row_of.size] = state.row_of
-            state.row_of = grown
-        state.row_of[index] = row
-        state.index_of[req["req_id"]] = index
-        state.req_id_of[index] = req["req_id"]
-        state.computed[row] = req["num_computed_tokens"]
-        state.scheduled[row] = req["num_scheduled_tokens"]
+    reqs = rec["requests"]
+    ids = reqs["req_ids"]
+    columns = [_ints(reqs[k]) for k in ("req_indices", "rows", "num_computed_tokens", "num_scheduled_tokens")]
+    if any(c.size != len(ids) for c in columns):
+        raise StateError(f"{key}: request columns of different lengths")
+    indices, rows, computed, scheduled = columns
+    if ((rows < 0) | (rows >= n) | (indices < 0)).any() or len(set(ids)) != len(ids):
+        raise StateError(f"{key}: requests outside the {n} rows, or named twice")
+    size = max(state.row_of.size, int(indices.max(initial=0)) + 1)
+    state.row_of = np.full(size, -1, np.int64)
+    state.row_of[indices] = rows
+    state.index_of = dict(zip(ids, indices.tolist(), strict=True))
+    state.req_id_of = dict(zip(indices.tolist(), ids, strict=True))
+    state.computed[rows], state.scheduled[rows] = computed, scheduled
     for g, grec in zip(state.groups, rec["groups"], strict=True):
         lens, released = _ints(grec["lens"]), _ints(grec["released"])
-        try:
-            blocks = _ints(zlib.decompress(grec["blocks"]))
-        except zlib.error as exc:
-            raise StateError(f"{key}: group {g.group_id} rows do not decompress: {exc}") from exc
+        blocks = unpack_ids(grec["blocks"], grec["id_bytes"])
         if lens.size != n or released.size != n or int(lens.sum()) != blocks.size or (lens < 0).any():
             raise StateError(f"{key}: group {g.group_id} rows do not match their lengths")
         if ((released < 0) | (released > lens)).any():
@@ -287,7 +303,14 @@ def ledger_record(ledger: Ledger) -> Record:
     }
 
 
-_EMPTY_TABLE: Record = {"requests": [], "num_rows": 0, "free_rows": b"", "groups": [], "pending_sends": []}
+_NO_REQUESTS: Record = {k: b"" for k in ("req_indices", "rows", "num_computed_tokens", "num_scheduled_tokens")}
+_EMPTY_TABLE: Record = {
+    "requests": {"req_ids": [], **_NO_REQUESTS},
+    "num_rows": 0,
+    "free_rows": b"",
+    "groups": [],
+    "pending_sends": [],
+}
 
 
 def ledger_from_record(engine_id: str, rec: Record) -> Ledger:

@@ -16,6 +16,7 @@ import os
 import pickle
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from kvledger.producer.synthetic import FaultSpec, GroupSpec, PdConfig, SimConfig, simulate, simulate_pd_pair
@@ -66,7 +67,7 @@ STREAMS = {
         max_num_seqs=12,
         arrival_rate=0.8,
         zero_new_blocks=True,
-        faults=(FaultSpec("recycled_block", 120), FaultSpec("zero_shared", 200)),
+        faults=(FaultSpec("recycled_block", 120), FaultSpec("block_out_of_range", 150), FaultSpec("zero_shared", 200)),
     ),
 }
 
@@ -143,7 +144,7 @@ def test_identical_rank_tables_are_stored_once():
     ledger = Ledger(join_transfers=False)
     ledger.apply_many(sim.events)
     tables = [slot["table"] for slot in ledger_record(ledger)["ranks"]]
-    assert len(tables) == 8 and tables[0]["same_as"] is None and tables[0]["requests"]
+    assert len(tables) == 8 and tables[0]["same_as"] is None and tables[0]["requests"]["req_ids"]
     assert [t["same_as"] for t in tables[1:]] == [0] * 7
     restored = _through_checkpoint(ledger, sim.events[0]["engine_id"])
     states = [slot.state for slot in restored.ranks.values()]
@@ -196,6 +197,17 @@ def test_a_checkpoint_whose_rows_contradict_themselves_is_refused():
         EngineProjection.restore(_projection_blob(), "other")
 
 
+@pytest.mark.parametrize(
+    "ids", [[], [0, 1, 255], [256, 7], [70_000, 3], [1 << 24, 5], [(1 << 32) - 1], [-1, 4], [1 << 40, 2]]
+)
+def test_block_ids_pack_to_the_fewest_bytes_and_back(ids):
+    from kvledger.stream_app.core.state import pack_ids, unpack_ids
+
+    data, width = pack_ids(np.asarray(ids, np.int64))
+    assert unpack_ids(data, width).tolist() == ids
+    assert len(data) == width * len(ids) and width <= (8 if min(ids, default=0) < 0 or max(ids, default=0) >> 32 else 4)
+
+
 def test_a_big_checkpoint_is_cut_into_pieces_and_put_back_together():
     blob = os.urandom(3 * 1000 + 17)
     pieces = split_checkpoint(blob, limit=1000)
@@ -216,3 +228,50 @@ def test_violation_ids_remember_a_bounded_number_of_facts():
     assert len(ids.issued) == 3
     assert issued[-1].id.endswith("/1")  # the same fact again, just issued: a repeat, by id
     assert ViolationIds.from_record(ids.to_record()).issued == ids.issued
+
+
+# -- the schema --------------------------------------------------------------------------------
+def test_every_checkpoint_field_has_a_doc_and_apache_avro_agrees_on_the_schema():
+    import avro.schema
+    import fastavro
+
+    from kvledger.schemas.codec import schema_fingerprint
+    from kvledger.schemas.registry import CHECKPOINT, checkpoint_raw, raw_schema
+    from tests.unit.test_schemas import _records
+
+    found = list(_records(raw_schema("checkpoint")))
+    missing = [f"{path}.{r['name']}.{f['name']}" for path, r in found for f in r["fields"] if not f.get("doc")]
+    assert found and not missing, missing
+    parsed = avro.schema.parse(json.dumps(checkpoint_raw()))
+    assert parsed.canonical_form == fastavro.schema.to_parsing_canonical_form(CHECKPOINT)
+    assert bytes(parsed.fingerprint("CRC-64-AVRO")) == schema_fingerprint(CHECKPOINT)
+
+
+def _with_table_field(raw: dict) -> dict:
+    """A later version of the schema: an optional field added to Table (the evolution rules' allowed change)."""
+    raw = json.loads(json.dumps(raw))
+    engine = raw["fields"][0]["type"][0]
+    slot = next(f for f in engine["fields"] if f["name"] == "ranks")["type"]["items"]
+    table = next(f for f in slot["fields"] if f["name"] == "table")["type"][1]
+    table["fields"].append({"name": "note", "type": ["null", "string"], "default": None, "doc": "Added later."})
+    return raw
+
+
+def test_checkpoints_evolve_both_ways():
+    """A worker reads the checkpoints of the schema versions it was given: an upgraded worker reads an
+    older one's, an older worker reads an upgraded one's; an unknown version is refused, not misread."""
+    import fastavro
+
+    from kvledger.schemas.registry import CHECKPOINT, checkpoint_raw
+
+    newer = fastavro.parse_schema(_with_table_field(checkpoint_raw()))
+    blob = _projection_blob()  # written by today's schema
+    body = decode_checkpoint(blob, ENGINE_CHECKPOINT)
+    upgraded = SingleObjectCodec(newer, known=[CHECKPOINT], reader=newer)
+    kind, read = upgraded.decode(blob)["body"]
+    assert all(slot["table"] is None or slot["table"]["note"] is None for slot in read["ranks"])
+    new_blob = upgraded.encode({"body": (kind, read)})
+    older = SingleObjectCodec(CHECKPOINT, known=[newer], reader=CHECKPOINT)
+    assert older.decode(new_blob)["body"] == (ENGINE_CHECKPOINT, body)
+    with pytest.raises(CheckpointError, match="unknown writer schema"):
+        EngineProjection.restore(new_blob, "sim-engine")  # this worker was not given that version
