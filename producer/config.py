@@ -8,13 +8,25 @@ A bad value fails at engine start with the key it is about, never later.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 DEFAULT_TOPIC = "kvledger.events"
-_KEYS = {"enabled", "action", "sink", "kafka", "buffer_events", "snapshot_interval", "full_rows", "transfer_digests"}
+_FILE_KEYS = {"segment_bytes", "retain_bytes", "retain_hours"}  # file sinks only
+_KEYS = {
+    "enabled",
+    "action",
+    "sink",
+    "kafka",
+    "buffer_events",
+    "snapshot_interval",
+    "full_rows",
+    "transfer_digests",
+    *_FILE_KEYS,
+}
+DEFAULT_SEGMENT_BYTES = 64 << 20
 
 
 class TraceConfigError(ValueError):
@@ -27,6 +39,9 @@ class SinkSpec:
     path: Path | None = None  # file: the ledger root
     bootstrap: str | None = None  # kafka: HOST:PORT[,HOST:PORT...]
     topic: str = DEFAULT_TOPIC
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES  # file: a segment is rotated at this size
+    retain_bytes: int = 0  # file: bytes kept per rank directory (0: unlimited)
+    retain_hours: float = 0.0  # file: segments whose newest event is older go (0: unlimited)
 
 
 @dataclass(frozen=True)
@@ -50,16 +65,36 @@ class TraceConfig:
         unknown = sorted(set(raw) - _KEYS)
         if unknown:
             raise TraceConfigError(f"kv_trace.{unknown[0]}: unknown key (known: {', '.join(sorted(_KEYS))})")
-        return cls(
+        config = cls(
             enabled=_typed(raw, "enabled", bool, False),
             action=_choice(raw, "action", ("log", "raise"), "log"),
-            sink=parse_sink(raw["sink"]) if "sink" in raw else cls().sink,
+            sink=_file_options(raw, parse_sink(raw["sink"]) if "sink" in raw else cls().sink),
             kafka=_typed(raw, "kafka", dict, {}),
             buffer_events=_positive(raw, "buffer_events", 4096),
             snapshot_interval=_typed(raw, "snapshot_interval", int, 256, minimum=0),
             full_rows=_typed(raw, "full_rows", bool, False),
             transfer_digests=_fraction(raw, "transfer_digests"),
         )
+        if (config.sink.retain_bytes or config.sink.retain_hours) and not config.snapshot_interval:
+            # The oldest segment kept is replayable only from a snapshot.
+            key = "retain_bytes" if config.sink.retain_bytes else "retain_hours"
+            raise TraceConfigError(f"kv_trace.{key}: retention needs snapshots (snapshot_interval > 0)")
+        return config
+
+
+def _file_options(raw: dict, sink: SinkSpec) -> SinkSpec:
+    """The file sink's rotation and retention keys, which mean nothing to another sink."""
+    given = sorted(_FILE_KEYS & set(raw))
+    if given and sink.kind != "file":
+        raise TraceConfigError(f"kv_trace.{given[0]}: applies to file sinks only (got a {sink.kind} sink)")
+    segment_bytes = _positive(raw, "segment_bytes", DEFAULT_SEGMENT_BYTES)
+    retain_bytes = _typed(raw, "retain_bytes", int, 0, minimum=0)
+    if 0 < retain_bytes < segment_bytes:
+        raise TraceConfigError(
+            f"kv_trace.retain_bytes: must be at least segment_bytes ({segment_bytes}), got {retain_bytes}"
+        )
+    retain_hours = _number(raw, "retain_hours", 0.0, minimum=0.0)
+    return replace(sink, segment_bytes=segment_bytes, retain_bytes=retain_bytes, retain_hours=retain_hours)
 
 
 def parse_sink(value: Any) -> SinkSpec:
@@ -88,6 +123,15 @@ def _typed(raw: dict, key: str, kind: type, default: Any, *, minimum: int | None
     if minimum is not None and value < minimum:
         raise TraceConfigError(f"kv_trace.{key}: must be >= {minimum}, got {value}")
     return value
+
+
+def _number(raw: dict, key: str, default: float, *, minimum: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TraceConfigError(f"kv_trace.{key}: expected a number, got {value!r}")
+    if not value >= minimum:  # NaN fails too
+        raise TraceConfigError(f"kv_trace.{key}: must be >= {minimum}, got {value}")
+    return float(value)
 
 
 def _positive(raw: dict, key: str, default: int) -> int:

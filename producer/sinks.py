@@ -16,7 +16,7 @@ from typing import Any
 
 from kvledger.producer.config import SinkSpec
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
-from kvledger.schemas.files import SegmentWriter
+from kvledger.schemas.files import Retention, SegmentWriter
 
 log = logging.getLogger("kvledger.producer")
 
@@ -33,7 +33,10 @@ class FileSink:
     file, whole, within `flush_interval` seconds of its first event, like a Kafka
     producer's linger; at once, with the stream confirmed complete, when the
     recorder finds its rank idle or is asked to (`flush`); and at close. One
-    recorder per sink: `flush` confirms every stream it writes.
+    recorder per sink: `flush` confirms every stream it writes. With `retention`,
+    each rank directory is bounded (`schemas.files.Retention`): segments are cut
+    at snapshots and the oldest deleted on the drain thread, counted in
+    `deleted_segments` and `deleted_bytes`.
     """
 
     lost = 0  # a write either lands or raises
@@ -45,12 +48,23 @@ class FileSink:
         max_segment_bytes: int = 64 << 20,
         codec: str = "deflate",
         flush_interval: float = FILE_LINGER_S,
+        retention: Retention | None = None,
     ):
         self.root = Path(root)
         self.max_segment_bytes = max_segment_bytes
         self.codec = codec
         self.flush_interval = flush_interval
+        self.retention = retention
         self._writers: dict[tuple, SegmentWriter] = {}
+        self._deleted_by_closed = (0, 0)  # (segments, bytes) of writers already closed
+
+    @property
+    def deleted_segments(self) -> int:
+        return self._deleted_by_closed[0] + sum(w.deleted_segments for w in self._writers.values())
+
+    @property
+    def deleted_bytes(self) -> int:
+        return self._deleted_by_closed[1] + sum(w.deleted_bytes for w in self._writers.values())
 
     def write(self, events: Iterable[dict]) -> None:
         batches: dict[tuple, list[dict]] = {}
@@ -66,6 +80,7 @@ class FileSink:
                     max_segment_bytes=self.max_segment_bytes,
                     codec=self.codec,
                     flush_interval=self.flush_interval,
+                    retention=self.retention,
                 )
             writer.write(batch)
 
@@ -82,6 +97,7 @@ class FileSink:
     def close(self, timeout: float = 0.0) -> None:
         for writer in self._writers.values():
             writer.close()
+        self._deleted_by_closed = (self.deleted_segments, self.deleted_bytes)
         self._writers.clear()
 
     def __enter__(self) -> FileSink:
@@ -214,5 +230,8 @@ class KafkaSink:
 
 def open_sink(spec: SinkSpec, kafka_settings: dict[str, Any] | None = None):
     if spec.kind == "file":
-        return FileSink(spec.path)
+        retention = None
+        if spec.retain_bytes or spec.retain_hours:
+            retention = Retention(max_bytes=spec.retain_bytes, max_age_s=spec.retain_hours * 3600)
+        return FileSink(spec.path, max_segment_bytes=spec.segment_bytes, retention=retention)
     return KafkaSink(spec.bootstrap, spec.topic, kafka_settings)

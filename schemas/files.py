@@ -13,12 +13,20 @@ writer died mid-run. Readers report what they could not read instead of
 failing: a torn last block or an unconfirmed end is a truncated tail (every
 whole block before it is kept), damage before the end is `corrupt`; each is
 a `ReadProblem`.
+
+Retention (`Retention`, off by default) bounds a rank directory: after each
+rotation the oldest segments go while the directory holds more than its
+byte budget or their newest event is older than its age limit. With it on,
+segments are cut right before a snapshot's layout (RankInfo, then the
+Snapshot), so the oldest segment kept replays on its own: a reader joins
+the stream there, mid-stream, and resyncs at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import time
@@ -33,12 +41,17 @@ import fastavro
 from fastavro.schema import to_parsing_canonical_form
 from fastavro.write import Writer
 
-from kvledger.schemas.registry import LEDGER_EVENT
+from kvledger.schemas.registry import LEDGER_EVENT, RANK_INFO, SNAPSHOT
+
+log = logging.getLogger("kvledger.producer")  # the writer runs in the producer
 
 SEGMENT_SUFFIX = ".avro"
 END_SUFFIX = ".end"
 _RANK_DIR = re.compile(r"^dp(\d+)-tp(\d+)-pp(\d+)$")
 _SEGMENT = re.compile(r"^(\d+)-(\d+)\.avro$")
+# With retention on, a segment waits for a snapshot to be cut, up to this many times its size:
+# past that it is cut anyway (the bound on disk matters more; readers count the gap unchecked).
+UNCUT_SEGMENT_FACTOR = 4
 
 
 def engine_dir_name(engine_id: str) -> str:
@@ -73,6 +86,33 @@ def read_end_marker(path: Path) -> EndMarker | None:
         return None
 
 
+@dataclass(frozen=True)
+class Retention:
+    """How much of a rank directory (all its incarnations) a writer keeps; 0 is unlimited."""
+
+    max_bytes: int = 0
+    max_age_s: float = 0.0
+
+    def expired(self, total: int, mtime: float, now: float) -> bool:
+        """Whether the oldest segment goes: the directory is over its budget, or the segment's
+        newest event (its mtime) is older than the age limit."""
+        over = 0 < self.max_bytes < total
+        old = 0 < self.max_age_s < now - mtime
+        return over or old
+
+
+def segment_order(path: Path) -> tuple[int, int]:
+    """Write order of a segment file: (incarnation, segment number)."""
+    match = _SEGMENT.match(path.name)
+    assert match, path
+    return int(match[1]), int(match[2])
+
+
+def list_segments(directory: Path) -> list[Path]:
+    """The segments of a rank directory, oldest first."""
+    return sorted((p for p in directory.iterdir() if _SEGMENT.match(p.name)), key=segment_order)
+
+
 class SegmentWriter:
     """Appends events of one rank incarnation, rotating segments by size.
 
@@ -82,7 +122,10 @@ class SegmentWriter:
     killed process leaves whole blocks only (a torn one only if the write
     itself fails, e.g. a full disk). `flush_interval=0` writes each `write`
     at once. `confirm()` and `close()` record in the end marker that the file
-    holds every event so far.
+    holds every event so far. With `retention`, a full segment is cut at the
+    next snapshot (`UNCUT_SEGMENT_FACTOR`) and every rotation deletes the
+    oldest segments of the rank directory it no longer keeps (`deleted_*`
+    count them); it runs on the writer's thread, the producer's drain thread.
     """
 
     def __init__(
@@ -98,6 +141,7 @@ class SegmentWriter:
         codec: str = "deflate",
         block_bytes: int = 64 << 10,
         flush_interval: float = 0.0,
+        retention: Retention | None = None,
     ):
         if incarnation < 0:
             raise ValueError(f"incarnation must be >= 0, got {incarnation}")
@@ -108,11 +152,17 @@ class SegmentWriter:
         self.codec = codec
         self.block_bytes = block_bytes
         self.flush_interval = flush_interval
+        self.retention = retention
+        self.deleted_segments = 0
+        self.deleted_bytes = 0
+        self._previous_body: str | None = None  # the name of the last event written
         self._pending_since: float | None = None  # when the unflushed block got its first event
         self.last_seq = -1  # the newest event handed to `write`
         self.segment = 0
+        self.path: Path | None = None  # the segment being written
         self._file = None
         self._size = 0  # bytes in the file
+        self._segment_events = 0  # events in the segment being written
         self._out = BytesIO()  # whole blocks (and the header) waiting for their write(2)
         self._writer: Writer | None = None
         self._marker = end_marker_path(self.dir, incarnation)
@@ -120,13 +170,44 @@ class SegmentWriter:
         self._open_next()
 
     def _open_next(self) -> None:
+        rotated = self._writer is not None
         self._close_file()
         self.segment += 1
-        path = self.dir / f"{self.incarnation}-{self.segment:06d}{SEGMENT_SUFFIX}"
-        self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed on rotation/close
-        self._size = 0
+        self.path = self.dir / f"{self.incarnation}-{self.segment:06d}{SEGMENT_SUFFIX}"
+        self._file = open(self.path, "wb", buffering=0)  # noqa: SIM115 - closed on rotation/close
+        self._size = self._segment_events = 0
         self._writer = Writer(self._out, LEDGER_EVENT, codec=self.codec, sync_interval=self.block_bytes)
         self._commit()
+        if rotated and self.retention is not None:
+            self._retire()
+
+    def _retire(self) -> None:
+        """Delete the oldest segments of the rank directory that retention no longer keeps; never
+        the one being written, nor anything after it (another writer's)."""
+        assert self.retention is not None
+        sized = []
+        for path in list_segments(self.dir):
+            with contextlib.suppress(OSError):  # gone already: nothing to keep or count
+                sized.append((path, path.stat()))
+        total, now = sum(st.st_size for _, st in sized), time.time()
+        for path, st in sized:
+            if path == self.path or not self.retention.expired(total, st.st_mtime, now):
+                break
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            total -= st.st_size
+            self.deleted_segments += 1
+            self.deleted_bytes += st.st_size
+            log.debug("kv_trace: retention deleted %s (%d bytes)", path, st.st_size)
+        self._drop_orphan_markers()
+
+    def _drop_orphan_markers(self) -> None:
+        """End markers of incarnations whose segments are all gone say nothing any more."""
+        live = {segment_order(p)[0] for p in list_segments(self.dir)} | {self.incarnation}
+        for marker in self.dir.glob(f"*{END_SUFFIX}"):
+            if marker.stem.isdigit() and int(marker.stem) not in live:
+                with contextlib.suppress(FileNotFoundError):
+                    marker.unlink()
 
     def _commit(self) -> None:
         """Hand the whole blocks fastavro has finished to the OS, in one write(2)."""
@@ -143,8 +224,16 @@ class SegmentWriter:
     def write(self, events: list[dict[str, Any]]) -> None:
         """Append events; they are in the file within `flush_interval` seconds."""
         assert self._writer is not None, "writer is closed"
-        for event in events:
-            self._writer.write(event)
+        start = 0
+        if self.retention is not None:
+            for i, event in enumerate(events):
+                full = self._segment_events and self._size >= self.max_segment_bytes
+                if full and self._resync_point(event):
+                    self._append(events[start:i])
+                    self._open_next()  # the new segment begins where a reader can resync
+                    start = i
+                self._previous_body = event["body"][0]
+        self._append(events[start:])
         if events:
             self.last_seq = events[-1]["seq"]
         now = time.monotonic()
@@ -154,8 +243,20 @@ class SegmentWriter:
             self.flush()
         else:
             self._commit()  # blocks fastavro cut at `block_bytes`
-        if self._size >= self.max_segment_bytes:
+        factor = 1 if self.retention is None else UNCUT_SEGMENT_FACTOR
+        if self._size >= factor * self.max_segment_bytes:
             self._open_next()
+
+    def _append(self, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            self._writer.write(event)
+        self._segment_events += len(events)
+
+    def _resync_point(self, event: dict[str, Any]) -> bool:
+        """A snapshot's layout, or a snapshot that came without one: a reader starting here
+        needs nothing older."""
+        name = event["body"][0]
+        return name == RANK_INFO or (name == SNAPSHOT and self._previous_body != RANK_INFO)
 
     def flush(self) -> None:
         """End the current block and write it."""
@@ -228,10 +329,7 @@ def discover(root: str | Path) -> list[RankStream]:
             match = _RANK_DIR.match(rdir.name)
             if not match:
                 continue
-            segments = sorted(
-                (p for p in rdir.iterdir() if _SEGMENT.match(p.name)),
-                key=lambda p: tuple(int(x) for x in _SEGMENT.match(p.name).groups()),
-            )
+            segments = list_segments(rdir)
             if segments:
                 dp, tp, pp = (int(x) for x in match.groups())
                 streams.append(RankStream(unquote(engine_dir.name), dp, tp, pp, segments))
@@ -286,6 +384,9 @@ def read_segment(
                         progress[path] = whole_end
             except Exception as exc:  # zlib and codec errors surface as assorted types
                 problems.append(_block_problem(path, blocks._header["sync"], whole_end, exc, count))
+    except FileNotFoundError:
+        # Listed, then gone: deleted by the writer's retention (the oldest segments go first).
+        problems.append(ReadProblem(str(path), "deleted", "the segment was deleted while being read", count))
     except (OSError, ValueError) as exc:
         problems.append(ReadProblem(str(path), "corrupt", f"{type(exc).__name__}: {exc}", count))
 

@@ -7,6 +7,7 @@ want), feed the core, and account for whatever could not be read.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -108,7 +109,7 @@ def iter_ledger(
     if not streams:
         what = f"no rank streams of engine {engine_id!r}" if engine_id else "no ledger segments (*.avro)"
         raise UnusableLedger(f"{what} under {', '.join(map(str, roots))}")
-    total = sum(p.stat().st_size for s in streams for p in s.segments)
+    total = sum(_size(p) for s in streams for p in s.segments)
     done: dict[Path, int] = {}
 
     def events() -> Iterator[tuple]:
@@ -122,6 +123,12 @@ def iter_ledger(
             progress(total, total)
 
     return streams, events()
+
+
+def _size(path: Path) -> int:
+    with contextlib.suppress(OSError):  # deleted since it was listed (a writer's retention)
+        return path.stat().st_size
+    return 0
 
 
 def replay(

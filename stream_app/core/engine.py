@@ -396,7 +396,10 @@ class Ledger:
                 self.coverage.unchecked["rank_restarted"] += 1
             slot = self.ranks[key] = RankSlot(event["incarnation"], seq + 1)
             if seq != 0:
+                # Its earlier records are gone (a retention window, a consumer that started late):
+                # up to its first step, its absence is not the rank's fault.
                 slot.desynced = True
+                slot.gap_after_step = -1
                 self.coverage.unchecked["joined_mid_stream"] += 1
             return slot
         self.coverage.checks["sequence"] += 1

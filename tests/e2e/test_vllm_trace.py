@@ -15,8 +15,10 @@ import socket
 import pytest
 from confluent_kafka import Consumer
 
+from kvledger.producer.config import TraceConfig
+from kvledger.producer.sinks import open_sink
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
-from kvledger.schemas.files import discover, read_segment
+from kvledger.schemas.files import discover, read_segment, read_stream
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import replay
 from tests.e2e.conftest import assert_preempted_resumed_and_hit, step_inputs
@@ -71,6 +73,34 @@ def test_clean_run_really_preempted_hit_the_prefix_cache_and_chunked(clean_run):
     assert any(r["num_scheduled_tokens"] < r["num_prompt_tokens"] - r["num_computed_tokens"] for r in new), (
         "no chunked prefill"
     )
+
+
+def test_retention_keeps_a_bounded_tail_of_the_real_ledger_that_checks_silent(clean_run, tmp_path):
+    """File retention over the clean run's events (snapshots every 16 steps), re-recorded through
+    the sink its kv_trace keys open, with segments small enough to rotate at every snapshot.
+    (Retention inside that engine would void what the run checks: everything, from step 0.)"""
+    _, _, ledger_root = clean_run
+    [stream] = discover(ledger_root)
+    events = list(read_stream(stream, []))
+    retain_bytes = 40_000  # about two segments: each holds a ~15 KB header (the writer schema)
+    keys = {"sink": f"file://{tmp_path}/kept", "snapshot_interval": 16, "segment_bytes": 16_000}
+    spec = TraceConfig.from_additional_config({"kv_trace": {**keys, "retain_bytes": retain_bytes}}).sink
+    sink = open_sink(spec)
+    sink.flush_interval = 0  # replayed faster than the drain thread writes: each batch a block at once
+    for at in range(0, len(events), 8):
+        sink.write(events[at : at + 8])
+    sink.close()
+    [kept] = discover(tmp_path / "kept")
+    sizes = [p.stat().st_size for p in kept.segments]
+    print(f"retention: {sink.deleted_segments} segment(s) deleted, {sum(sizes)} bytes kept in {len(sizes)}")
+    assert sink.deleted_segments > 0 and kept.segments[0].name.endswith(f"-{sink.deleted_segments + 1:06d}.avro")
+    assert sum(sizes[:-1]) <= retain_bytes  # and the segment being written at the end
+    result = replay(tmp_path / "kept")
+    assert result.violations == [] and result.problems == []
+    unchecked = result.unchecked
+    # Preempted requests are not in a snapshot: the resync leaves them out until they come back.
+    assert unchecked["joined_mid_stream"] == 1 and set(unchecked) <= {"joined_mid_stream", "unknown_request"}
+    assert result.ledger.coverage.checks["resync"] == 1 and result.ledger.coverage.checks["write"] > 0
 
 
 def test_outputs_identical_with_tracing_on_and_off(clean_run, engine):
