@@ -24,6 +24,7 @@ _KEYS = {
     "snapshot_interval",
     "full_rows",
     "transfer_digests",
+    "engine_id",
     *_FILE_KEYS,
 }
 DEFAULT_SEGMENT_BYTES = 64 << 20
@@ -54,6 +55,8 @@ class TraceConfig:
     snapshot_interval: int = 256  # steps between snapshots (0: none)
     full_rows: bool = False
     transfer_digests: float = 0.0
+    # The ledger's name for this engine, kept across restarts (else a new one at every start).
+    engine_id: str | None = None
 
     @classmethod
     def from_additional_config(cls, additional_config: dict | None) -> TraceConfig:
@@ -74,12 +77,32 @@ class TraceConfig:
             snapshot_interval=_typed(raw, "snapshot_interval", int, 256, minimum=0),
             full_rows=_typed(raw, "full_rows", bool, False),
             transfer_digests=_fraction(raw, "transfer_digests"),
+            engine_id=_engine_id(raw),
         )
         if (config.sink.retain_bytes or config.sink.retain_hours) and not config.snapshot_interval:
             # The oldest segment kept is replayable only from a snapshot.
             key = "retain_bytes" if config.sink.retain_bytes else "retain_hours"
             raise TraceConfigError(f"kv_trace.{key}: retention needs snapshots (snapshot_interval > 0)")
         return config
+
+
+def _engine_id(raw: dict) -> str | None:
+    value = raw.get("engine_id")
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise TraceConfigError(f"kv_trace.engine_id: expected a non-empty string, got {value!r}")
+    return value
+
+
+def resolve_engine_id(configured: str | None, connector_engine_id: str | None, instance_id: str) -> str:
+    """The engine id the ledger uses: `kv_trace.engine_id`, else the KV connector's (the id its peers
+    know it by, in PD pairs), else `vllm-<instance_id>`, new at every start. With a connector the two
+    must agree: the transfer join matches engines by the connector's ids."""
+    if configured is not None and connector_engine_id is not None and configured != connector_engine_id:
+        raise TraceConfigError(
+            f"kv_trace.engine_id: {configured!r} differs from kv_transfer_config.engine_id "
+            f"{connector_engine_id!r}; a PD engine is known by its connector's id (leave it unset, or equal)"
+        )
+    return configured or connector_engine_id or f"vllm-{instance_id}"
 
 
 def _file_options(raw: dict, sink: SinkSpec) -> SinkSpec:

@@ -105,8 +105,9 @@ class RankRecorder:
             self.high_water = buffered + 1
         return seq
 
-    def health(self, step: int) -> tuple[str, dict]:
-        return records.health(step, self.captured, self.dropped, self.probe_ns, self.capacity, self.high_water)
+    def health(self, step: int, closing: bool = False) -> tuple[str, dict]:
+        counts = (self.captured, self.dropped, self.probe_ns, self.capacity, self.high_water)
+        return records.health(step, *counts, closing=closing)
 
     # -- drain thread -----------------------------------------------------------------------
     def _drain(self) -> None:
@@ -186,12 +187,13 @@ class RankRecorder:
             self.sink_failed += len(batch)
 
     def close(self, step: int, timeout: float = 5.0) -> None:
-        """Record a last Health event, drain, and close the sink within `timeout` seconds."""
+        """Record a last Health event (`closing`: the rank says it is done), drain, and close the
+        sink within `timeout` seconds."""
         deadline = time.monotonic() + timeout
         self._wake.set()
         while self._buffer and time.monotonic() < deadline:  # room for the last word
             time.sleep(0.001)
-        self.capture(self.health(step))
+        self.capture(self.health(step, closing=True))
         self._stop = True
         self._wake.set()
         self._thread.join(max(deadline - time.monotonic(), 0.0))

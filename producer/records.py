@@ -333,7 +333,9 @@ def snapshot(step: int, requests: list[tuple[int, str, int, list[np.ndarray]]]) 
     }
 
 
-def health(step: int, captured: int, dropped: int, probe_ns: int, capacity: int, high_water: int) -> tuple[str, dict]:
+def health(
+    step: int, captured: int, dropped: int, probe_ns: int, capacity: int, high_water: int, closing: bool = False
+) -> tuple[str, dict]:
     return HEALTH, {
         "step": step,
         "events_captured": captured,
@@ -341,6 +343,7 @@ def health(step: int, captured: int, dropped: int, probe_ns: int, capacity: int,
         "probe_ns": probe_ns,
         "buffer_capacity": capacity,
         "buffer_high_water": high_water,
+        "closing": closing,
     }
 
 

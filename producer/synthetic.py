@@ -114,6 +114,7 @@ class SimConfig:
     zero_new_blocks: bool = False
     faults: tuple[FaultSpec, ...] = ()
     incarnation: int = 1
+    close_at_end: bool = False  # each rank's last event says it shut down (Health.closing)
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,8 @@ class SyntheticEngine:
                 yield from self._emit_all(self._snapshot(step))
             if self.cfg.health_interval and step % self.cfg.health_interval == self.cfg.health_interval - 1:
                 yield from self._emit_all(records.health(step, step + 1, 0, 0, 4096, 1))
+        if self.cfg.close_at_end:
+            yield from self._emit_all(records.health(self.cfg.steps - 1, self.cfg.steps, 0, 0, 4096, 1, closing=True))
 
     # -- emission -----------------------------------------------------------------------------
     def _emit(self, rank: RankIdentity, body: tuple[str, dict]) -> dict:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvledger.producer import records
-from kvledger.producer.config import TraceConfig
+from kvledger.producer.config import TraceConfig, resolve_engine_id
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import open_sink
@@ -355,7 +355,8 @@ class V1RunnerProbe:
 
         vllm_config = self.runner.vllm_config
         kv_transfer = vllm_config.kv_transfer_config
-        engine_id = kv_transfer.engine_id if kv_transfer is not None else f"vllm-{vllm_config.instance_id}"
+        connector_id = kv_transfer.engine_id if kv_transfer is not None else None
+        engine_id = resolve_engine_id(self.config.engine_id, connector_id, vllm_config.instance_id)
         return RankIdentity(
             engine_id,
             vllm_config.parallel_config.data_parallel_index,

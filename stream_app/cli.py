@@ -204,6 +204,14 @@ def _port_free(port: int) -> bool:
     help="Seconds an engine may be silent before steps held for its missing ranks are settled.",
 )
 @click.option(
+    "--retire-after",
+    type=click.FloatRange(1.0),
+    default=3600.0,
+    show_default=True,
+    help="Seconds an engine may be silent before it is retired (its state dropped); "
+    "one whose ranks all shut down is retired at once.",
+)
+@click.option(
     "--session-timeout",
     type=click.FloatRange(6.0),
     default=10.0,
@@ -221,6 +229,7 @@ def stream(
     topic_prefix: str,
     replication: int,
     settle_after: float,
+    retire_after: float,
     session_timeout: float,
     loglevel: str,
 ) -> None:
@@ -244,6 +253,7 @@ def stream(
         topic_prefix=topic_prefix,
         replication=replication,
         settle_after=settle_after,
+        retire_after=retire_after,
         session_timeout=session_timeout,
     )
     click.echo(

@@ -129,6 +129,7 @@ class RankSlot:
     events_dropped: int = 0
     gap_after_step: int | None = None  # last step seen before a sequence gap, until the next step
     declared: Declared | None = None  # configurations the checks do not model (from RankInfo)
+    closed: bool = False  # the rank said it shut down (Health.closing): nothing more comes from it
 
 
 @dataclass
@@ -248,6 +249,7 @@ class Ledger:
                 slot.state.apply_connector(body)
         elif name == HEALTH:
             slot.events_dropped = body["events_dropped"]
+            slot.closed = slot.closed or bool(body.get("closing"))
         if name in _TRANSFER_BODIES:
             self._transfers(key, event, out)
         return out
@@ -382,6 +384,11 @@ class Ledger:
         ledger = cls.__new__(cls)
         ledger.__dict__.update(copy.deepcopy(state))
         return ledger
+
+    @property
+    def closed(self) -> bool:
+        """Every rank seen said it shut down: the engine can be retired once its steps are settled."""
+        return bool(self.ranks) and all(slot.closed for slot in self.ranks.values())
 
     @property
     def producer_dropped(self) -> int:

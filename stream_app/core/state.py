@@ -231,6 +231,7 @@ def _slot_record(key: RankKey, slot: RankSlot, table) -> Record:
         "last_step": slot.last_step,
         "events_dropped": slot.events_dropped,
         "gap_after_step": slot.gap_after_step,
+        "closed": slot.closed,
         "table": table,
     }
 
@@ -325,6 +326,7 @@ def ledger_from_record(engine_id: str, rec: Record) -> Ledger:
         slot = RankSlot(srec["incarnation"], srec["next_seq"], info=srec["info"])
         slot.desynced, slot.last_step = srec["desynced"], srec["last_step"]
         slot.events_dropped, slot.gap_after_step = srec["events_dropped"], srec["gap_after_step"]
+        slot.closed = srec["closed"]
         slot.declared = Declared.of(slot.info) if slot.info is not None else None
         table = srec["table"]
         if table is not None and slot.info is None:

@@ -48,6 +48,7 @@ from kvledger.stream_app.worker.topics import Topics
 from kvledger.stream_app.worker.views import register_views
 
 RECENT_VIOLATIONS = 200
+RETIRED_KEPT = 256  # retired engines listed in /engines
 log = logging.getLogger("kvledger.worker")
 
 
@@ -62,6 +63,7 @@ class WorkerSettings:
     topic_prefix: str = "kvledger"
     replication: int = 1
     settle_after: float = 5.0  # watermark: an engine silent this long has its held steps settled
+    retire_after: float = 3600.0  # an engine silent this long is retired (one whose ranks all closed: at once)
     checkpoint_every: float = 1.0  # seconds between checkpoints (and so between offset commits)
     checkpoint_events: int = 8192  # ... or events, whichever comes first
     checkpoint_share: float = 0.1  # ... but checkpoints take at most this share of the time
@@ -99,6 +101,8 @@ class StreamWorker:
         self.join_anchors: dict[int, faust.EventT] = {}
         self.dirty_joins: set[int] = set()
         self.pieces: dict[bytes, int] = {}  # table key -> entries its checkpoint spans
+        self.retiring: dict[str, str] = {}  # engine -> why: dropped at the next checkpoint
+        self.retired: deque[dict] = deque(maxlen=RETIRED_KEPT)
         self.unacked: list[tuple[faust.StreamT, faust.EventT]] = []
         self.positions: dict[Any, int] = {}  # events tp -> next offset to process
         self.recent: deque = deque(maxlen=RECENT_VIOLATIONS)
@@ -162,7 +166,8 @@ class StreamWorker:
         async def housekeeping() -> None:
             async with self.lock:
                 await self._settle_silent_engines()
-                if self._checkpoint_due(s.checkpoint_every):
+                await self._mark_retiring()
+                if self._checkpoint_due(s.checkpoint_every) or self.retiring:
                     await self._checkpoint()
             self._update_lag()
 
@@ -189,6 +194,7 @@ class StreamWorker:
         for engine_id, items in per_engine.items():
             anchor = by_record[id(items[-1][0])]
             projection = self._projection(engine_id, anchor, refused)
+            self.retiring.pop(engine_id, None)  # it speaks again: not retired
             self.anchors[engine_id] = anchor
             self.last_active[engine_id] = now
             outcome.merge(projection.apply(items))
@@ -342,6 +348,42 @@ class StreamWorker:
                 self.dirty.add(engine_id)
         await self._publish(outcome)
 
+    async def _mark_retiring(self) -> None:
+        """Engines whose ranks all shut down, or silent for `retire_after` while the worker was
+        consuming and caught up: their held steps are settled now, their state dropped at the next
+        checkpoint (after what the settling found is on the broker)."""
+        if not self.app.flow_control.is_active():
+            return
+        now = time.monotonic()
+        assigned = self.app.consumer.assignment()
+        outcome = Outcome()
+        for engine_id, projection in self.engines.items():
+            tp = self.anchors[engine_id].message.tp
+            if engine_id in self.retiring or tp not in assigned or self.lag(tp) != 0:
+                continue
+            silent = now - self.last_active.get(engine_id, now) >= self.settings.retire_after
+            reason = "closed" if projection.ledger.closed else "silent" if silent else None
+            if reason is not None:
+                outcome.merge(projection.settle())
+                self.retiring[engine_id] = reason
+        await self._publish(outcome)
+
+    def _retire(self, engine_id: str, reason: str) -> None:
+        """Drop an engine's state and its checkpoint (a tombstone: compaction forgets it)."""
+        projection = self.engines.pop(engine_id)
+        key = engine_id.encode()
+        with in_partition_of(self.anchors.pop(engine_id)):
+            for i in range(1, self.pieces.pop(key, 1)):
+                del self.table[_piece_key(key, i)]
+            if key in self.table:
+                del self.table[key]
+        self.last_active.pop(engine_id, None)
+        self.dirty.discard(engine_id)
+        ledger = projection.ledger
+        self.retired.append({"engine_id": engine_id, "reason": reason, "events": ledger.events, "steps": ledger.steps})
+        self.metrics.retired.labels(reason).inc()
+        log.info("engine %s: retired (%s) after %d events", engine_id, reason, ledger.events)
+
     def lag(self, tp) -> int | None:
         """Records of an events partition not processed yet; None before its first fetch."""
         try:
@@ -365,12 +407,17 @@ class StreamWorker:
         (so their offsets may be committed) only once a checkpoint covers them.
         """
         started = self.last_checkpoint = time.monotonic()
-        if not self.dirty and not self.dirty_joins and not self.unacked:
+        if not self.dirty and not self.dirty_joins and not self.unacked and not self.retiring:
             return
         await self._flush()
         assigned = self.app.consumer.assignment()
         # After the flush: a rank's transfer events are on the topic before its clock passes them.
         await self._send_progress(assigned)
+        for engine_id, reason in sorted(self.retiring.items()):
+            if self.anchors[engine_id].message.tp in assigned:
+                self._retire(engine_id, reason)
+        self.retiring.clear()
+        self.metrics.engines.set(len(self.engines))
         for engine_id in sorted(self.dirty):
             anchor = self.anchors[engine_id]
             if anchor.message.tp not in assigned:
@@ -419,7 +466,7 @@ class StreamWorker:
 
     def _forget_all_but(self, assigned) -> None:
         for engine_id in [e for e, a in self.anchors.items() if a.message.tp not in assigned]:
-            for held in (self.engines, self.anchors, self.last_active):
+            for held in (self.engines, self.anchors, self.last_active, self.retiring):
                 held.pop(engine_id, None)
             self.dirty.discard(engine_id)
         now = time.monotonic()

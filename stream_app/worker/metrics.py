@@ -30,5 +30,13 @@ class WorkerMetrics:
             registry=r,
         )
 
+        self.engines = Gauge("kvledger_engines", "Engines this worker holds state for.", registry=r)
+        self.retired = Counter(
+            "kvledger_engines_retired",
+            "Engines retired: every rank shut down (closed), or silent for --retire-after (silent).",
+            ["reason"],
+            registry=r,
+        )
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,7 +1,8 @@
 """The worker's web views (Faust's web server, bound to 127.0.0.1).
 
 /metrics       Prometheus exposition
-/engines       engines and ranks seen: last step, lag, events dropped by producers
+/engines       engines and ranks seen: last step, lag, events dropped by producers; then the engines
+               retired (state "retired", and why: every rank shut down, or silent too long)
 /violations    the most recent violations, newest last
 /block-table   ?engine=E&req=R[&step=S]: a request's block table per rank, at each rank's current
                step, or at step S (time travel: rebuilt from a kept checkpoint and the events topic)
@@ -45,6 +46,7 @@ def engines_view(worker: StreamWorker) -> list[dict]:
         out.append(
             {
                 "engine_id": engine_id,
+                "state": "live",
                 "partition": tp.partition if tp is not None else None,
                 "lag": lag,
                 "events": ledger.events,
@@ -52,8 +54,13 @@ def engines_view(worker: StreamWorker) -> list[dict]:
                 "steps": ledger.steps,
                 "held_steps": sum(len(g.pending) for g in ledger.step_groups.values()),
                 "ranks": ranks,
+                "closed": ledger.closed,
             }
         )
+    live = {e["engine_id"] for e in out}
+    for retired in worker.retired:
+        if retired["engine_id"] not in live:  # an engine id that came back is listed live
+            out.append({**retired, "state": "retired", "held_steps": 0, "ranks": []})
     return out
 
 

@@ -79,10 +79,11 @@ def cluster(kafka_bootstrap, tmp_path):
     prefix = f"t{uuid.uuid4().hex[:8]}"
     workers: list[Worker] = []
 
-    def start(name: str, partitions: int = 3) -> Worker:
+    def start(name: str, partitions: int = 3, *options: str) -> Worker:
         worker = start_worker(
             kafka_bootstrap, prefix, tmp_path / f"state-{name}", tmp_path / f"{name}.log",
             "--partitions", str(partitions), "--settle-after", str(SETTLE_AFTER), "--session-timeout", "6",
+            *options,
         )  # fmt: skip
         workers.append(worker)
         return worker
@@ -287,3 +288,45 @@ def test_a_pickle_or_garbage_in_the_changelog_is_refused_and_the_engine_rebuilt(
     assert all(dict(m.headers())["kvledger.source"].startswith(changelog.encode()) for m in dead)
     assert worker.total("kvledger_deadletter_total") == 2
     assert worker.metrics().get('kvledger_unchecked_total{reason="checkpoint_refused"}') == 2
+
+
+def test_engines_whose_ranks_closed_or_went_silent_are_retired_and_may_come_back(cluster, tmp_path):
+    """A month-long worker holds only live engines: one whose ranks all said they shut down is
+    retired at once, a silent one after --retire-after; both say so in /engines and a metric, their
+    checkpoints are deleted (tombstones), and an engine id that comes back starts afresh."""
+    import dataclasses
+
+    closing = simulate(dataclasses.replace(engine_config("retire-closed", 31, 80), close_at_end=True)).events
+    silent = simulate(engine_config("retire-silent", 32, 80)).events
+    worker = cluster("w", 3, "--retire-after", "4")
+    produce(cluster.bootstrap, f"{cluster.prefix}.events", interleave({"a": closing, "b": silent}))
+
+    def retired() -> dict[str, str]:
+        return {e["engine_id"]: e["reason"] for e in json.loads(worker.get("/engines")) if e["state"] == "retired"}
+
+    wait_for("the closed engine to retire", lambda: "retire-closed" in retired(), [worker])
+    assert "retire-silent" not in retired()  # it still has time: silent for less than 4 s
+    wait_for("the silent engine to retire", lambda: retired().get("retire-silent") == "silent", [worker])
+    assert retired() == {"retire-closed": "closed", "retire-silent": "silent"}
+    views = {e["engine_id"]: e for e in json.loads(worker.get("/engines"))}
+    assert views["retire-closed"]["events"] == len(closing) and views["retire-silent"]["events"] == len(silent)
+    assert worker.total("kvledger_engines_retired_total") == 2 and worker.total("kvledger_engines") == 0
+
+    latest = {}
+    for m in read_all(cluster.bootstrap, f"{cluster.prefix}-checkpoints-changelog"):
+        latest[m.key()] = m.value()
+    # The silent engine was checkpointed while it waited: a tombstone now. The closed one retired at
+    # once (maybe before its first checkpoint): nothing, or a tombstone.
+    assert b"retire-silent" in latest and latest[b"retire-silent"] is None
+    assert latest.get(b"retire-closed") is None
+
+    again = simulate(dataclasses.replace(engine_config("retire-closed", 33, 40), incarnation=2)).events
+    produce(cluster.bootstrap, f"{cluster.prefix}.events", again)
+
+    def back() -> dict | None:
+        live = [e for e in json.loads(worker.get("/engines")) if e["state"] == "live"]
+        return live[0] if live and live[0]["events"] == len(again) and live[0]["held_steps"] == 0 else None
+
+    wait_for("the engine id to come back", back, [worker])
+    engine = back()
+    assert engine["engine_id"] == "retire-closed" and all(r["in_sync"] for r in engine["ranks"])

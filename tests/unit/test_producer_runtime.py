@@ -50,6 +50,27 @@ def test_full_config():
     assert (config.buffer_events, config.snapshot_interval, config.transfer_digests) == (64, 0, 0.25)
 
 
+def test_a_configured_engine_id_survives_restarts_and_agrees_with_the_connector():
+    from kvledger.producer.config import resolve_engine_id
+
+    config = TraceConfig.from_additional_config({"kv_trace": {"engine_id": "llama-70b-a"}})
+    assert config.engine_id == "llama-70b-a"
+    assert resolve_engine_id(config.engine_id, None, "1f3e") == "llama-70b-a"  # whatever the instance id
+    assert resolve_engine_id(None, None, "1f3e") == "vllm-1f3e"  # new at every start
+    assert resolve_engine_id(None, "prefill-0", "1f3e") == "prefill-0"  # a PD engine: its peers' name for it
+    assert resolve_engine_id("prefill-0", "prefill-0", "1f3e") == "prefill-0"
+    with pytest.raises(TraceConfigError, match=r"^kv_trace\.engine_id: 'a' differs from kv_transfer_config"):
+        resolve_engine_id("a", "prefill-0", "1f3e")
+
+
+def test_a_closing_recorder_says_so_in_its_last_event(tmp_path):
+    recorder = RankRecorder(RANK, FileSink(tmp_path))
+    recorder.close(step=3)
+    result = replay(tmp_path)
+    [slot] = result.ledger.ranks.values()
+    assert slot.closed and result.ledger.closed
+
+
 def test_sinks():
     assert parse_sink("file:///var/lib/kv").path == Path("/var/lib/kv")
     assert parse_sink("kafka://broker:9092").topic == DEFAULT_TOPIC
@@ -71,6 +92,8 @@ def test_sinks():
         ({"snapshot_interval": -1}, "snapshot_interval"),
         ({"transfer_digests": 1.5}, "transfer_digests"),
         ({"transfer_digest": 0.5}, "transfer_digest"),
+        ({"engine_id": ""}, "engine_id"),
+        ({"engine_id": 7}, "engine_id"),
     ],
 )
 def test_bad_settings_name_their_key(raw, key):
