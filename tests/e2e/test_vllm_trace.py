@@ -189,7 +189,9 @@ def test_trace_to_kafka(kafka_bootstrap, tmp_path, engine):
         consumer.close()
     assert events and [e["seq"] for e in events] == list(range(len(events)))
     assert events[-1]["body"][0] == "kvledger.Health" and events[-1]["body"][1]["events_dropped"] == 0
+    assert events[-1]["body"][1]["closing"] and not any(e["body"][1].get("closing") for e in events[:-1])
     assert [v for e in events for v in ledger.apply(e)] + ledger.finish() == []
+    assert ledger.closed  # the engine shut down cleanly: a worker would retire it now
     assert ledger.coverage.checks["write"] > 10
 
 
