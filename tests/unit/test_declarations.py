@@ -8,6 +8,7 @@ import subprocess
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from kvledger.producer import records
 from kvledger.producer.records import RankIdentity
@@ -71,6 +72,7 @@ def test_both_runners_put_the_declarations_in_their_capabilities():
     ]
 
 
+@pytest.mark.vllm
 def test_the_config_attributes_read_exist_in_this_vllm():
     # The stand-in configs above mirror vLLM's own names: a rename there must fail here.
     script = (

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -326,6 +327,7 @@ def test_drafters_without_kv_of_their_own_need_no_capability():
     assert drafter_capability(probe_of(SimpleNamespace(), method="ngram", draft_kv=False)) == []
 
 
+@pytest.mark.vllm
 def test_the_drafters_attach_points_exist_in_this_vllm():
     # The stand-ins above mirror vLLM's own names: a rename there must fail here.
     script = (
