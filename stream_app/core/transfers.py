@@ -148,7 +148,7 @@ class TransferJoin:
     a worker that restarts re-sends what its checkpoint did not cover). Never
     call `finish()` on a live stream: it settles orphans as if the input had
     ended; the deadline reports them instead. State is a plain object
-    (checkpoint it with deepcopy/pickle, like the Ledger); a closed transfer's
+    (a checkpoint is its record, core/state.py, like the Ledger's); a closed transfer's
     state is dropped `RETIRE_AFTER` deadlines after it closed, so it stays
     bounded on a stream that never ends.
     """
