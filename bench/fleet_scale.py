@@ -118,9 +118,11 @@ def measure(num_blocks: int, requests: int, steps: int, tp: int) -> dict:
         times.append(time.perf_counter() - start)
     restored = EngineProjection.restore(blob, "fleet-engine")
     assert restored.ledger.ranks.keys() == ledger.ranks.keys()
-    held = sum(int(s.state.groups[0].hold_count.astype(bool).sum()) for s in ledger.ranks.values()) // tp
+    tables = [s.state for s in ledger.ranks.values() if s.state is not None]
+    held = int(tables[0].groups[0].hold_count.astype(bool).sum())
     return {
         "tp": tp,
+        "tables": len(tables),
         "held_blocks": held,
         "step_us": replay / (steps - 2) * 1e6,
         "checkpoint_bytes": len(blob),
@@ -146,10 +148,13 @@ def main() -> None:
         out = subprocess.run([*cmd, f"--steps={args.steps}", f"--tp={tp}"], capture_output=True, text=True, check=True)
         results[tp] = json.loads(out.stdout)
     print(f"engine: {args.blocks:,} blocks, {args.requests:,} requests, {args.steps} decode steps")
-    print(f"{'':<6}{'held blocks':>12}{'us/step':>10}{'checkpoint':>12}{'pieces':>8}{'ckpt ms':>9}{'state MB':>10}")
+    print(
+        f"{'':<6}{'tables':>7}{'held blocks':>12}{'us/step':>10}{'checkpoint':>12}{'pieces':>8}{'ckpt ms':>9}"
+        f"{'state MB':>10}"
+    )
     for tp, r in results.items():
         print(
-            f"TP={tp:<3}{r['held_blocks']:>12,}{r['step_us']:>10,.0f}{r['checkpoint_bytes']:>12,}"
+            f"TP={tp:<3}{r['tables']:>7}{r['held_blocks']:>12,}{r['step_us']:>10,.0f}{r['checkpoint_bytes']:>12,}"
             f"{r['checkpoint_pieces']:>8}{r['checkpoint_ms']:>9.1f}{r['rss_mb']:>10.1f}"
         )
     ratio = results[8]["step_us"] / results[1]["step_us"]

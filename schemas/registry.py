@@ -32,15 +32,31 @@ def _batch_schema() -> Schema:
     return fastavro.parse_schema(batch)
 
 
+def _named(record: dict[str, Any]) -> dict[str, Any]:
+    return {**record, "namespace": "kvledger"}
+
+
 def checkpoint_raw() -> dict[str, Any]:
-    """`checkpoint.avsc` with RankInfo's definition (from `ledger_event.avsc`) in place of its name."""
-    checkpoint = raw_schema("checkpoint")
-    rank_info = {**raw_schema("ledger_event")["fields"][-1]["type"][0], "namespace": "kvledger"}
-    engine = checkpoint["fields"][0]["type"][0]
-    slot = engine["fields"][[f["name"] for f in engine["fields"]].index("ranks")]["type"]["items"]
-    info = slot["fields"][[f["name"] for f in slot["fields"]].index("info")]
-    info["type"] = ["null", rank_info]
-    return checkpoint
+    """`checkpoint.avsc` with the definitions it names from the other schemas in place of their first
+    use: `kvledger.RankInfo` and `kvledger.StepPlan` (`ledger_event.avsc`), `kvledger.Violation`."""
+    event_bodies = raw_schema("ledger_event")["fields"][-1]["type"]
+    step_fields = {f["name"]: f["type"] for f in event_bodies[1]["fields"]}
+    definitions = {
+        "kvledger.RankInfo": _named(event_bodies[0]),
+        "kvledger.StepPlan": _named(next(t for t in step_fields["plan"] if isinstance(t, dict))),
+        "kvledger.Violation": raw_schema("violation"),
+    }
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, str) and node in definitions:
+            return definitions.pop(node)  # later uses refer to it by name
+        if isinstance(node, list):
+            return [inline(n) for n in node]
+        if isinstance(node, dict):
+            return {k: inline(v) if k in ("type", "items", "values", "fields") else v for k, v in node.items()}
+        return node
+
+    return inline(raw_schema("checkpoint"))
 
 
 LEDGER_EVENT = load_schema("ledger_event")

@@ -194,14 +194,15 @@ class RequestTrace:
     def apply(self, at: int, event: dict) -> None:
         self.ledger.apply(event)
         key = RankKey(self.engine_id, event["dp_rank"], event["tp_rank"], event["pp_rank"])
-        state = self.ledger.ranks[key].state
+        state = self.ledger.tables_of(key)
         if state is not None and self.req_id in state.index_of:
             self.seen[key] = (self.seen.get(key, (at, at))[0], at)
 
     def views(self) -> list[RequestView]:
         views = []
         for key, slot in sorted(self.ledger.ranks.items(), key=lambda kv: (kv[0].dp, kv[0].pp, kv[0].tp)):
-            rows = slot.state.request_rows(self.req_id) if slot.state is not None else None
+            state = self.ledger.tables_of(key)
+            rows = state.request_rows(self.req_id) if state is not None else None
             first, last = self.seen.get(key, (None, None))
             views.append(RequestView(self.engine_id, key.dp, key.tp, key.pp, slot.last_step, rows, first, last))
         return views

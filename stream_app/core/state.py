@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvledger.schemas.packing import pack_i32, unpack_i32
-from kvledger.stream_app.core.engine import Declared, Ledger, RankSlot, StepGroup
+from kvledger.stream_app.core.engine import Declared, LeadStep, Ledger, RankSlot, StepGroup
 from kvledger.stream_app.core.rank import RankState
 from kvledger.stream_app.core.transfers import (
     HeldSend,
@@ -27,7 +27,7 @@ from kvledger.stream_app.core.transfers import (
     Transfer,
     TransferJoin,
 )
-from kvledger.stream_app.core.violations import Coverage, RankKey
+from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
 
 Record = dict
 
@@ -203,6 +203,22 @@ def _step_group_record(dp: int, group: StepGroup) -> Record:
             for after, before in spans
         ],
         "settled_through": group.settled_through,
+        "lead_steps": [
+            {
+                "step": step,
+                "input_fingerprint": ls.input_fp,
+                "plan_fingerprint": ls.plan_fp,
+                "checked": ls.checked,
+                "found_input": [v.to_record() for v in ls.found_input],
+                "found_plan": [v.to_record() for v in ls.found_plan],
+            }
+            for step, ls in group.lead_steps.items()
+        ],
+        "early": [
+            {"step": step, "tp": tp, "pp": pp, "plan": plan}
+            for step, plans in group.early.items()
+            for (tp, pp), plan in plans.items()
+        ],
     }
 
 
@@ -218,6 +234,13 @@ def _step_group_from_record(rec: Record) -> StepGroup:
         before = float("inf") if r["before"] is None else r["before"]
         group.lost.setdefault((r["tp"], r["pp"]), []).append((r["after"], before))
     group.settled_through = rec["settled_through"]
+    for r in rec["lead_steps"]:
+        found_input = [Violation(**v) for v in r["found_input"]]
+        found_plan = [Violation(**v) for v in r["found_plan"]]
+        ls = LeadStep(r["input_fingerprint"], r["plan_fingerprint"], r["checked"], found_input, found_plan)
+        group.lead_steps[r["step"]] = ls
+    for r in rec["early"]:
+        group.early.setdefault(r["step"], {})[(r["tp"], r["pp"])] = r["plan"]
     return group
 
 

@@ -359,9 +359,11 @@ class StreamWorker:
         outcome = Outcome()
         for engine_id, projection in self.engines.items():
             tp = self.anchors[engine_id].message.tp
-            if engine_id in self.retiring or tp not in assigned or self.lag(tp) != 0:
+            if engine_id in self.retiring or tp not in assigned:
                 continue
-            silent = now - self.last_active.get(engine_id, now) >= self.settings.retire_after
+            # Closed: nothing more comes of its ranks, however far behind the worker is. Silent: only
+            # once its partition is read to the end (a worker that is behind never calls one silent).
+            silent = self.lag(tp) == 0 and now - self.last_active.get(engine_id, now) >= self.settings.retire_after
             reason = "closed" if projection.ledger.closed else "silent" if silent else None
             if reason is not None:
                 outcome.merge(projection.settle())
@@ -382,6 +384,7 @@ class StreamWorker:
         ledger = projection.ledger
         self.retired.append({"engine_id": engine_id, "reason": reason, "events": ledger.events, "steps": ledger.steps})
         self.metrics.retired.labels(reason).inc()
+        self.metrics.forget_engine(engine_id, [f"dp{k.dp}-tp{k.tp}-pp{k.pp}" for k in ledger.ranks])
         log.info("engine %s: retired (%s) after %d events", engine_id, reason, ledger.events)
 
     def lag(self, tp) -> int | None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
+
+from kvledger.stream_app.core.violations import KINDS
 
 disable_created_metrics()  # one series per metric: the dashboards need no `_created` twins
 
@@ -37,6 +41,15 @@ class WorkerMetrics:
             ["reason"],
             registry=r,
         )
+
+    def forget_engine(self, engine_id: str, ranks: list[str]) -> None:
+        """A retired engine's series go: a worker that runs for months sees engines without end."""
+        series = [(self.events, (engine_id,))]
+        series += [(self.violations, (engine_id, kind)) for kind in KINDS]
+        series += [(self.producer_dropped, (engine_id, rank)) for rank in ranks]
+        for metric, labels in series:
+            with contextlib.suppress(KeyError):  # never set
+                metric.remove(*labels)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

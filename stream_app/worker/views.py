@@ -86,7 +86,8 @@ def block_table_view(worker: StreamWorker, engine_id: str, req_id: str) -> list[
         return None
     views = []
     for key, slot in sorted(projection.ledger.ranks.items(), key=lambda kv: (kv[0].dp, kv[0].pp, kv[0].tp)):
-        rows = slot.state.request_rows(req_id) if slot.state is not None else None
+        state = projection.ledger.tables_of(key)
+        rows = state.request_rows(req_id) if state is not None else None
         views.append({"rank": f"dp{key.dp}-tp{key.tp}-pp{key.pp}", "step": slot.last_step, "rows": rows})
     return views
 

@@ -79,7 +79,8 @@ def test_batched_equals_stepwise(config, fault, step, batch_steps):
 def test_fast_path_carries_clean_decode(fast_runs, tp):
     events = simulate(dataclasses.replace(DECODE_HEAVY, tp_size=tp)).events
     assert assert_same(events) == []
-    assert sum(fast_runs) > 0.8 * len(events)  # nearly every step went the fast way
+    # Nearly every step went the fast way: the lead's replayed, the other ranks' matched with it.
+    assert sum(fast_runs) > 0.8 * len(events) / tp
 
 
 @pytest.mark.parametrize("fault", FAULTS)
