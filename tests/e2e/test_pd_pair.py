@@ -288,8 +288,14 @@ def test_each_fault_caught_with_its_kind_transfer_and_request(faulty_pair):
         ("transfer_failed", "xfer-3", DECODE_ENGINE_ID, decode_req["xfer-3"]),
         ("send_block_reused", "xfer-4", PREFILL_ENGINE_ID, prefill_req["xfer-4"]),
     }, summary["found"]
-    # The short send never completes: open at the end of the ledger, and said so.
-    assert summary["unchecked"] == {"transfer_open_at_end": 1}, summary
+    # The short send never completes: open at the end of the ledger, and said so. The prefill engine
+    # keeps stepping while it waits, so the pair's shutdown may kill its worker between two steps:
+    # then its stream has a truncated tail, counted (within the loss bound of a busy worker killed).
+    unchecked = dict(summary["unchecked"])
+    truncated = unchecked.pop("truncated_file", 0)
+    assert unchecked == {"transfer_open_at_end": 1}, summary
+    assert truncated == len(summary["problems"]) <= 1, summary
+    assert all(p["reason"] == "truncated" and "/prefill/" in p["path"] for p in summary["problems"]), summary
     assert summary["checks"]["transfer_join"] == len(FAULT_PROMPTS), summary
 
 

@@ -218,9 +218,16 @@ def test_sigkill_of_the_worker_mid_run_keeps_all_but_its_last_moments_and_counts
     print(f"worker SIGKILL: the newest event in the file is {lost_s * 1000:.0f} ms older than the kill")
     assert 0 <= lost_s <= LOSS_BOUND_S + SLACK_S
     result = replay(ledger)
-    [problem] = result.problems
-    assert problem.reason == "truncated" and "without its writer's confirmation" in problem.detail, problem
-    assert result.unchecked == Counter(truncated_file=1), result.unchecked
+    # Killed while events it had written were unconfirmed: a truncated tail, counted. Killed right
+    # after the drain thread found the rank idle between two steps (20 ms; steps here take 20-40 ms)
+    # and confirmed everything written: what it still held is within the bound above, and its end
+    # marker says it never closed.
+    if result.problems:
+        [problem] = result.problems
+        assert problem.reason == "truncated" and "without its writer's confirmation" in problem.detail, problem
+        assert result.unchecked == Counter(truncated_file=1), result.unchecked
+    else:
+        assert [m.closed for m in end_markers(ledger)] == [False] and not result.unchecked, result.unchecked
     assert result.violations == []
     checks = result.ledger.coverage.checks
     assert checks["write"] > 0 and checks["sequence"] == result.ledger.events - 1  # nothing missing before the tail
