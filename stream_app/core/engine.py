@@ -393,11 +393,7 @@ class Ledger:
         return fps
 
     def _key(self, event: dict) -> RankKey:
-        ident = (event["engine_id"], event["dp_rank"], event["tp_rank"], event["pp_rank"])
-        key = self._keys.get(ident)
-        if key is None:
-            key = self._keys[ident] = RankKey(*ident)
-        return key
+        return self._key_of(event["engine_id"], event["dp_rank"], event["tp_rank"], event["pp_rank"])
 
     def finish(self) -> list[Violation]:
         """End of input: settle every step still waiting for ranks, and transfers seen from one side."""

@@ -19,7 +19,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from kvledger.producer.synthetic import FaultSpec, GroupSpec, PdConfig, SimConfig, simulate, simulate_pd_pair
+from kvledger.producer.synthetic import FaultSpec, PdConfig, SimConfig, simulate, simulate_pd_pair
 from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
 from kvledger.schemas.registry import ENGINE_CHECKPOINT
 from kvledger.stream_app.core import Ledger
@@ -38,27 +38,13 @@ from kvledger.stream_app.worker.projection import (
     join_chunks,
     split_checkpoint,
 )
+from tests.unit.test_core import REALISTIC
 
 CODEC = SingleObjectCodec(LEDGER_EVENT)
 
 STREAMS = {
     # TP=2, a sliding-window group beside full attention, rank and plan faults, a lost rank.
-    "tp2-hybrid": SimConfig(
-        seed=3,
-        steps=240,
-        tp_size=2,
-        groups=(GroupSpec(), GroupSpec("SLIDING_WINDOW", 48)),
-        num_blocks=90,
-        max_num_seqs=10,
-        max_batched_tokens=96,
-        snapshot_interval=40,
-        faults=(
-            FaultSpec("slot_shift", 50),
-            FaultSpec("block_swap", 150),
-            FaultSpec("rank_missing", 100, tp_rank=1),
-            FaultSpec("sequence_gap", 170, tp_rank=1),
-        ),
-    ),
+    "tp2-hybrid": dataclasses.replace(REALISTIC, faults=(*REALISTIC.faults, FaultSpec("sequence_gap", 170, tp_rank=1))),
     # A tight pool: preemptions and resumes, prefix hits, zeroed new blocks, a recycled block.
     "preempting": SimConfig(
         seed=5,
