@@ -461,8 +461,8 @@ def live_checkpoints(bootstrap: str, topic: str) -> set[str]:
             for m in consumer.consume(1000, timeout=10):
                 assert m.error() is None, m.error()
                 latest[m.key()] = m.value() is not None
-                if m.offset() >= ends[m.partition()][1] - 1:
-                    del ends[m.partition()]
+                if m.partition() in ends and m.offset() >= ends[m.partition()][1] - 1:
+                    del ends[m.partition()]  # read to its end as it stood (it may have grown since)
     finally:
         consumer.close()
     return {key.split(b"\x00")[0].decode() for key, live in latest.items() if live}

@@ -28,6 +28,8 @@ from typing import Any
 
 import faust
 from faust import streams as faust_streams
+from faust.events import Event
+from faust.types import TP, Message
 
 from kvledger.schemas import LEDGER_EVENT, VIOLATION, SingleObjectCodec
 from kvledger.stream_app.worker.faust_fixes import close_fetching_holes
@@ -164,6 +166,7 @@ class StreamWorker:
 
         @app.timer(interval=min(0.5, s.checkpoint_every))
         async def housekeeping() -> None:
+            await self._seed_positions()
             async with self.lock:
                 await self._settle_silent_engines()
                 await self._mark_retiring()
@@ -176,6 +179,11 @@ class StreamWorker:
             # A rebalance revokes everything, then assigns: keep what came back to us
             # (nobody else processed it in between), drop what went to another worker.
             self._forget_all_but(assigned)
+
+        @self.table.on_recover
+        async def adopt() -> None:
+            async with self.lock:
+                self._adopt_engines()
 
         register_views(app, self)
         return app
@@ -283,6 +291,7 @@ class StreamWorker:
                     self.table, key, lambda b: EngineProjection.restore(b, engine_id), partition, refused
                 )
             projection = restored if restored is not None else EngineProjection(engine_id)
+            projection.partition = partition
             if len(refused.dead_letters) > before:
                 # Rebuilt from the topic: from the committed offset on, the engine resyncs at its next snapshot.
                 projection.ledger.coverage.unchecked["checkpoint_refused"] += 1
@@ -295,6 +304,39 @@ class StreamWorker:
                 anchor.message.offset,
             )
         return projection
+
+    def _adopt_engines(self) -> None:
+        """Load every engine checkpointed in an assigned partition, once the table is recovered.
+
+        An engine is otherwise loaded when its next record is read: one whose
+        records were all committed before a restart or a rebalance would never
+        be, and the steps it held would never be settled nor the engine retired.
+        Its silence counts from now. A checkpoint that cannot be read is left
+        for its engine's next record, which dead-letters it (see _restore).
+        """
+        assigned = self.app.consumer.assignment()
+        now, adopted = time.monotonic(), 0
+        for key in list(self.table.keys()):
+            engine_id = key.decode(errors="replace")
+            if _PIECE in key or engine_id in self.engines:
+                continue
+            try:
+                blob = self._read_checkpoint(self.table, key)
+                projection = EngineProjection.restore(blob, engine_id) if blob is not None else None
+            except CheckpointError as exc:
+                log.warning("engine %s: checkpoint not adopted (%s); its next record rebuilds it", engine_id, exc)
+                continue
+            if projection is None or projection.partition is None:
+                continue  # written before checkpoints named their partition: loaded at its next record
+            tp = TP(self.topics.events, projection.partition)
+            if tp not in assigned:
+                continue
+            self.engines[engine_id] = projection
+            self.anchors[engine_id] = _anchor_of(self.app, tp)
+            self.last_active[engine_id] = now
+            adopted += 1
+        if adopted:
+            log.info("adopted %d engine(s) from their checkpoints, none of their records left to read", adopted)
 
     async def _publish(self, outcome: Outcome, source: str | None = None) -> None:
         m = self.metrics
@@ -386,6 +428,17 @@ class StreamWorker:
         self.metrics.retired.labels(reason).inc()
         self.metrics.forget_engine(engine_id, [f"dp{k.dp}-tp{k.tp}-pp{k.pp}" for k in ledger.ranks])
         log.info("engine %s: retired (%s) after %d events", engine_id, reason, ledger.events)
+
+    async def _seed_positions(self) -> None:
+        """An assigned events partition nothing was read of since: its lag counts from the consumer's
+        position (else an engine adopted from its checkpoint could never be found caught up)."""
+        for tp in self.app.consumer.assignment():
+            if tp.topic != self.topics.events or tp in self.positions:
+                continue
+            with contextlib.suppress(asyncio.TimeoutError):
+                position = await asyncio.wait_for(self.app.consumer.position(tp), timeout=1.0)
+                if position is not None and tp not in self.positions:  # no record processed meanwhile
+                    self.positions[tp] = position
 
     def lag(self, tp) -> int | None:
         """Records of an events partition not processed yet; None before its first fetch."""
@@ -491,9 +544,18 @@ class StreamWorker:
                 self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(lag)
 
 
+_PIECE = b"\x00"  # separates a checkpoint's key from its piece number (never in an engine id)
+
+
 def _piece_key(key: bytes, i: int) -> bytes:
-    """The table key of piece i (>= 1) of a chunked checkpoint (NUL never ends an engine id's key)."""
-    return key + b"\x00" + str(i).encode()
+    """The table key of piece i (>= 1) of a chunked checkpoint."""
+    return key + _PIECE + str(i).encode()
+
+
+def _anchor_of(app: faust.App, tp: TP) -> faust.EventT:
+    """An event that only names a partition: the anchor of an engine adopted before any record of it is read."""
+    message = Message(tp.topic, tp.partition, -1, 0.0, 0, {}, None, None, None, tp=tp)
+    return Event(app, None, None, {}, message)
 
 
 def run_worker(settings: WorkerSettings, loglevel: str = "warning") -> None:

@@ -213,10 +213,20 @@ class EngineProjection:
     stream's job, so the ledger leaves it out (`join_transfers=False`).
     """
 
-    def __init__(self, engine_id: str, ledger: Ledger | None = None, *, next_offset: int = 0, ids=None, base=None):
+    def __init__(
+        self,
+        engine_id: str,
+        ledger: Ledger | None = None,
+        *,
+        partition: int | None = None,
+        next_offset: int = 0,
+        ids=None,
+        base=None,
+    ):
         self.engine_id = engine_id
         self.ledger = ledger if ledger is not None else Ledger(join_transfers=False)
-        self.next_offset = next_offset  # first offset of the engine's partition not yet applied
+        self.partition = partition  # the events partition its records come from (None: not known yet)
+        self.next_offset = next_offset  # first offset of that partition not yet applied
         self.ids: ViolationIds = ids if ids is not None else ViolationIds()
         self.reported_unchecked: Counter = Counter(self.ledger.coverage.unchecked)
         self.progress_sent: dict[RankKey, int] = {}  # rank -> last step forwarded to the join
@@ -229,7 +239,12 @@ class EngineProjection:
     # -- checkpoints ---------------------------------------------------------------------
     def checkpoint(self) -> bytes:
         """The whole state as an Avro record (schemas/avro/checkpoint.avsc)."""
-        body = {"engine_id": self.engine_id, "next_offset": self.next_offset, "issued": self.ids.to_record()}
+        body = {
+            "engine_id": self.engine_id,
+            "next_offset": self.next_offset,
+            "partition": self.partition,
+            "issued": self.ids.to_record(),
+        }
         return encode_checkpoint(ENGINE_CHECKPOINT, body | ledger_record(self.ledger))
 
     @classmethod
@@ -243,7 +258,9 @@ class EngineProjection:
         except (StateError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"the checkpoint does not describe a ledger: {exc}") from exc
         ids = ViolationIds.from_record(body["issued"])
-        return cls(body["engine_id"], ledger, next_offset=body["next_offset"], ids=ids, base=blob)
+        return cls(
+            body["engine_id"], ledger, partition=body["partition"], next_offset=body["next_offset"], ids=ids, base=blob
+        )
 
     def mark_checkpointed(self) -> bytes:
         blob = self.checkpoint()

@@ -146,6 +146,14 @@ def _projection_blob() -> bytes:
     return projection.mark_checkpointed()
 
 
+def test_an_engine_checkpoint_names_the_partition_its_records_come_from():
+    """A worker assigned the partition loads the engine from it, though no record of it is left to read."""
+    projection = EngineProjection.restore(_projection_blob(), "sim-engine")
+    assert projection.partition is None  # never told: loaded at its next record
+    projection.partition = 3
+    assert EngineProjection.restore(projection.mark_checkpointed(), "sim-engine").partition == 3
+
+
 def test_a_pickle_in_the_changelog_is_refused_and_never_run(tmp_path):
     marker = tmp_path / "pwned"
 
