@@ -9,15 +9,25 @@ batched path `kvledger check` uses (`Ledger.apply_many`), and the core step by
 step (`Ledger.apply`, what the in-engine raise mode uses).
 
     python bench/replay_throughput.py [--steps N] [--repeat R]
+    python bench/replay_throughput.py --baseline DIR [--pairs P]
+
+With --baseline, the same measurements run on another checkout of the
+project (DIR, e.g. `git worktree add /tmp/base main`) and on this one, in
+alternating processes, P pairs: the median ratio of each figure is printed
+(a change to the core must not slow replay down).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 from kvledger.producer.sinks import FileSink
 from kvledger.producer.synthetic import SimConfig, simulate
@@ -112,13 +122,57 @@ def measure(name: str, steps: int, repeat: int) -> dict:
     }
 
 
+_FIGURES = ("check", "decode", "core", "stepwise")
+_ROOMS = ("schemas", "producer", "stream_app")  # the package's folders (pyproject's package-dir)
+
+
+def _measure_in(checkout: Path, steps: int, repeat: int) -> dict:
+    """The measurements of one process importing kvledger from `checkout`."""
+    with tempfile.TemporaryDirectory() as root:
+        package = Path(root) / "kvledger"
+        package.mkdir()
+        (package / "__init__.py").touch()
+        for room in _ROOMS:
+            (package / room).symlink_to(checkout.resolve() / room)
+        cmd = [sys.executable, str(checkout / "bench" / "replay_throughput.py"), "--json"]
+        cmd += ["--steps", str(steps), "--repeat", str(repeat)]
+        env = {**os.environ, "PYTHONPATH": root}  # before the editable install's finder
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"{checkout}: the benchmark failed:\n{done.stderr[-2000:]}")
+        return json.loads(done.stdout)
+
+
+def compare(baseline: Path, steps: int, repeat: int, pairs: int) -> None:
+    here = Path(__file__).resolve().parents[1]
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for i in range(pairs):
+        order = [(baseline, "base"), (here, "this")] if i % 2 == 0 else [(here, "this"), (baseline, "base")]
+        got = {label: _measure_in(path, steps, repeat) for path, label in order}
+        for base, this in zip(got["base"], got["this"], strict=True):
+            for figure in _FIGURES:
+                ratios.setdefault((base["stream"], figure), []).append(this[figure] / base[figure])
+        print(f"pair {i + 1}/{pairs} done", file=sys.stderr)
+    print(f"this checkout / {baseline} (step-events/s; > 1 is faster), {pairs} alternating pairs")
+    print(f"{'stream':<14} {'figure':<10} {'median':>8} {'min':>8} {'max':>8}")
+    for (stream, figure), values in ratios.items():
+        print(f"{stream:<14} {figure:<10} {statistics.median(values):>8.3f} {min(values):>8.3f} {max(values):>8.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--baseline", type=Path, help="another checkout to measure side by side with this one")
+    parser.add_argument("--pairs", type=int, default=5, help="alternating process pairs, with --baseline")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process of --baseline
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, as the target says
+    if args.baseline is not None:
+        return compare(args.baseline, args.steps, args.repeat, args.pairs)
+    if args.json:
+        return print(json.dumps([measure(name, args.steps, args.repeat) for name in STREAMS]))
     columns = ("stream", "steps", "req/step", "B/event", "check/s", "decode/s", "core/s", "stepwise/s", "tokens/s")
     print(" ".join(f"{c:>14}" if i else f"{c:<14}" for i, c in enumerate(columns)))
     for name in STREAMS:

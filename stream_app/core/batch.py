@@ -22,17 +22,19 @@ from operator import itemgetter
 
 import numpy as np
 
-from kvledger.schemas.packing import (
-    length_term,
-    mix_blocks,
-    position_weights,
-    unpack_digests,
-    unpack_i32,
-    unpack_i64,
-    wire_digests,
+from kvledger.schemas.packing import length_term, mix_blocks, position_weights, unpack_digests, unpack_i32, unpack_i64
+from kvledger.stream_app.core.checks import (
+    GrantFacts,
+    GroupFacts,
+    RequestFacts,
+    expand_slot_runs,
+    grant_failures,
+    slot_targets,
+    token_positions,
 )
-from kvledger.stream_app.core.rank import RankState, expand_slot_runs
-from kvledger.stream_app.core.tables import NULL_BLOCK, written_from
+from kvledger.stream_app.core.checks import plan_clean as checks_clean
+from kvledger.stream_app.core.rank import RankState
+from kvledger.stream_app.core.tables import NULL_BLOCK, positions_differ, written_from
 
 _FAST_KINDS = ("FULL_ATTENTION", "MLA")
 _LEN_UNIT = np.uint64(length_term(1))
@@ -268,22 +270,21 @@ def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num
     sched_m[run.in_row, run.in_b] = run.in_sched
     comp = np.where(seen, comp_m[p_rows, last], state.computed[p_rows])
     sched = np.where(seen, sched_m[p_rows, last], state.scheduled[p_rows])
-    if (comp != run.p_first).any() or (sched != run.p_ntok).any():
-        return None
+    requests = RequestFacts(run.p_first, run.p_ntok, comp, sched)
 
-    ntok = run.p_ntok.astype(np.int64)
-    if (ntok == 1).all():  # decode: one token per request
-        tok_rows, tok_b, tok_pos = p_rows, p_b, comp
-    else:
-        tok_rows, tok_b = np.repeat(p_rows, ntok), np.repeat(p_b, ntok)
-        tok_pos = np.repeat(comp, ntok) + (np.arange(tok_rows.size) - np.repeat(np.cumsum(ntok) - ntok, ntok))
+    tok_req, tok_pos = token_positions(run.p_first, run.p_ntok)
+    tok_rows, tok_b = (p_rows, p_b) if tok_req is None else (p_rows[tok_req], p_b[tok_req])
 
-    commits = []
+    commits, groups = [], []
     for gid, g in enumerate(state.groups):
         result = _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, checks)
         if result is None:
             return None
-        commits.append(result)
+        facts, apply = result
+        groups.append(facts)
+        commits.append(apply)
+    if not checks_clean(requests, groups):
+        return None
 
     def commit() -> None:
         for apply in commits:
@@ -300,9 +301,9 @@ def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num
 
 
 def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, checks):
+    """One group over the run: its plan facts (the rows as they stood at each step) and the commit of
+    its grants, or None when a grant breaks a rule (or the run is one the fast path does not take)."""
     bs = g.block_size
-    if (run.padding[gid] >= bs).any():
-        return None
     # -- grants: rows are append-only inside the run, one entry per (row, step) -------------------
     rows_e, b_e, cnt = run.g_row[gid], run.g_b[gid], run.g_cnt[gid].astype(np.int64)
     blocks = run.g_blocks[gid].astype(np.int64)
@@ -328,22 +329,24 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
         digest_inc[rows_e, b_e] = inc
         np.cumsum(digest_inc, axis=1, dtype=np.uint64, out=digest_inc)
 
-    # -- writes: every token against its row as it stood at its step ---------------------------------
-    col = tok_pos // bs
-    block = g.table[tok_rows, np.minimum(col, g.table.shape[1] - 1)]
-    if (
-        (col >= g.lens[tok_rows] + appended[tok_rows, tok_b]).any()
-        or (run.p_real[gid] != block * bs + (tok_pos - col * bs)).any()
-        or (block == NULL_BLOCK).any()
-    ):
-        return None
-    # -- reads: length and digest of each row as it stood ---------------------------------------------
+    # -- the plan's facts: every token and row against its row as it stood at its step ----------------
     p_rows, p_b = run.p_rows, run.p_b
+    expected, in_row, block = slot_targets(g.table, g.lens[tok_rows] + appended[tok_rows, tok_b], tok_rows, tok_pos, bs)
     with np.errstate(over="ignore"):
         digest_at = g.digests[p_rows] + digest_inc[p_rows, p_b]
-    lens_at = g.lens[p_rows] + appended[p_rows, p_b]
-    if (lens_at != run.p_lens[gid]).any() or (wire_digests(digest_at) != run.p_digests[gid]).any():
-        return None
+    facts = GroupFacts(
+        gid,
+        bs,
+        real=run.p_real[gid],
+        expected=expected,
+        in_row=in_row,
+        block=block,
+        padding=run.padding[gid],
+        plan_lens=run.p_lens[gid],
+        plan_digests=run.p_digests[gid],
+        ledger_lens=g.lens[p_rows] + appended[p_rows, p_b],
+        ledger_digests=digest_at,
+    )
 
     # -- exclusivity: holders of each granted block right after its step's grants -------------------
     rel_blocks, rel_cols, rel_time = _released_blocks(g, run.rel_row, run.rel_b, appended)
@@ -356,7 +359,7 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
     # Which granted blocks the grant writes (at or past its request's computed tokens, as in RankState._grant).
     written = cols >= np.repeat(written_from(comp_m[rows_e, b_e], bs), cnt)
     ev_written = np.concatenate([np.zeros(rel_blocks.size, bool), written[real_block]])
-    if real_block.any() and _grant_conflicts(g, ev_block, ev_col, ev_time, ev_sign, ev_written):
+    if real_block.any() and grant_failures(_grant_facts(g, ev_block, ev_col, ev_time, ev_sign, ev_written)).any():
         return None
 
     touched = np.unique(rows_e)
@@ -372,12 +375,12 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
             g.released[run.rel_row] = 0
             g.digests[run.rel_row] = _EMPTY_DIGEST
 
-    return commit
+    return facts, commit
 
 
-def _grant_conflicts(g, ev_block, ev_col, ev_time, ev_sign, ev_written) -> bool:
-    """Whether a granted block is, right after its step's grants, held elsewhere, or written while
-    another holder or a pending send has it."""
+def _grant_facts(g, ev_block, ev_col, ev_time, ev_sign, ev_written) -> GrantFacts:
+    """The facts of every grant of the run, from the holder events (grants and releases, in time
+    order) of each block: the block's holders as they stood right after its step's grants."""
     order = np.lexsort((ev_time, ev_block))
     eb, et, ec, es, ew = ev_block[order], ev_time[order], ev_col[order], ev_sign[order], ev_written[order]
     grant = es > 0
@@ -393,15 +396,16 @@ def _grant_conflicts(g, ev_block, ev_col, ev_time, ev_sign, ev_written) -> bool:
         within = running - (running[start] - delta[start])
         totals.append((base[eb] + within[end_idx])[grant])
     count, s1, s2 = totals
-    pos = ec[grant]
-    elsewhere = (s1 != count * pos) | (s2 != count * pos * pos)
-    # As RankState._grant: a written block had no holder before its step and one writer in it.
     # A (block, time) group holds only grants or only releases (releases come at even times).
     group_of = np.cumsum(group_end[::-1])[::-1]  # groups numbered from the end; any numbering will do
     granted_now = np.bincount(group_of, weights=grant)[group_of][grant]
-    writers = np.bincount(group_of, weights=grant & ew)[group_of][grant]
-    fresh_ok = (count - granted_now == 0) & (writers <= 1) & (g.send_hold[eb[grant]] == 0)
-    return bool((elsewhere | (ew[grant] & ~fresh_ok)).any())
+    return GrantFacts(
+        elsewhere=positions_differ(count, s1, s2, ec[grant]),
+        written=ew[grant],
+        prior=count - granted_now,
+        writers=np.bincount(group_of, weights=grant & ew)[group_of][grant],
+        sending=g.send_hold[eb[grant]] > 0,
+    )
 
 
 def _released_blocks(g, rel_rows, rel_b, appended):

@@ -9,10 +9,22 @@ scheduler changed (new, finished, preempted requests) and over violations.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import ClassVar
 
 import numpy as np
 
-from kvledger.schemas.packing import unpack_digests, unpack_i32, unpack_i64, wire_digests
+from kvledger.schemas.packing import unpack_digests, unpack_i32
+from kvledger.stream_app.core.checks import (
+    GrantFacts,
+    GroupFacts,
+    RequestFacts,
+    draft_position_failures,
+    expand_slot_runs,
+    grant_failures,
+    plan_failures,
+    slot_targets,
+    token_positions,
+)
 from kvledger.stream_app.core.tables import NULL_BLOCK, GroupTable, written_from
 from kvledger.stream_app.core.violations import (
     BLOCK_OUT_OF_RANGE,
@@ -26,16 +38,6 @@ from kvledger.stream_app.core.violations import (
 )
 
 _UNCHECKED_KINDS = ("MAMBA", "OTHER")  # groups without token -> slot addressing
-
-
-def expand_slot_runs(data: bytes) -> np.ndarray:
-    """Packed (start, length) runs -> the slot mapping, -1 runs kept as -1."""
-    runs = unpack_i64(data).reshape(-1, 2)
-    starts, lengths = runs[:, 0], runs[:, 1]
-    if lengths.size == 0 or (lengths == 1).all():
-        return starts
-    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.repeat(starts, lengths) + offsets * np.repeat(starts >= 0, lengths)
 
 
 class RankState:
@@ -222,7 +224,6 @@ class RankState:
         rows_arr, counts_arr = np.asarray(rows, np.int64), np.asarray(counts, np.int64)
         cols = g.append_many(rows_arr, counts_arr, flat)
         inside = g.in_pool(flat)
-        suspect = ~inside
         real = inside & (flat != NULL_BLOCK)
         owner = np.repeat(rows_arr, counts_arr)
         # A block the grant writes is fresh: nobody held it before this step (in any group: one
@@ -233,10 +234,15 @@ class RankState:
         mine = flat[real]
         written = (cols >= written_from(self.computed[owner], g.block_size))[real]
         _, of, granted_now = np.unique(mine, return_inverse=True, return_counts=True)
-        prior = self.holders(mine) - granted_now[of]
-        writers = np.bincount(of, weights=written, minlength=granted_now.size)[of]
-        reused = written & ((g.send_hold[mine] > 0) | (prior > 0) | (writers > 1))
-        suspect[real] = g.held_elsewhere(mine, cols[real]) | reused
+        facts = GrantFacts(
+            elsewhere=g.held_elsewhere(mine, cols[real]),
+            written=written,
+            prior=self.holders(mine) - granted_now[of],
+            writers=np.bincount(of, weights=written, minlength=granted_now.size)[of],
+            sending=g.send_hold[mine] > 0,
+        )
+        suspect = ~inside
+        suspect[real] = grant_failures(facts)
         cov.checks["exclusivity"] += int(real.sum())
         if not suspect.any():
             return
@@ -281,6 +287,7 @@ class RankState:
 
     # -- step plan ------------------------------------------------------------------------
     def check_plan(self, step: int, plan: dict, out: list[Violation], cov: Coverage) -> None:
+        """The plan against the tables, by the rules of checks.py; each failure reported."""
         indices = unpack_i32(plan["req_indices"])
         num_tokens = unpack_i32(plan["num_tokens"])
         first_pos = unpack_i32(plan["first_positions"])
@@ -292,182 +299,111 @@ class RankState:
             rows = np.where(known, rows, 0)
         n_known = int(known.sum())
         cov.checks["position"] += n_known
-        bad = (first_pos != self.computed[rows]) | (num_tokens != self.scheduled[rows])
-        if not all_known:
-            bad &= known
-        if bad.any():
-            self._report_positions(step, indices, rows, num_tokens, first_pos, bad, out)
-
-        total = int(num_tokens.sum())
-        if total == num_tokens.size:  # decode: one token per request
-            tok_req, pos = None, first_pos
-        else:
-            tok_req = np.repeat(np.arange(num_tokens.size), num_tokens)
-            pos = first_pos[tok_req] + (np.arange(total) - (np.cumsum(num_tokens) - num_tokens)[tok_req])
+        requests = RequestFacts(
+            first_pos, num_tokens, self.computed[rows], self.scheduled[rows], None if all_known else known
+        )
+        tok_req, pos = token_positions(first_pos, num_tokens)
+        total = pos.size
         tok_rows = rows if tok_req is None else rows[tok_req]
         tok_known = None if all_known else (known if tok_req is None else known[tok_req])
 
+        groups: list[GroupFacts] = []
         for gp in plan["groups"]:
             gid = gp["group_id"]
             if gid >= len(self.groups):
                 cov.unchecked["unknown_group"] += 1
                 continue
             g = self.groups[gid]
+            facts = GroupFacts(gid, g.block_size)
             if g.kind in _UNCHECKED_KINDS:
                 cov.unchecked[f"{g.kind.lower()}_group"] += 1
-                if g.kind == "MAMBA":  # the rows its kernels index state by can still be compared
-                    cov.checks["state_rows"] += n_known
-                    self._check_reads(step, g, gp, indices, rows, known, all_known, out, cov)
-                continue
-            slots = expand_slot_runs(gp["slot_runs"])
-            num_real = gp["num_real"]
-            if slots.size != num_real + gp["num_padding"]:
-                cov.unchecked["malformed_plan"] += 1
-                continue
-            cov.checks["write"] += n_known
-            cov.checks["read"] += n_known
-            cov.checks["padding"] += 1
-            if num_real < total:
-                cov.unchecked["tokens_without_slot"] += total - num_real
-            n = min(num_real, total)
-            self._check_writes(step, g, indices, slots[:n], tok_req, tok_rows, tok_known, pos, n, out)
-            # Real entries beyond the scheduled tokens are owned by nobody, like padding.
-            self._check_padding(step, g, slots[n:], out)
-            self._check_reads(step, g, gp, indices, rows, known, all_known, out, cov)
+                if g.kind != "MAMBA":
+                    continue
+                cov.checks["state_rows"] += n_known  # the rows its kernels index state by can be compared
+            else:
+                slots = expand_slot_runs(gp["slot_runs"])
+                num_real = gp["num_real"]
+                if slots.size != num_real + gp["num_padding"]:
+                    cov.unchecked["malformed_plan"] += 1
+                    continue
+                cov.checks["write"] += n_known
+                cov.checks["read"] += n_known
+                cov.checks["padding"] += 1
+                if num_real < total:
+                    cov.unchecked["tokens_without_slot"] += total - num_real
+                n = min(num_real, total)
+                # Real entries beyond the scheduled tokens are owned by nobody, like padding.
+                self._token_facts(facts, g, slots[:n], tok_req, tok_rows, tok_known, pos)
+                facts.padding = slots[n:]
+            self._read_facts(facts, g, gp, rows, None if all_known else known, cov)
+            groups.append(facts)
+        self._report(step, requests, groups, indices, rows, plan, out)
         for dp in plan.get("draft_writes") or ():
             self._check_draft_pass(step, dp, indices, rows, known, out, cov)
 
-    def _check_draft_pass(self, step, dp: dict, indices, rows, known, out, cov: Coverage) -> None:
-        """A drafter pass writes the drafter's own KV through the target group's rows: the same
-        slot formula, at positions the scheduler reserved (its lookahead included)."""
-        gid = dp["group_id"]
-        if gid >= len(self.groups) or self.groups[gid].kind in _UNCHECKED_KINDS:
-            cov.unchecked["draft_unknown_group" if gid >= len(self.groups) else "draft_unchecked_group"] += 1
-            return
-        g = self.groups[gid]
-        slots = expand_slot_runs(dp["slot_runs"])
-        num_tokens, first = unpack_i32(dp["num_tokens"]), unpack_i32(dp["first_positions"])
-        n = dp["num_real"]
-        if not (num_tokens.size == first.size and num_tokens.size in (0, indices.size)) or (
-            slots.size != n + dp["num_padding"] or n != int(num_tokens.sum())
-        ):
+    def _token_facts(self, facts: GroupFacts, g: GroupTable, real, tok_req, tok_rows, tok_known, pos) -> None:
+        n = real.size
+        if n < pos.size:
+            pos, tok_rows = pos[:n], tok_rows[:n]
+            tok_req = tok_req[:n] if tok_req is not None else None
+            tok_known = tok_known[:n] if tok_known is not None else None
+        facts.expected, facts.in_row, facts.block = slot_targets(g.table, g.lens[tok_rows], tok_rows, pos, g.block_size)
+        facts.real, facts.tok_known, facts.tok_req, facts.pos = real, tok_known, tok_req, pos
+
+    def _read_facts(self, facts: GroupFacts, g: GroupTable, gp: dict, rows, known, cov: Coverage) -> None:
+        row_lens = unpack_i32(gp["row_lens"])
+        digests = unpack_digests(gp["row_digests"])
+        if row_lens.size != rows.size or digests.size != rows.size:
             cov.unchecked["malformed_plan"] += 1
             return
-        found: list[Violation] = []
-        self._check_draft_tokens(
-            step, g, dp["pass_index"], indices, rows, known, num_tokens, first, slots[:n], found, cov
-        )
-        cov.checks["draft_padding"] += 1
-        self._check_padding(step, g, slots[n:], found)
-        # The target's rules, said of the drafter's pass (its own KV, the same blocks).
-        out += [replace(v, detail=f"drafter pass {dp['pass_index']}: {v.detail}") for v in found]
+        facts.plan_lens, facts.plan_digests = row_lens, digests
+        facts.ledger_lens, facts.ledger_digests, facts.known = g.lens[rows], g.digests[rows], known
 
-    def _check_draft_tokens(self, step, g: GroupTable, k, indices, rows, known, num_tokens, first, real, out, cov):
-        if num_tokens.size == 0:  # a pass serving no request (dummy run): all padding
-            return
-        n = real.size
-        tok_req = np.repeat(np.arange(num_tokens.size), num_tokens)
-        pos = first[tok_req] + (np.arange(n) - (np.cumsum(num_tokens) - num_tokens)[tok_req])
-        # vLLM clamps a later pass's position past the model's length to 0 and skips its write.
-        clamped = (pos == 0) & (real == -1) if k > 0 else np.zeros(n, bool)
-        tok_known = known[tok_req] & ~clamped
-        n_known = int(known.sum())
-        cov.checks["draft_position"] += n_known
-        cov.checks["draft_write"] += n_known
-        self._check_draft_positions(step, k, indices, rows, tok_req, pos, tok_known, out)
-        self._check_writes(step, g, indices, real, tok_req, rows[tok_req], tok_known, pos, n, out)
+    def _report(self, step, requests: RequestFacts | None, groups: list[GroupFacts], indices, rows, plan, out) -> None:
+        """Each failure the rules find, as a violation; in rule order, per group."""
+        per_request, per_group = plan_failures(requests, groups)
+        for name, bad in per_request.items():
+            if bad.any():
+                self._reporters[name](self, step, requests, bad, indices, rows, out)
+        full_rows = {gp["group_id"]: gp.get("rows") for gp in plan["groups"]} if plan is not None else {}
+        for facts, masks in zip(groups, per_group, strict=True):
+            g = self.groups[facts.group_id]
+            for name, bad in masks.items():
+                if bad.any():
+                    self._group_reporters[name](self, step, g, facts, bad, indices, rows, full_rows, out)
 
-    def _check_draft_positions(self, step, k, indices, rows, tok_req, pos, tok_known, out) -> None:
-        """Pass k writes from the request's first scheduled position + k up to its last + k: the
-        scheduler reserved those slots (num_lookahead_tokens), and no others."""
-        lo, hi = self.computed[rows] + k, self.computed[rows] + self.scheduled[rows] - 1 + k
-        outside = ((pos < lo[tok_req]) | (pos > hi[tok_req])) & tok_known
-        if not outside.any():
-            return
-        for t in self._first_token_per_request(np.flatnonzero(outside), tok_req):
-            r = int(tok_req[t])
-            out.append(
-                self._violation(
-                    WRITE_TARGET_MISMATCH,
-                    step,
-                    f"writes position {pos[t]}; the scheduler handed {self.scheduled[rows[r]]} token(s) from "
-                    f"computed position {self.computed[rows[r]]}, so this pass may write positions {lo[r]}..{hi[r]}",
-                    self.req_id(int(indices[r])),
-                )
-            )
-
-    def _report_positions(self, step, indices, rows, num_tokens, first_pos, bad, out) -> None:
+    # -- reporters: what a failing rule says (one per rule of checks.py) --------------------------
+    def _report_positions(self, step, r: RequestFacts, bad, indices, rows, out) -> None:
         for i in np.flatnonzero(bad).tolist():
             out.append(
                 self._violation(
                     WRITE_TARGET_MISMATCH,
                     step,
-                    f"plan writes {num_tokens[i]} token(s) from position {first_pos[i]}; scheduler handed "
-                    f"{self.scheduled[rows[i]]} token(s) from computed position {self.computed[rows[i]]}",
+                    f"plan writes {r.ntok[i]} token(s) from position {r.first[i]}; scheduler handed "
+                    f"{r.scheduled[i]} token(s) from computed position {r.computed[i]}",
                     self.req_id(int(indices[i])),
                 )
             )
 
-    def _check_writes(self, step, g: GroupTable, indices, real, tok_req, tok_rows, tok_known, pos, n, out):
-        if n < pos.size:
-            pos, tok_rows = pos[:n], tok_rows[:n]
-            tok_req = tok_req[:n] if tok_req is not None else None
-            tok_known = tok_known[:n] if tok_known is not None else None
-        bs = g.block_size
-        col = pos // bs
-        in_row = col < g.lens[tok_rows]
-        block = g.table[tok_rows, np.minimum(col, g.table.shape[1] - 1)]
-        expected = block * bs + (pos - col * bs)
-        wrong = (real != expected) | ~in_row
-        if tok_known is not None:
-            wrong &= tok_known
-        if wrong.any():
-            self._report_wrong_writes(step, g, indices, real, expected, in_row, tok_req, tok_rows, wrong, out)
-        # A row pointing at the null block sends a real token's KV nowhere.
-        null = (block == NULL_BLOCK) & ~wrong
-        if tok_known is not None:
-            null &= tok_known
-        if null.any():
-            for t in self._first_token_per_request(np.flatnonzero(null), tok_req):
-                out.append(
-                    self._violation(
-                        FOREIGN_BLOCK_WRITE,
-                        step,
-                        f"writes position {pos[t]} into the null block (the ledger's row has block 0 there)",
-                        self.req_id(int(indices[self._req(t, tok_req)])),
-                        g.group_id,
-                    )
-                )
-
-    @staticmethod
-    def _req(token: int, tok_req) -> int:
-        return token if tok_req is None else int(tok_req[token])
-
-    def _first_token_per_request(self, tokens: np.ndarray, tok_req) -> list[int]:
-        if tok_req is None:
-            return tokens.tolist()
-        _, first = np.unique(tok_req[tokens], return_index=True)
-        return tokens[first].tolist()
-
-    def _report_wrong_writes(self, step, g, indices, real, expected, in_row, tok_req, tok_rows, wrong, out):
+    def _report_wrong_writes(self, step, g: GroupTable, f: GroupFacts, wrong, indices, rows, full_rows, out):
         bs = g.block_size
         wrong_toks = np.flatnonzero(wrong)
-        reqs = wrong_toks if tok_req is None else tok_req[wrong_toks]
+        reqs = wrong_toks if f.tok_req is None else f.tok_req[wrong_toks]
         for r in np.unique(reqs).tolist():
             toks = wrong_toks[reqs == r]
             t = int(toks[0])
             req_id = self.req_id(int(indices[r]))
-            exp = f"slot {expected[t]}" if in_row[t] else "a slot past the end of its row"
+            exp = f"slot {f.expected[t]}" if f.in_row[t] else "a slot past the end of its row"
             out.append(
                 self._violation(
                     WRITE_TARGET_MISMATCH,
                     step,
-                    f"{toks.size} token(s) written to the wrong slot; first: expected {exp}, actual slot {real[t]}",
+                    f"{toks.size} token(s) written to the wrong slot; first: expected {exp}, actual slot {f.real[t]}",
                     req_id,
                     g.group_id,
                 )
             )
-            actual = real[toks]
+            actual = f.real[toks]
             blocks = actual[actual >= 0] // bs
             outside = blocks[~g.in_pool(blocks)]
             if outside.size:
@@ -481,7 +417,7 @@ class RankState:
                     )
                 )
             inside = blocks[g.in_pool(blocks)]
-            foreign = inside[~np.isin(inside, g.row(int(tok_rows[t])))]
+            foreign = inside[~np.isin(inside, g.row(int(rows[r])))]
             if foreign.size:
                 b = int(foreign[0])
                 if b == NULL_BLOCK:
@@ -502,46 +438,108 @@ class RankState:
                     )
                 )
 
-    def _check_padding(self, step, g: GroupTable, padding: np.ndarray, out) -> None:
-        if padding.size == 0:
-            return
-        stray = padding[padding >= g.block_size]  # slots 0 .. block_size-1 are the null block
-        if stray.size:
+    def _report_null_writes(self, step, g: GroupTable, f: GroupFacts, null, indices, rows, full_rows, out):
+        for t in _first_token_per_request(np.flatnonzero(null), f.tok_req):
             out.append(
                 self._violation(
-                    UNOWNED_WRITE,
+                    FOREIGN_BLOCK_WRITE,
                     step,
-                    f"{stray.size} padding slot(s) write real blocks; first slot {int(stray[0])} (block "
-                    f"{int(stray[0]) // g.block_size}); no scheduled token owns them",
-                    group=g.group_id,
+                    f"writes position {f.pos[t]} into the null block (the ledger's row has block 0 there)",
+                    self.req_id(int(indices[_req(t, f.tok_req)])),
+                    g.group_id,
                 )
             )
 
-    def _check_reads(self, step, g: GroupTable, gp, indices, rows, known, all_known, out, cov) -> None:
-        row_lens = unpack_i32(gp["row_lens"])
-        digests = unpack_digests(gp["row_digests"])
-        if row_lens.size != rows.size or digests.size != rows.size:
-            cov.unchecked["malformed_plan"] += 1
-            return
-        bad = (row_lens != g.lens[rows]) | (digests != wire_digests(g.digests[rows]))
-        if not all_known:
-            bad &= known
-        if not bad.any():
-            return
-        full = unpack_i32(gp["rows"]) if gp.get("rows") is not None else None
-        offsets = np.cumsum(row_lens) - row_lens
+    def _report_padding(self, step, g: GroupTable, f: GroupFacts, bad, indices, rows, full_rows, out) -> None:
+        stray = f.padding[bad]
+        out.append(
+            self._violation(
+                UNOWNED_WRITE,
+                step,
+                f"{stray.size} padding slot(s) write real blocks; first slot {int(stray[0])} (block "
+                f"{int(stray[0]) // g.block_size}); no scheduled token owns them",
+                group=g.group_id,
+            )
+        )
+
+    def _report_reads(self, step, g: GroupTable, f: GroupFacts, bad, indices, rows, full_rows, out) -> None:
+        packed = full_rows.get(g.group_id)
+        full = unpack_i32(packed) if packed is not None else None
+        offsets = np.cumsum(f.plan_lens) - f.plan_lens
         for i in np.flatnonzero(bad).tolist():
             ledger_row = g.row(int(rows[i]))
-            detail = f"attention reads a row of {row_lens[i]} block(s); the ledger has {ledger_row.size}"
+            n = f.plan_lens[i]
+            detail = f"attention reads a row of {n} block(s); the ledger has {ledger_row.size}"
             if full is not None:
-                actual = full[offsets[i] : offsets[i] + row_lens[i]]
+                actual = full[offsets[i] : offsets[i] + n]
                 diff = np.flatnonzero(actual[: ledger_row.size] != ledger_row[: actual.size])
                 if diff.size:
                     j = int(diff[0])
                     detail += f"; first difference at position {j}: expected block {ledger_row[j]}, read {actual[j]}"
-            elif row_lens[i] == ledger_row.size:
+            elif n == ledger_row.size:
                 detail += " with different block ids (digest differs)"
             out.append(self._violation(READ_TARGET_MISMATCH, step, detail, self.req_id(int(indices[i])), g.group_id))
+
+    _reporters: ClassVar[dict] = {"positions": _report_positions}
+    _group_reporters: ClassVar[dict] = {
+        "writes": _report_wrong_writes,
+        "null_writes": _report_null_writes,
+        "padding": _report_padding,
+        "reads": _report_reads,
+    }
+
+    # -- drafter passes --------------------------------------------------------------------------
+    def _check_draft_pass(self, step, dp: dict, indices, rows, known, out, cov: Coverage) -> None:
+        """A drafter pass writes the drafter's own KV through the target group's rows: the same
+        slot formula, at positions the scheduler reserved (its lookahead included)."""
+        gid = dp["group_id"]
+        if gid >= len(self.groups) or self.groups[gid].kind in _UNCHECKED_KINDS:
+            cov.unchecked["draft_unknown_group" if gid >= len(self.groups) else "draft_unchecked_group"] += 1
+            return
+        g = self.groups[gid]
+        slots = expand_slot_runs(dp["slot_runs"])
+        num_tokens, first = unpack_i32(dp["num_tokens"]), unpack_i32(dp["first_positions"])
+        n = dp["num_real"]
+        if not (num_tokens.size == first.size and num_tokens.size in (0, indices.size)) or (
+            slots.size != n + dp["num_padding"] or n != int(num_tokens.sum())
+        ):
+            cov.unchecked["malformed_plan"] += 1
+            return
+        found: list[Violation] = []
+        facts = GroupFacts(gid, g.block_size, padding=slots[n:])
+        cov.checks["draft_padding"] += 1
+        if num_tokens.size:  # else a pass serving no request (dummy run): all padding
+            self._draft_facts(
+                step, facts, g, dp["pass_index"], indices, rows, known, num_tokens, first, slots[:n], found, cov
+            )
+        self._report(step, None, [facts], indices, rows, None, found)
+        # The target's rules, said of the drafter's pass (its own KV, the same blocks).
+        out += [replace(v, detail=f"drafter pass {dp['pass_index']}: {v.detail}") for v in found]
+
+    def _draft_facts(self, step, facts, g: GroupTable, k, indices, rows, known, num_tokens, first, real, out, cov):
+        tok_req, pos = token_positions(first, num_tokens)
+        if tok_req is None:
+            tok_req = np.arange(num_tokens.size)
+        # vLLM clamps a later pass's position past the model's length to 0 and skips its write.
+        clamped = (pos == 0) & (real == -1) if k > 0 else np.zeros(real.size, bool)
+        tok_known = known[tok_req] & ~clamped
+        n_known = int(known.sum())
+        cov.checks["draft_position"] += n_known
+        cov.checks["draft_write"] += n_known
+        lo, hi = self.computed[rows] + k, self.computed[rows] + self.scheduled[rows] - 1 + k
+        outside = draft_position_failures(pos, lo[tok_req], hi[tok_req], tok_known)
+        for t in _first_token_per_request(np.flatnonzero(outside), tok_req):
+            r = int(tok_req[t])
+            out.append(
+                self._violation(
+                    WRITE_TARGET_MISMATCH,
+                    step,
+                    f"writes position {pos[t]}; the scheduler handed {self.scheduled[rows[r]]} token(s) from "
+                    f"computed position {self.computed[rows[r]]}, so this pass may write positions {lo[r]}..{hi[r]}",
+                    self.req_id(int(indices[r])),
+                )
+            )
+        self._token_facts(facts, g, real, tok_req, rows[tok_req], tok_known, pos)
 
     # -- connector and snapshots ---------------------------------------------------------
     def apply_connector(self, event: dict) -> None:
@@ -576,3 +574,14 @@ class RankState:
             return None
         row = int(self.row_of[index])
         return [g.row(row).tolist() for g in self.groups]
+
+
+def _req(token: int, tok_req) -> int:
+    return token if tok_req is None else int(tok_req[token])
+
+
+def _first_token_per_request(tokens: np.ndarray, tok_req) -> list[int]:
+    if tok_req is None:
+        return tokens.tolist()
+    _, first = np.unique(tok_req[tokens], return_index=True)
+    return tokens[first].tolist()

@@ -28,6 +28,15 @@ def written_from(num_computed_tokens, block_size: int):
     return num_computed_tokens // block_size
 
 
+def positions_differ(count, pos_sum, pos_sumsq, pos) -> np.ndarray:
+    """A block's holders sit at different row positions: the variance of their positions is not zero.
+
+    `count`, `pos_sum`, `pos_sumsq`: the block's holders, the sum and the sum of squares of their
+    positions; `pos`: the position one of them holds it at.
+    """
+    return (pos_sum != count * pos) | (pos_sumsq != count * pos * pos)
+
+
 class GroupTable:
     def __init__(self, group_id: int, kind: str, block_size: int, num_blocks: int, window: int | None):
         self.group_id = group_id
@@ -75,8 +84,7 @@ class GroupTable:
 
     def held_elsewhere(self, blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Which blocks (in the pool, held at `positions`) another holder has at another position."""
-        count = self.hold_count[blocks]
-        return (self.hold_sum[blocks] != count * positions) | (self.hold_sumsq[blocks] != count * positions**2)
+        return positions_differ(self.hold_count[blocks], self.hold_sum[blocks], self.hold_sumsq[blocks], positions)
 
     def hold_for_send(self, blocks: np.ndarray, sign: int) -> None:
         blocks = blocks[(blocks > NULL_BLOCK) & (blocks < self.num_blocks)]

@@ -222,7 +222,7 @@ def test_deletion_runs_on_the_drain_thread_and_logs_each_segment(tmp_path, event
             recorder.capture(event["body"])
             if event["seq"] % 64 == 0:
                 time.sleep(0.002)  # let the drain thread write in several batches
-        recorder.close(step=len(events))
+        recorder.close(step=len(events), timeout=120)  # a loaded machine: the drain may take a while
     deleted = [r for r in caplog.records if "retention deleted" in r.getMessage()]
     assert len(deleted) == sink.deleted_segments > 0
     assert {r.threadName for r in deleted} == {"kvledger-drain-tp0"}

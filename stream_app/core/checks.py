@@ -1,0 +1,191 @@
+"""The rules step plans and grants are checked by, each written once.
+
+A rule compares what the runner (or the scheduler) did with what the ledger
+says, over columns: one entry per request, token or granted block. Two paths
+build those columns and run the same rules on them:
+
+- step by step (rank.py): one step, from the tables as they stand; every
+  entry a rule fails is reported as a violation;
+- the fast path (batch.py): a run of steps at once, from the tables as they
+  stood at each step; the run is taken only if no rule fails anywhere, else
+  it goes step by step.
+
+So a new rule is a function here, added to `plan_failures` (or to
+`grant_failures`): both paths run it, and the step path's reporter for it
+says what it found. The columns a rule reads are the facts below; a rule
+that needs a new one adds it to the facts, and both builders fill it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvledger.schemas.packing import unpack_i64, wire_digests
+from kvledger.stream_app.core.tables import NULL_BLOCK
+
+# -- the facts ------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestFacts:
+    """The plan's requests, one entry each (on the fast path: each request at each step of the run)."""
+
+    first: np.ndarray  # the plan: first position it writes
+    ntok: np.ndarray  # the plan: how many tokens it writes
+    computed: np.ndarray  # the ledger: num_computed_tokens handed at that step
+    scheduled: np.ndarray  # the ledger: tokens scheduled at that step
+    known: np.ndarray | None = None  # requests the ledger knows (None: all); the others go unchecked
+
+
+@dataclass
+class GroupFacts:
+    """One KV cache group's part of a plan, beside what the ledger's rows say. A rule whose columns a
+    group lacks (a state group has no slots; a malformed part, no rows) does not run on it."""
+
+    group_id: int
+    block_size: int
+    # Per token: the slot the plan writes; the slot its row in the ledger gives its position; whether
+    # the position lies inside that row; the ledger's block there; whether the ledger knows its
+    # request (None: all); which request it is (None: token i is request i) and its position.
+    real: np.ndarray | None = None
+    expected: np.ndarray | None = None
+    in_row: np.ndarray | None = None
+    block: np.ndarray | None = None
+    tok_known: np.ndarray | None = None
+    tok_req: np.ndarray | None = None
+    pos: np.ndarray | None = None
+    padding: np.ndarray | None = None  # slots past the scheduled tokens: owned by nobody
+    # Per request, the row attention reads: as the plan says (length, wire digest), as the ledger has
+    # it (length, digest); whether the ledger knows the request (None: all).
+    plan_lens: np.ndarray | None = None
+    plan_digests: np.ndarray | None = None
+    ledger_lens: np.ndarray | None = None
+    ledger_digests: np.ndarray | None = None
+    known: np.ndarray | None = None
+
+
+@dataclass
+class GrantFacts:
+    """Blocks of the pool (the null block aside) the scheduler hands out in one step (on the fast path:
+    at each step of the run), one entry each. A block id outside the pool fails before any rule."""
+
+    elsewhere: np.ndarray  # another holder has it at another row position (after this step's grants)
+    written: np.ndarray  # the grant writes it: at or past its request's computed tokens
+    prior: np.ndarray  # live holders before this step's grants (one pool: counted across groups)
+    writers: np.ndarray  # grants of this step that write it
+    sending: np.ndarray  # a pending KV send still reads it
+
+
+# -- how the ledger's side is derived (the same arithmetic in both paths) ------------------------------
+
+
+def expand_slot_runs(data: bytes) -> np.ndarray:
+    """Packed (start, length) runs -> the slot mapping, -1 runs kept as -1."""
+    runs = unpack_i64(data).reshape(-1, 2)
+    starts, lengths = runs[:, 0], runs[:, 1]
+    if lengths.size == 0 or (lengths == 1).all():
+        return starts
+    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(starts, lengths) + offsets * np.repeat(starts >= 0, lengths)
+
+
+def token_positions(first: np.ndarray, ntok: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """The request (index into first/ntok) and the position of every token; None for the request when
+    each writes one token (decode): then token i is request i."""
+    if (ntok == 1).all():
+        return None, first.astype(np.int64)
+    tok_req = np.repeat(np.arange(ntok.size), ntok)
+    return tok_req, first[tok_req] + (np.arange(tok_req.size) - (np.cumsum(ntok) - ntok)[tok_req])
+
+
+def slot_targets(
+    table: np.ndarray, row_lens: np.ndarray, tok_rows: np.ndarray, pos: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where the ledger says each token's KV goes: (slot, whether the position is inside the row, block).
+
+    `row_lens` is each token's row length at its step; cells of `table` past it are never trusted.
+    """
+    col = pos // block_size
+    block = table[tok_rows, np.minimum(col, table.shape[1] - 1)]
+    return block * block_size + (pos - col * block_size), col < row_lens, block
+
+
+# -- the rules ---------------------------------------------------------------------------------------------
+
+
+def _only_known(bad: np.ndarray, known: np.ndarray | None) -> np.ndarray:
+    return bad if known is None else bad & known
+
+
+def position_failures(r: RequestFacts) -> np.ndarray:
+    """The plan writes other tokens than the scheduler handed: another first position or count."""
+    return _only_known((r.first != r.computed) | (r.ntok != r.scheduled), r.known)
+
+
+def write_failures(g: GroupFacts) -> np.ndarray | None:
+    """A token's KV goes to another slot than its row gives its position, or its position is past the row."""
+    if g.real is None:
+        return None
+    return _only_known((g.real != g.expected) | ~g.in_row, g.tok_known)
+
+
+def null_write_failures(g: GroupFacts) -> np.ndarray | None:
+    """A row points at the null block where a real token is written: its KV goes nowhere."""
+    if g.real is None:
+        return None
+    return _only_known((g.block == NULL_BLOCK) & (g.real == g.expected) & g.in_row, g.tok_known)
+
+
+def padding_failures(g: GroupFacts) -> np.ndarray | None:
+    """A padding slot writes a real block (slots 0 .. block_size-1 are the null block's)."""
+    return None if g.padding is None else g.padding >= g.block_size
+
+
+def read_failures(g: GroupFacts) -> np.ndarray | None:
+    """Attention reads another row than the ledger's: its length or its digest differs."""
+    if g.plan_lens is None:
+        return None
+    bad = (g.plan_lens != g.ledger_lens) | (g.plan_digests != wire_digests(g.ledger_digests))
+    return _only_known(bad, g.known)
+
+
+def draft_position_failures(pos, lo, hi, tok_known) -> np.ndarray:
+    """A drafter pass writes outside the positions the scheduler reserved for it: pass k from the
+    request's first scheduled position + k up to its last + k (num_lookahead_tokens)."""
+    return ((pos < lo) | (pos > hi)) & tok_known
+
+
+# In the order a step's violations are reported. Each name is also the step path's reporter for it.
+REQUEST_RULES = {"positions": position_failures}
+GROUP_RULES = {
+    "writes": write_failures,
+    "null_writes": null_write_failures,
+    "padding": padding_failures,
+    "reads": read_failures,
+}
+
+
+def plan_failures(requests: RequestFacts | None, groups: list[GroupFacts]):
+    """What every plan rule finds: (rule -> mask over the requests, per group: rule -> mask over
+    its tokens or requests); a rule whose columns a group lacks is left out of its masks."""
+    per_request = {} if requests is None else {name: rule(requests) for name, rule in REQUEST_RULES.items()}
+    per_group = []
+    for g in groups:
+        masks = {name: rule(g) for name, rule in GROUP_RULES.items()}
+        per_group.append({name: mask for name, mask in masks.items() if mask is not None})
+    return per_request, per_group
+
+
+def plan_clean(requests: RequestFacts | None, groups: list[GroupFacts]) -> bool:
+    """No plan rule fails anywhere: what the fast path needs to take a run."""
+    per_request, per_group = plan_failures(requests, groups)
+    return not any(m.any() for masks in (per_request, *per_group) for m in masks.values())
+
+
+def grant_failures(f: GrantFacts) -> np.ndarray:
+    """Blocks held elsewhere at another position, or written while reused: another holder had it
+    before this step, a second grant of the step writes it, or a pending send reads it. Blocks only
+    read (below the computed tokens) may be shared: a prefix hit, a received prefill."""
+    return f.elsewhere | (f.written & ((f.prior > 0) | (f.writers > 1) | f.sending))
