@@ -218,6 +218,14 @@ def _port_free(port: int) -> bool:
     show_default=True,
     help="Seconds before the group gives a silent worker's partitions to the others.",
 )
+@click.option(
+    "--rocksdb-memory",
+    type=click.IntRange(8),
+    default=64,
+    show_default=True,
+    metavar="MB",
+    help="RocksDB's cache and write buffers, per table and partition (--store rocksdb).",
+)
 @click.option("--loglevel", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
 def stream(
     bootstrap: str,
@@ -231,6 +239,7 @@ def stream(
     settle_after: float,
     retire_after: float,
     session_timeout: float,
+    rocksdb_memory: int,
     loglevel: str,
 ) -> None:
     """Run a stream worker: project kvledger.events, publish violations (runs until stopped)."""
@@ -255,6 +264,7 @@ def stream(
         settle_after=settle_after,
         retire_after=retire_after,
         session_timeout=session_timeout,
+        rocksdb_memory_mb=rocksdb_memory,
     )
     click.echo(
         f"kvledger: worker of group {group} on {bootstrap} ({partitions} partitions), http://127.0.0.1:{web_port}/",
