@@ -28,7 +28,7 @@ from kvledger.stream_app.core.tables import NULL_BLOCK
 # -- the facts ------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestFacts:
     """The plan's requests, one entry each (on the fast path: each request at each step of the run)."""
 
@@ -39,7 +39,7 @@ class RequestFacts:
     known: np.ndarray | None = None  # requests the ledger knows (None: all); the others go unchecked
 
 
-@dataclass
+@dataclass(slots=True)
 class GroupFacts:
     """One KV cache group's part of a plan, beside what the ledger's rows say. A rule whose columns a
     group lacks (a state group has no slots; a malformed part, no rows) does not run on it."""
@@ -66,7 +66,7 @@ class GroupFacts:
     known: np.ndarray | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class GrantFacts:
     """Blocks of the pool (the null block aside) the scheduler hands out in one step (on the fast path:
     at each step of the run), one entry each. A block id outside the pool fails before any rule."""
@@ -95,7 +95,7 @@ def token_positions(first: np.ndarray, ntok: np.ndarray) -> tuple[np.ndarray | N
     """The request (index into first/ntok) and the position of every token; None for the request when
     each writes one token (decode): then token i is request i."""
     if (ntok == 1).all():
-        return None, first.astype(np.int64)
+        return None, first
     tok_req = np.repeat(np.arange(ntok.size), ntok)
     return tok_req, first[tok_req] + (np.arange(tok_req.size) - (np.cumsum(ntok) - ntok)[tok_req])
 
@@ -173,8 +173,11 @@ def plan_failures(requests: RequestFacts | None, groups: list[GroupFacts]):
     per_request = {} if requests is None else {name: rule(requests) for name, rule in REQUEST_RULES.items()}
     per_group = []
     for g in groups:
-        masks = {name: rule(g) for name, rule in GROUP_RULES.items()}
-        per_group.append({name: mask for name, mask in masks.items() if mask is not None})
+        masks = {}
+        for name, rule in GROUP_RULES.items():
+            if (mask := rule(g)) is not None:
+                masks[name] = mask
+        per_group.append(masks)
     return per_request, per_group
 
 

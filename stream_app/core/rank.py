@@ -365,12 +365,11 @@ class RankState:
         for name, bad in per_request.items():
             if bad.any():
                 self._reporters[name](self, step, requests, bad, indices, rows, out)
-        full_rows = {gp["group_id"]: gp.get("rows") for gp in plan["groups"]} if plan is not None else {}
         for facts, masks in zip(groups, per_group, strict=True):
             g = self.groups[facts.group_id]
             for name, bad in masks.items():
                 if bad.any():
-                    self._group_reporters[name](self, step, g, facts, bad, indices, rows, full_rows, out)
+                    self._group_reporters[name](self, step, g, facts, bad, indices, rows, plan, out)
 
     # -- reporters: what a failing rule says (one per rule of checks.py) --------------------------
     def _report_positions(self, step, r: RequestFacts, bad, indices, rows, out) -> None:
@@ -385,7 +384,7 @@ class RankState:
                 )
             )
 
-    def _report_wrong_writes(self, step, g: GroupTable, f: GroupFacts, wrong, indices, rows, full_rows, out):
+    def _report_wrong_writes(self, step, g: GroupTable, f: GroupFacts, wrong, indices, rows, plan, out):
         bs = g.block_size
         wrong_toks = np.flatnonzero(wrong)
         reqs = wrong_toks if f.tok_req is None else f.tok_req[wrong_toks]
@@ -438,7 +437,7 @@ class RankState:
                     )
                 )
 
-    def _report_null_writes(self, step, g: GroupTable, f: GroupFacts, null, indices, rows, full_rows, out):
+    def _report_null_writes(self, step, g: GroupTable, f: GroupFacts, null, indices, rows, plan, out):
         for t in _first_token_per_request(np.flatnonzero(null), f.tok_req):
             out.append(
                 self._violation(
@@ -450,7 +449,7 @@ class RankState:
                 )
             )
 
-    def _report_padding(self, step, g: GroupTable, f: GroupFacts, bad, indices, rows, full_rows, out) -> None:
+    def _report_padding(self, step, g: GroupTable, f: GroupFacts, bad, indices, rows, plan, out) -> None:
         stray = f.padding[bad]
         out.append(
             self._violation(
@@ -462,8 +461,10 @@ class RankState:
             )
         )
 
-    def _report_reads(self, step, g: GroupTable, f: GroupFacts, bad, indices, rows, full_rows, out) -> None:
-        packed = full_rows.get(g.group_id)
+    def _report_reads(self, step, g: GroupTable, f: GroupFacts, bad, indices, rows, plan, out) -> None:
+        """`plan`'s full rows, when it carries them, name the first block that differs."""
+        gp = next((gp for gp in plan["groups"] if gp["group_id"] == g.group_id), {}) if plan is not None else {}
+        packed = gp.get("rows")
         full = unpack_i32(packed) if packed is not None else None
         offsets = np.cumsum(f.plan_lens) - f.plan_lens
         for i in np.flatnonzero(bad).tolist():
