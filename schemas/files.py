@@ -25,6 +25,7 @@ the stream there, mid-stream, and resyncs at once.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -183,15 +184,17 @@ class SegmentWriter:
 
     def _retire(self) -> None:
         """Delete the oldest segments of the rank directory that retention no longer keeps; never
-        the one being written, nor anything after it (another writer's)."""
+        the one being written, nor the one finished just before it (however large, it holds the
+        newest events: the directory may exceed its budget by that segment), nor anything after
+        them (another writer's)."""
         assert self.retention is not None
         sized = []
         for path in list_segments(self.dir):
             with contextlib.suppress(OSError):  # gone already: nothing to keep or count
                 sized.append((path, path.stat()))
         total, now = sum(st.st_size for _, st in sized), time.time()
-        for path, st in sized:
-            if path == self.path or not self.retention.expired(total, st.st_mtime, now):
+        for (path, st), (following, _) in itertools.pairwise(sized):
+            if self.path in (path, following) or not self.retention.expired(total, st.st_mtime, now):
                 break
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -224,16 +227,15 @@ class SegmentWriter:
     def write(self, events: list[dict[str, Any]]) -> None:
         """Append events; they are in the file within `flush_interval` seconds."""
         assert self._writer is not None, "writer is closed"
-        start = 0
-        if self.retention is not None:
-            for i, event in enumerate(events):
-                full = self._segment_events and self._size >= self.max_segment_bytes
-                if full and self._resync_point(event):
-                    self._append(events[start:i])
+        if self.retention is None:
+            self._append(events)
+        else:  # event by event: a batch of any size is still cut at its snapshots
+            for event in events:
+                if self._segment_events and self._written() >= self.max_segment_bytes and self._resync_point(event):
                     self._open_next()  # the new segment begins where a reader can resync
-                    start = i
                 self._previous_body = event["body"][0]
-        self._append(events[start:])
+                self._writer.write(event)
+                self._segment_events += 1
         if events:
             self.last_seq = events[-1]["seq"]
         now = time.monotonic()
@@ -246,6 +248,11 @@ class SegmentWriter:
         factor = 1 if self.retention is None else UNCUT_SEGMENT_FACTOR
         if self._size >= factor * self.max_segment_bytes:
             self._open_next()
+
+    def _written(self) -> int:
+        """Bytes of the segment so far: in the file, and in whole blocks waiting for their write (the
+        block fastavro is filling, at most `block_bytes` before compression, is not counted)."""
+        return self._size + self._out.tell()
 
     def _append(self, events: list[dict[str, Any]]) -> None:
         for event in events:

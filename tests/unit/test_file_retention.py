@@ -66,12 +66,14 @@ def events() -> list[dict]:
     return sim.events
 
 
-def record(root: Path, events: list[dict], retention: Retention, segment: int = SEGMENT, **kw) -> tuple:
+def record(
+    root: Path, events: list[dict], retention: Retention, segment: int = SEGMENT, batch: int = BATCH, **kw
+) -> tuple:
     """Write through a FileSink in drain-sized batches; (sink, bytes on disk after each write)."""
     sink = FileSink(root, max_segment_bytes=segment, flush_interval=0, retention=retention, **kw)
     totals = []
-    for at in range(0, len(events), BATCH):
-        sink.write(events[at : at + BATCH])
+    for at in range(0, len(events), batch):
+        sink.write(events[at : at + batch])
         totals.append(disk_usage(root))
     sink.close()
     return sink, totals
@@ -192,6 +194,22 @@ def test_check_of_a_retained_ledger_is_silent_and_counts_it_joined_mid_stream(re
     assert summary["checks"]["resync"] >= 1 and summary["checks"]["write"] > 100
 
 
+def test_one_big_batch_is_cut_at_its_snapshots_and_its_newest_events_are_kept(tmp_path, events):
+    """A drain thread that fell behind hands the writer everything at once: the batch is still cut
+    at its snapshots, and retention keeps the newest finished segment whatever its size (it once
+    deleted a whole stream: one uncut segment over the budget, rotated, then deleted)."""
+    sink, totals = record(tmp_path, events, Retention(max_bytes=KEEP), batch=len(events))
+    [stream] = discover(tmp_path)
+    assert sink.deleted_segments > 0 and len(stream.segments) >= 2
+    assert all(first_events(p, 1)[0][1] == RANK_INFO for p in stream.segments)
+    [[(total, newest)]] = totals
+    assert total - newest <= KEEP
+    result = replay(tmp_path)
+    assert result.violations == [] and result.problems == []
+    assert result.ledger.coverage.checks["write"] > 100
+    assert_joined_mid_stream(result.unchecked)
+
+
 def test_retention_off_rotates_by_size_as_before(tmp_path, events):
     FileSink(tmp_path, max_segment_bytes=SEGMENT, flush_interval=0).write(events)
     [stream] = discover(tmp_path)
@@ -245,7 +263,7 @@ def test_retention_spans_incarnations_oldest_first_and_drops_their_end_markers(t
     assert_joined_mid_stream(summary["unchecked"])
 
 
-def test_retain_hours_deletes_by_mtime_never_the_segment_being_written(tmp_path, events):
+def test_retain_hours_deletes_by_mtime_never_the_newest_segments(tmp_path, events):
     writer = SegmentWriter(tmp_path, ENGINE, 0, 0, 0, 1, max_segment_bytes=SEGMENT, retention=Retention(max_age_s=3600))
     at = 0
 
@@ -265,11 +283,13 @@ def test_retain_hours_deletes_by_mtime_never_the_segment_being_written(tmp_path,
         os.utime(path, (two_hours_ago, two_hours_ago))
     write_until_rotated()
     assert writer.deleted_segments == 3 and list_segments(writer.dir)[0] == aged[3]
-    # Everything old, the segment being written too: that one stays.
+    # Everything old, the segment being written too: that one stays, and the one finished before it
+    # (it holds the newest events; retention never leaves a stream with nothing to replay).
     for path in list_segments(writer.dir):
         os.utime(path, (two_hours_ago, two_hours_ago))
+    newest_finished = list_segments(writer.dir)[-2]
     writer._retire()
-    assert list_segments(writer.dir) == [writer.path]
+    assert list_segments(writer.dir) == [newest_finished, writer.path]
     write_until_rotated()  # and the stream goes on from there
     writer.close()
     result = replay(tmp_path)
