@@ -41,6 +41,16 @@ def unpack_u64(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=_U64)
 
 
+def expand_slot_runs(data: bytes) -> np.ndarray:
+    """Packed (start, length) runs -> the slot mapping, -1 runs kept as -1."""
+    runs = unpack_i64(data).reshape(-1, 2)
+    starts, lengths = runs[:, 0], runs[:, 1]
+    if lengths.size == 0 or (lengths == 1).all():
+        return starts
+    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(starts, lengths) + offsets * np.repeat(starts >= 0, lengths)
+
+
 # Row digest: sum over positions i of mix(block_i) * P^(i+1), plus len * K, all
 # mod 2^64. Position-weighted so swaps change it, additive so a reader can
 # update it when blocks are appended without rehashing the row.

@@ -22,17 +22,24 @@ from operator import itemgetter
 
 import numpy as np
 
-from kvledger.schemas.packing import length_term, mix_blocks, position_weights, unpack_digests, unpack_i32, unpack_i64
+from kvledger.schemas.packing import (
+    expand_slot_runs,
+    length_term,
+    mix_blocks,
+    position_weights,
+    unpack_digests,
+    unpack_i32,
+    unpack_i64,
+)
 from kvledger.stream_app.core.checks import (
     GrantFacts,
     GroupFacts,
     RequestFacts,
-    expand_slot_runs,
     grant_failures,
+    plan_clean,
     slot_targets,
     token_positions,
 )
-from kvledger.stream_app.core.checks import plan_clean as checks_clean
 from kvledger.stream_app.core.rank import RankState
 from kvledger.stream_app.core.tables import NULL_BLOCK, positions_differ, written_from
 
@@ -283,7 +290,7 @@ def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num
         facts, apply = result
         groups.append(facts)
         commits.append(apply)
-    if not checks_clean(requests, groups):
+    if not plan_clean(requests, groups):
         return None
 
     def commit() -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvledger.schemas.packing import unpack_i64, wire_digests
+from kvledger.schemas.packing import wire_digests
 from kvledger.stream_app.core.tables import NULL_BLOCK
 
 # -- the facts ------------------------------------------------------------------------------------
@@ -79,16 +79,6 @@ class GrantFacts:
 
 
 # -- how the ledger's side is derived (the same arithmetic in both paths) ------------------------------
-
-
-def expand_slot_runs(data: bytes) -> np.ndarray:
-    """Packed (start, length) runs -> the slot mapping, -1 runs kept as -1."""
-    runs = unpack_i64(data).reshape(-1, 2)
-    starts, lengths = runs[:, 0], runs[:, 1]
-    if lengths.size == 0 or (lengths == 1).all():
-        return starts
-    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.repeat(starts, lengths) + offsets * np.repeat(starts >= 0, lengths)
 
 
 def token_positions(first: np.ndarray, ntok: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:

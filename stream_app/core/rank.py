@@ -13,13 +13,12 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvledger.schemas.packing import unpack_digests, unpack_i32
+from kvledger.schemas.packing import expand_slot_runs, unpack_digests, unpack_i32
 from kvledger.stream_app.core.checks import (
     GrantFacts,
     GroupFacts,
     RequestFacts,
     draft_position_failures,
-    expand_slot_runs,
     grant_failures,
     plan_failures,
     slot_targets,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import weakref
@@ -273,13 +274,17 @@ class StreamWorker:
             del table[_piece_key(key, i)]
         self.pieces[key] = len(pieces)
 
-    def _restore(self, table, key: bytes, restore, partition: int, refused: Outcome):
+    def _restore(self, table, key: bytes, restore, partition: int, refused: Outcome | None):
         """The state a table entry holds, None when there is none, or when it cannot be read: then it is
-        dead-lettered with its reason (its bytes kept as data, never run) and the state starts anew."""
+        dead-lettered with its reason (its bytes kept as data, never run) and the state starts anew.
+        Without `refused` (no record of it read yet) it is left for the next record, which does that."""
         try:
             blob = self._read_checkpoint(table, key)
             return restore(blob) if blob is not None else None
         except CheckpointError as exc:
+            if refused is None:
+                log.warning("%s %r: checkpoint not loaded (%s); its next record rebuilds it", table.name, key, exc)
+                return None
             log.warning("%s %r: checkpoint refused (%s); starting anew", table.name, key, exc)
             record = Record(partition, -1, key, table.get(key))
             refused.dead_letters.append(DeadLetter(record, "checkpoint_refused", str(exc)))
@@ -337,12 +342,8 @@ class StreamWorker:
             engine_id = key.decode(errors="replace")
             if _PIECE in key or engine_id in self.engines:
                 continue
-            try:
-                blob = self._read_checkpoint(self.table, key)
-                projection = EngineProjection.restore(blob, engine_id) if blob is not None else None
-            except CheckpointError as exc:
-                log.warning("engine %s: checkpoint not adopted (%s); its next record rebuilds it", engine_id, exc)
-                continue
+            restore = functools.partial(EngineProjection.restore, engine_id=engine_id)
+            projection = self._restore(self.table, key, restore, -1, None)
             if projection is None or projection.partition is None:
                 continue  # written before checkpoints named their partition: loaded at its next record
             tp = TP(self.topics.events, projection.partition)
