@@ -32,8 +32,12 @@ Without --bootstrap a private broker is started with infra/local-kafka.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from stream_throughput import broker
@@ -103,11 +107,25 @@ def report_violations(r: SoakResult, v: SoakVerdict) -> None:
     for what, items in (("lost", v.lost), ("not found offline", v.extra)):
         for key in sorted(items)[:5]:
             print(f"  {what}: {key}")
+    if v.lost or v.extra:
+        print_evidence(r, {json.loads(k)["engine_id"] for k in (v.lost + v.extra)})
+    dead = ", ".join(f"{k} {n}" for k, n in sorted(r.dead_letters.items())) or "none"
+    print(f"dead letters: {sum(r.dead_letters.values())} ({dead})")
     placed, odd = len(r.reference.faults), len(v.faults_not_once)
     print(f"every fault found once: {'yes' if not odd else 'NO'} ({placed:,} faults placed, "
           f"{placed - odd:,} found exactly once; {r.reference.unplaced} found no target)")  # fmt: skip
     for fault, online, offline in v.faults_not_once[:5]:
         print(f"  {fault}: published {online}x, offline {offline}x")
+
+
+def print_evidence(r: SoakResult, engine_ids: set[str]) -> None:
+    """What the workers' logs say of the engines whose violations differ (their lives' lines, warnings)."""
+    for log in r.logs:
+        lines = log.read_text(errors="replace").splitlines()
+        shown = [line for line in lines if any(e in line for e in engine_ids) or "WARNING" in line or "ERROR" in line]
+        print(f"  {log.name}: {len(shown)} line(s) of {len(lines)} name those engines or warn")
+        for line in shown[:40]:
+            print(f"    {line[:200]}")
 
 
 def report_engines(r: SoakResult) -> None:
@@ -128,6 +146,16 @@ def extrapolate(r: SoakResult) -> None:
           f"{hours:.1f} h end to end on this machine and {cpu_hours:.1f} worker CPU-hours")  # fmt: skip
 
 
+@contextlib.contextmanager
+def work_dir(keep: Path | None) -> Iterator[str]:
+    if keep is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            yield tmp
+        return
+    keep.mkdir(parents=True, exist_ok=True)
+    yield str(keep)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", type=int, default=200, help="engines running at once")
@@ -140,13 +168,16 @@ def main() -> None:
     parser.add_argument("--store", choices=("rocksdb", "memory"), default="rocksdb", help="the worker's tables")
     parser.add_argument("--sample-every", type=float, default=5.0, help="seconds between memory samples")
     parser.add_argument("--bootstrap", help="an existing broker (default: start one)")
+    parser.add_argument("--keep", type=Path, help="work in this directory and keep it (worker logs, broker data)")
     args = parser.parse_args()
+    # Engines' lives (new, restored, retired) are logged at info: the evidence when a verdict fails.
+    os.environ.setdefault("KVLEDGER_TEST_WORKER_LOGLEVEL", "info")
     spec = FleetSpec(engines=args.engines, tp=(args.tp,), steps=args.steps, lives=args.lives)
     kills = tuple(float(f) for f in args.kills.split(",") if f)
     at = ", ".join(f"{k:.0%}" for k in kills)
     print(f"soak: {args.engines} engines x {args.tp} ranks x {args.steps:,} steps = {spec.step_events:,} "
           f"step-events planned; --store {args.store}; worker SIGKILLed at {at} of them")  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp, broker(args.bootstrap, Path(tmp)) as bootstrap:
+    with work_dir(args.keep) as tmp, broker(args.bootstrap, Path(tmp)) as bootstrap:
         print(f"{'t (s)':>8} {'worker':>6} {'events applied':>14} {'RSS (MB)':>9}", flush=True)
         soak = Soak(
             bootstrap, spec, Path(tmp), settle_after=args.settle_after, retire_after=args.retire_after,

@@ -500,6 +500,8 @@ class SoakResult:
     engines_gauge: float = -1.0  # ... and its kvledger_engines
     at_kill: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (live in /engines, gauge)
     engine_series: int = 0  # kvledger_events_total{engine=...} series the last worker exports
+    dead_letters: Counter = dataclasses.field(default_factory=Counter)  # reason -> records dead-lettered
+    logs: list[Path] = dataclasses.field(default_factory=list)  # every worker process's log, in order
 
     @property
     def elapsed(self) -> float:
@@ -681,6 +683,9 @@ class Soak:
         r.engines_gauge = self.worker.total("kvledger_engines")
         r.engine_series = sum(k.startswith("kvledger_events_total{") for k in self.worker.metrics())
         self.worker.stop()
+        r.logs = [w.log for w in self.workers]
+        for m in read_all(self.bootstrap, f"{self.prefix}.deadletter"):
+            r.dead_letters[dict(m.headers() or ()).get("kvledger.reason", b"?").decode()] += 1
         for m in read_all(self.bootstrap, f"{self.prefix}.violations"):
             key, value = m.key(), m.value()
             if key not in r.violations:

@@ -230,6 +230,7 @@ class EngineProjection:
         self.ids: ViolationIds = ids if ids is not None else ViolationIds()
         self.reported_unchecked: Counter = Counter(self.ledger.coverage.unchecked)
         self.progress_sent: dict[RankKey, int] = {}  # rank -> last step forwarded to the join
+        self.forwarded_transfers = False  # a connector event of it went to the join (since this process began)
         self.waypoints: deque[Waypoint] = deque(maxlen=WAYPOINTS)
         # Since the last checkpoint: its bytes and the events applied after it, to
         # rebuild the state when a record makes the core raise.
@@ -304,6 +305,7 @@ class EngineProjection:
             name, body = event["body"]
             if name == CONNECTOR_EVENT and body.get("transfer_id"):
                 out.transfers.append((body["transfer_id"], event))
+                self.forwarded_transfers = True
             elif name == HEALTH:
                 rank = f"dp{event['dp_rank']}-tp{event['tp_rank']}-pp{event['pp_rank']}"
                 out.health.append(ProducerHealth(self.engine_id, rank, body["events_dropped"]))
@@ -330,12 +332,23 @@ class EngineProjection:
         sent: the join must see a rank's transfer events before its clock
         passes them.
         """
-        out = []
+        out: list[dict] = []
+        if not self.joins_transfers:
+            return out
         for key, slot in self.ledger.ranks.items():
             if slot.last_step > self.progress_sent.get(key, -1):
                 self.progress_sent[key] = slot.last_step
                 out.append(progress_event(key, slot.incarnation, slot.last_step))
         return out
+
+    @property
+    def joins_transfers(self) -> bool:
+        """Whether the join needs this engine's clock: a rank declared a PD role (or has not said yet), or
+        it forwarded a transfer. An engine outside every PD pair is no transfer's side and no side's peer;
+        at TP=8 and 4 partitions its progress would be 32 messages per checkpoint for nothing."""
+        return self.forwarded_transfers or any(
+            slot.info is None or slot.info["pd_role"] != "NONE" for slot in self.ledger.ranks.values()
+        )
 
     def _new_unchecked(self) -> Counter:
         now = self.ledger.coverage.unchecked

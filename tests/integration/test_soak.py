@@ -53,6 +53,7 @@ def test_a_restarting_fleet_and_a_killed_worker_lose_and_duplicate_nothing(kafka
     assert len(result.kills) == 1 and result.retired_before_kill
     assert result.longest_round < RETIRE_AFTER  # no live engine was ever silent long enough to retire
     assert result.resent_differing == []  # a re-sent violation is the same record under the same id
+    assert not result.dead_letters  # every record was the core's to take
 
     verdict = judge(result)
     assert not verdict.lost and not verdict.extra, (verdict.lost, verdict.extra)

@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from kvledger.producer.synthetic import PdConfig, simulate_pd_pair
+from kvledger.producer.synthetic import PdConfig, SimConfig, simulate, simulate_pd_pair
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec, SingleObjectCodec
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.core.transfers import TransferJoin
@@ -108,6 +108,22 @@ def test_engine_projection_leaves_the_join_to_the_transfer_stream():
     ]
     assert all(p["body"][1]["input"] is None and p["body"][1]["plan"] is None for p in progress)
     assert projection.progress() == []  # nothing moved since
+
+
+def test_an_engine_outside_every_pd_pair_sends_the_join_no_clock():
+    """Its ranks declare no PD role and it forwards no transfer: it is no transfer's side or peer."""
+    events = simulate(SimConfig(seed=2, steps=30, tp_size=2)).events
+    assert {e["body"][1]["pd_role"] for e in events if e["body"][0] == "kvledger.RankInfo"} == {"NONE"}
+    projection = EngineProjection("sim-engine")
+    records = [Record(0, i, b"sim-engine", CODEC.encode(e)) for i, e in enumerate(events)]
+    split, _ = Decoder().split(records)
+    outcome = projection.apply(split["sim-engine"])
+    assert outcome.transfers == [] and projection.ledger.ranks
+    assert not projection.joins_transfers and projection.progress() == []
+    fresh = EngineProjection("sim-engine")  # a rank whose RankInfo is not in yet may be in a pair
+    first_step = next(item for item in split["sim-engine"] if item[1]["body"][0] == "kvledger.Step")
+    fresh.apply([first_step])
+    assert fresh.joins_transfers
 
 
 def broken(event: dict) -> dict:
