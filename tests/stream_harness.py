@@ -624,14 +624,17 @@ class Soak:
         sampler.start()
         r.produced_from, pending = time.monotonic() - self.t0, sorted(kills)
         try:
-            while not fleet.done:
+            batch = list(fleet.round())
+            while batch:
                 round_started = time.monotonic()
-                self._produce_round(fleet, sink)
+                self._produce_round(batch, sink)
+                ended = {life.engine_id for life in fleet.reference.lives.values() if life.ended}
+                # The next round is generated (and replayed offline) while the worker reads this one.
+                batch = list(fleet.round())
                 self._wait_behind(offsets, 0, "the worker to read the round")
                 kill = bool(pending) and r.step_events >= pending[0] * self.spec.step_events
                 if kill and quiesce_before_kill:
                     self._wait_behind(offsets, 0, "the worker to catch up", committed=True)
-                    ended = {life.engine_id for life in fleet.reference.lives.values() if life.ended}
                     self._wait_retired(ended, timeout=self.retire_after + 30)
                 # How long live engines went without a record; not in a worker's first round, which
                 # waits for it to join its group (no engine is loaded yet: its silence counts from then).
@@ -655,9 +658,9 @@ class Soak:
         self._collect()
         return r
 
-    def _produce_round(self, fleet: Fleet, sink: KafkaSink) -> None:
+    def _produce_round(self, batch: list[list[dict]], sink: KafkaSink) -> None:
         r, before = self.result, self.result.events
-        for events in fleet.round():
+        for events in batch:
             for i in range(0, len(events), DRAIN):
                 sink.write(events[i : i + DRAIN])
             r.events += len(events)
