@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from operator import itemgetter
+from operator import attrgetter
 
 import numpy as np
 
@@ -40,10 +40,11 @@ from kvledger.stream_app.core.checks import (
     slot_targets,
     token_positions,
 )
+from kvledger.stream_app.core.events import KvGroupKind, Step, StepKind
 from kvledger.stream_app.core.rank import RankState
 from kvledger.stream_app.core.tables import NULL_BLOCK, positions_differ, written_from
 
-_FAST_KINDS = ("FULL_ATTENTION", "MLA")
+_FAST_KINDS = (KvGroupKind.FULL_ATTENTION, KvGroupKind.MLA)
 _LEN_UNIT = np.uint64(length_term(1))
 _EMPTY_DIGEST = np.uint64(length_term(0))
 
@@ -90,7 +91,7 @@ def _step_of(sizes: list[int]) -> np.ndarray:
     return np.repeat(np.arange(len(sizes)), sizes)
 
 
-def plan_run(state: RankState, steps: list[dict]) -> tuple[Callable[[], None], Counter] | None:
+def plan_run(state: RankState, steps: list[Step]) -> tuple[Callable[[], None], Counter] | None:
     """Check `steps` (consecutive, all with a plan) of one rank; a commit and the checks run, or None."""
     ng = len(state.groups)
     row_of = state.row_of.copy()  # req_index -> row; indices finished in the run keep theirs until commit
@@ -108,27 +109,27 @@ def plan_run(state: RankState, steps: list[dict]) -> tuple[Callable[[], None], C
 
     # One pass in Python over what is not an array: request arrivals and departures.
     for b, step in enumerate(steps):
-        inp, plan = step["input"], step["plan"]
-        if plan is None or len(plan["groups"]) != ng:
+        inp, plan = step.input, step.plan
+        if plan is None or len(plan.groups) != ng:
             return None
-        if plan.get("draft_writes"):  # a drafter's passes: checked step by step (RankState.check_plan)
+        if plan.draft_writes:  # a drafter's passes: checked step by step (RankState.check_plan)
             return None
         if inp is None:
-            if step["kind"] == "REAL":
+            if step.kind == StepKind.REAL:
                 return None
         else:
-            if inp["preempted_req_ids"] or inp["resumed_req_indices"]:
+            if inp.preempted_req_ids or inp.resumed_req_indices:
                 return None
-            if inp["block_ids_to_zero"] or inp["block_copies"]:  # overwrites: checked step by step
+            if inp.block_ids_to_zero or inp.block_copies:  # overwrites: checked step by step
                 return None
-            for req_id in inp["finished_req_ids"]:
+            for req_id in inp.finished_req_ids:
                 index = index_of.pop(req_id, None)
                 if index is not None:
                     del req_id_of[index]
                     died[index] = b
-            for req in inp["new_reqs"]:
-                index, req_id = req["req_index"], req["req_id"]
-                if req_id in index_of or len(req["block_ids"]) != ng:
+            for req in inp.new_reqs:
+                index, req_id = req.req_index, req.req_id
+                if req_id in index_of or len(req.block_ids) != ng:
                     return None  # re-added request: step by step
                 if index >= row_of.size:
                     row_of = np.concatenate([row_of, np.full(max(index + 1, row_of.size), -1, np.int64)])
@@ -137,12 +138,12 @@ def plan_run(state: RankState, steps: list[dict]) -> tuple[Callable[[], None], C
                 row = free.pop() if free else num_rows
                 num_rows += row == num_rows
                 row_of[index], index_of[req_id], req_id_of[index], born[index] = row, index, req_id, b
-                new_in.append((row, b, req["num_computed_tokens"], req["num_scheduled_tokens"]))
-                for gid, data in enumerate(req["block_ids"]):
+                new_in.append((row, b, req.num_computed_tokens, req.num_scheduled_tokens))
+                for gid, data in enumerate(req.block_ids):
                     new_grants[gid].append((row, b, unpack_i32(data)))
             in_cols.append(_input_columns(inp))
         plan_cols.append(_plan_columns(plan))
-        for gid, gp in enumerate(plan["groups"]):
+        for gid, gp in enumerate(plan.groups):
             group_cols[gid].append(_group_columns(gp))
 
     cols = dict(zip(_INPUT_COLUMNS, zip(*in_cols, strict=True), strict=False)) if in_cols else {}
@@ -253,9 +254,9 @@ _INPUT_COLUMNS = (
 )
 _PLAN_COLUMNS = ("req_indices", "num_tokens", "first_positions")
 _GROUP_COLUMNS = ("group_id", "slot_runs", "num_real", "num_padding", "row_lens", "row_digests")
-_input_columns = itemgetter(*_INPUT_COLUMNS)
-_plan_columns = itemgetter(*_PLAN_COLUMNS)
-_group_columns = itemgetter(*_GROUP_COLUMNS)
+_input_columns = attrgetter(*_INPUT_COLUMNS)
+_plan_columns = attrgetter(*_PLAN_COLUMNS)
+_group_columns = attrgetter(*_GROUP_COLUMNS)
 
 
 def _latest_per_cell(rows: np.ndarray, steps: np.ndarray, shape: tuple[int, int]) -> np.ndarray:

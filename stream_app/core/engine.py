@@ -10,12 +10,24 @@ from __future__ import annotations
 import copy
 import hashlib
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 
 import numpy as np
 
 from kvledger.schemas.packing import unpack_i32
-from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH, RANK_INFO, SNAPSHOT, STEP
 from kvledger.stream_app.core import batch
+from kvledger.stream_app.core.events import (
+    ConnectorEvent,
+    Health,
+    LedgerEvent,
+    RankInfo,
+    Snapshot,
+    Step,
+    StepInput,
+    StepKind,
+    StepPlan,
+    event_of,
+)
 from kvledger.stream_app.core.rank import RankState
 from kvledger.stream_app.core.transfers import DEFAULT_DEADLINE_STEPS, TransferJoin, TransferUse
 from kvledger.stream_app.core.violations import (
@@ -60,12 +72,12 @@ class Declared:
     rank_plans: str | None = None
 
     @classmethod
-    def of(cls, info: dict) -> Declared | None:
+    def of(cls, info: RankInfo) -> Declared | None:
         voids: dict[str, str] = {}
-        for cap in info.get("capabilities", ()):
-            if not cap["available"]:
-                for effect in DECLARATIONS.get(cap["name"], ()):
-                    voids.setdefault(effect, cap["name"])
+        for cap in info.capabilities:
+            if not cap.available:
+                for effect in DECLARATIONS.get(cap.name, ()):
+                    voids.setdefault(effect, cap.name)
         return cls(**voids) if voids else None
 
 
@@ -79,22 +91,22 @@ def _is_write(v: Violation) -> bool:
     )
 
 
-def _behind(state: RankState, plan: dict) -> set[str]:
+def _behind(state: RankState, plan: StepPlan) -> set[str]:
     """Requests whose plan starts before the scheduler's computed tokens, with its token count."""
-    indices = unpack_i32(plan["req_indices"]).astype(np.int64)
+    indices = unpack_i32(plan.req_indices).astype(np.int64)
     inside = (indices >= 0) & (indices < state.row_of.size)
     rows = np.where(inside, state.row_of[np.where(inside, indices, 0)], -1)
     known = rows >= 0
     rows = np.where(known, rows, 0)
-    first, num_tokens = unpack_i32(plan["first_positions"]), unpack_i32(plan["num_tokens"])
+    first, num_tokens = unpack_i32(plan.first_positions), unpack_i32(plan.num_tokens)
     behind = known & (first < state.computed[rows]) & (num_tokens == state.scheduled[rows])
     return {state.req_id(int(i)) for i in indices[behind]}
 
 
-def check_declared_plan(state: RankState, declared: Declared, step: int, plan: dict, out, cov: Coverage) -> None:
+def check_declared_plan(state: RankState, declared: Declared, step: int, plan: StepPlan, out, cov: Coverage) -> None:
     """`RankState.check_plan` under a rank's declarations: voided checks counted, never reported."""
     if declared.plan:
-        cov.unchecked[declared.plan] += len(unpack_i32(plan["req_indices"]))
+        cov.unchecked[declared.plan] += len(unpack_i32(plan.req_indices))
         return
     if declared.steps:
         cov.unchecked[declared.steps] += 1
@@ -122,7 +134,7 @@ class RankSlot:
 
     incarnation: int
     next_seq: int
-    info: dict | None = None
+    info: RankInfo | None = None
     state: RankState | None = None
     desynced: bool = False  # events were lost: checks wait for a snapshot
     last_step: int = -1
@@ -142,7 +154,7 @@ class LeadStep:
     found_input: list[Violation]  # what applying the step's input revealed
     found_plan: list[Violation]  # what checking its plan revealed
     # The step itself, while pending (not in checkpoints): a rank whose step equals it needs no hashing.
-    body: dict | None = field(default=None, compare=False)
+    body: Step | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -162,7 +174,7 @@ class StepGroup:
     # None when they could not run)
     pending: dict[int, dict[tuple[int, int], tuple[bytes, bytes, bool | None]]] = field(default_factory=dict)
     lead_steps: dict[int, LeadStep] = field(default_factory=dict)  # steps still pending, as the lead saw them
-    early: dict[int, dict[tuple[int, int], dict]] = field(default_factory=dict)  # plans that came before the lead's
+    early: dict[int, dict[tuple[int, int], StepPlan]] = field(default_factory=dict)  # plans that came before the lead's
     last_step: dict[tuple[int, int], int] = field(default_factory=dict)
     missing_since: dict[tuple[int, int], int] = field(default_factory=dict)  # open runs of missed steps
     # Steps a rank's records were lost for, (after, before) exclusive: not the rank's fault.
@@ -196,37 +208,40 @@ _PACKED_INPUT = (
 )
 
 
-def input_fingerprint(inp: dict | None) -> bytes:
+_packed_input = attrgetter(*_PACKED_INPUT)
+
+
+def input_fingerprint(inp: StepInput | None) -> bytes:
     if inp is None:
         return b""
-    parts = [inp[k] for k in _PACKED_INPUT] + [inp["finished_req_ids"], inp["preempted_req_ids"]]
-    for r in inp["new_reqs"]:
+    parts = [*_packed_input(inp), inp.finished_req_ids, inp.preempted_req_ids]
+    for r in inp.new_reqs:
         parts += [
-            r["req_index"],
-            r["req_id"],
-            r["num_computed_tokens"],
-            r["num_scheduled_tokens"],
-            *r["block_ids"],
+            r.req_index,
+            r.req_id,
+            r.num_computed_tokens,
+            r.num_scheduled_tokens,
+            *r.block_ids,
         ]
     return _fingerprint(parts)
 
 
-def plan_fingerprint(plan: dict | None) -> bytes:
+def plan_fingerprint(plan: StepPlan | None) -> bytes:
     if plan is None:
         return b""
-    parts = [plan["req_indices"], plan["num_tokens"], plan["first_positions"]]
-    for g in plan["groups"]:
+    parts = [plan.req_indices, plan.num_tokens, plan.first_positions]
+    for g in plan.groups:
         parts += [
-            g["group_id"],
-            g["slot_runs"],
-            g["num_real"],
-            g["num_padding"],
-            g["row_lens"],
-            g["row_digests"],
+            g.group_id,
+            g.slot_runs,
+            g.num_real,
+            g.num_padding,
+            g.row_lens,
+            g.row_digests,
         ]
-    for d in plan.get("draft_writes") or ():  # ranks agree on their drafter's passes too
-        parts += [d["group_id"], d["pass_index"], d["num_tokens"], d["first_positions"], d["slot_runs"]]
-        parts += [d["num_real"], d["num_padding"]]
+    for d in plan.draft_writes or ():  # ranks agree on their drafter's passes too
+        parts += [d.group_id, d.pass_index, d.num_tokens, d.first_positions, d.slot_runs]
+        parts += [d.num_real, d.num_padding]
     return _fingerprint(parts)
 
 
@@ -259,64 +274,71 @@ class Ledger:
         self.steps = 0
 
     # -- entry points -------------------------------------------------------------------
-    def apply(self, event: dict) -> list[Violation]:
+    def apply(self, event: LedgerEvent | dict) -> list[Violation]:
+        """The violations an event reveals; a decoded record (a dict) is typed here first (core/events.py)."""
+        return self._apply(self._typed(event))
+
+    def _typed(self, event: LedgerEvent | dict) -> LedgerEvent:
+        return event if isinstance(event, LedgerEvent) else event_of(event, self._key_of)
+
+    def _apply(self, event: LedgerEvent) -> list[Violation]:
         out: list[Violation] = []
-        key = self._key(event)
+        key = event.rank
         self.events += 1
         slot = self._sequence(key, event, out)
         if slot is None:
             return out
-        name, body = event["body"]
-        if name == STEP:
+        body = event.body
+        if isinstance(body, Step):
             self._step(key, slot, body, out)
-        elif name == RANK_INFO:
+        elif isinstance(body, RankInfo):
             self._rank_info(key, slot, body)
-        elif name == SNAPSHOT:
+        elif isinstance(body, Snapshot):
             self._snapshot(key, slot, body)
-        elif name == CONNECTOR_EVENT:
+        elif isinstance(body, ConnectorEvent):
             if slot.state is not None and not slot.desynced:
                 slot.state.apply_connector(body)
-        elif name == HEALTH:
-            slot.events_dropped = body["events_dropped"]
-            slot.closed = slot.closed or bool(body.get("closing"))
-        if name in _TRANSFER_BODIES:
+        elif isinstance(body, Health):
+            slot.events_dropped = body.events_dropped
+            slot.closed = slot.closed or body.closing
+        if isinstance(body, _TRANSFER_BODIES):
             self._transfers(key, event, out)
         return out
 
-    def _transfers(self, key: RankKey, event: dict, out: list[Violation]) -> None:
+    def _transfers(self, key: RankKey, event: LedgerEvent, out: list[Violation]) -> None:
         state = self.tables_of(key)
         out += self.transfer_use.apply(event, state.req_id if state is not None else None)
         if self.transfer_join is not None:
             out += self.transfer_join.apply(event)
 
-    def apply_many(self, events: list[dict]) -> list[Violation]:
+    def apply_many(self, events: list[LedgerEvent] | list[dict]) -> list[Violation]:
         """`apply` each event, in order; the same violations and coverage, faster.
 
         Runs of steps are first tried on the batched fast path (core/batch.py),
         which commits only when it proves the run clean; anything else goes
         event by event.
         """
+        events = [self._typed(e) for e in events]
         out: list[Violation] = []
         i = 0
         while i < len(events):
             j = i
-            while j < len(events) and j - i < self.batch_steps and events[j]["body"][0] == STEP:
+            while j < len(events) and j - i < self.batch_steps and isinstance(events[j].body, Step):
                 j += 1
             if j - i >= 2 and self._fast_run(events[i:j], out):
                 i = j
                 continue
             for event in events[i : max(j, i + 1)]:
-                out += self.apply(event)
+                out += self._apply(event)
             i = max(j, i + 1)
         return out
 
-    def _fast_run(self, events: list[dict], out: list[Violation]) -> bool:
-        per_rank: dict[RankKey, list[dict]] = {}
+    def _fast_run(self, events: list[LedgerEvent], out: list[Violation]) -> bool:
+        per_rank: dict[RankKey, list[Step]] = {}
         expect: dict[RankKey, tuple[int, int]] = {}
-        seen: list[tuple[RankKey, int, dict]] = []
+        seen: list[tuple[RankKey, int, Step]] = []
         for event in events:
-            key = self._key(event)
-            body = event["body"][1]
+            key, body = event.rank, event.body
             if key not in expect:
                 slot = self.ranks.get(key)
                 follower = slot is not None and self.follower(key)
@@ -325,14 +347,14 @@ class Ledger:
                     or (not follower and (slot.state is None or slot.desynced))
                     or slot.declared is not None
                     or slot.gap_after_step is not None
-                    or slot.incarnation != event["incarnation"]
+                    or slot.incarnation != event.incarnation
                 ):
                     return False
                 # A rank's first step may have any number; after that they must follow on.
-                expect[key] = (slot.next_seq, slot.last_step + 1 if slot.last_step >= 0 else body["step"])
+                expect[key] = (slot.next_seq, slot.last_step + 1 if slot.last_step >= 0 else body.step)
                 per_rank[key] = []
             seq, step = expect[key]
-            if event["seq"] != seq or body["step"] != step or event["incarnation"] != self.ranks[key].incarnation:
+            if event.seq != seq or body.step != step or event.incarnation != self.ranks[key].incarnation:
                 return False
             expect[key] = (seq + 1, step + 1)
             per_rank[key].append(body)
@@ -360,14 +382,14 @@ class Ledger:
             slot = self.ranks[key]
             slot.next_seq, slot.last_step = seq, step - 1
         for event in events:
-            self._transfers(self._key(event), event, out)
+            self._transfers(event.rank, event, out)
         for key, _, body in seen:
             if key in fps:
                 lead = None if self.follower(key) else (True, [], [])
-                self._cross_rank(key, body, out=out, lead=lead, fps=fps[key][body["step"]])
+                self._cross_rank(key, body, out=out, lead=lead, fps=fps[key][body.step])
         return True
 
-    def _agreeing_fingerprints(self, per_rank: dict[RankKey, list[dict]]) -> dict | None:
+    def _agreeing_fingerprints(self, per_rank: dict[RankKey, list[Step]]) -> dict | None:
         """Fingerprints of the steps of ranks that have a group to agree with, per rank and step, when
         every follower's step equals its lead's (in this run, or already seen, checked); else None: the
         step path checks what differs against the lead's tables at that step."""
@@ -377,13 +399,13 @@ class Ledger:
         for key in (k for k in grouped if not self.follower(k)):
             fps[key], leads[key] = {}, {}
             for body in per_rank[key]:
-                fp = fps[key][body["step"]] = self._fingerprints(key, body)
-                leads[key][body["step"]] = LeadStep(*fp, True, [], [], body=body)
+                fp = fps[key][body.step] = self._fingerprints(key, body)
+                leads[key][body.step] = LeadStep(*fp, True, [], [], body=body)
         for key in (k for k in grouped if self.follower(k)):
             group, in_run = self.step_groups[(key.engine_id, key.dp)], leads.get(self._lead_key(key), {})
             fps[key] = {}
             for body in per_rank[key]:
-                n = body["step"]
+                n = body.step
                 like = in_run.get(n) or group.lead_steps.get(n)
                 if like is None or not like.checked:
                     return None
@@ -391,9 +413,6 @@ class Ledger:
                 if fp != (like.input_fp, like.plan_fp):
                     return None
         return fps
-
-    def _key(self, event: dict) -> RankKey:
-        return self._key_of(event["engine_id"], event["dp_rank"], event["tp_rank"], event["pp_rank"])
 
     def finish(self) -> list[Violation]:
         """End of input: settle every step still waiting for ranks, and transfers seen from one side."""
@@ -449,13 +468,13 @@ class Ledger:
         return sum(s.events_dropped for s in self.ranks.values())
 
     # -- sequence -------------------------------------------------------------------------
-    def _sequence(self, key: RankKey, event: dict, out: list[Violation]) -> RankSlot | None:
-        seq = event["seq"]
+    def _sequence(self, key: RankKey, event: LedgerEvent, out: list[Violation]) -> RankSlot | None:
+        seq = event.seq
         slot = self.ranks.get(key)
-        if slot is None or slot.incarnation != event["incarnation"]:
+        if slot is None or slot.incarnation != event.incarnation:
             if slot is not None:
                 self.coverage.unchecked["rank_restarted"] += 1
-            slot = self.ranks[key] = RankSlot(event["incarnation"], seq + 1)
+            slot = self.ranks[key] = RankSlot(event.incarnation, seq + 1)
             if seq != 0:
                 # Its earlier records are gone (a retention window, a consumer that started late):
                 # up to its first step, its absence is not the rank's fault.
@@ -485,15 +504,15 @@ class Ledger:
         return slot
 
     # -- bodies ------------------------------------------------------------------------------
-    def _rank_info(self, key: RankKey, slot: RankSlot, info: dict) -> None:
+    def _rank_info(self, key: RankKey, slot: RankSlot, info: RankInfo) -> None:
         gkey = (key.engine_id, key.dp)
-        expected = frozenset((t, p) for t in range(info["tp_size"]) for p in range(info["pp_size"]))
+        expected = frozenset((t, p) for t in range(info.tp_size) for p in range(info.pp_size))
         group = self.step_groups.get(gkey)
         if group is None or group.expected != expected:
             self.step_groups[gkey] = StepGroup(expected)
         if self.follower(key):
             slot.state = None  # compared with the lead, never replayed
-        elif slot.info is None or slot.info["kv_groups"] != info["kv_groups"]:
+        elif slot.info is None or slot.info.kv_groups != info.kv_groups:
             slot.state = None if slot.desynced else RankState(key, info)
         elif slot.state is None:  # it just became its group's lead: its tables come with a snapshot
             slot.desynced = True
@@ -522,7 +541,7 @@ class Ledger:
             key = self._keys[(engine_id, dp, tp, pp)] = RankKey(engine_id, dp, tp, pp)
         return key
 
-    def _snapshot(self, key: RankKey, slot: RankSlot, snap: dict) -> None:
+    def _snapshot(self, key: RankKey, slot: RankSlot, snap: Snapshot) -> None:
         if slot.info is None:
             self.coverage.unchecked["snapshot_without_rank_info"] += 1
             return
@@ -534,12 +553,12 @@ class Ledger:
                 slot.state = RankState(key, slot.info)
             slot.state.load_snapshot(snap)
             slot.desynced = False
-            slot.last_step = snap["step"]
+            slot.last_step = snap.step
             self.coverage.checks["resync"] += 1
 
-    def _step(self, key: RankKey, slot: RankSlot, step: dict, out: list[Violation]) -> None:
+    def _step(self, key: RankKey, slot: RankSlot, step: Step, out: list[Violation]) -> None:
         self.steps += 1
-        n = step["step"]
+        n = step.step
         if 0 <= slot.last_step < n - 1 and not slot.desynced:
             # The rank skipped steps without losing events: it never recorded
             # them, so its tables may have missed their inputs.
@@ -559,29 +578,29 @@ class Ledger:
             self.coverage.unchecked["after_gap" if slot.desynced else "no_rank_info"] += 1
         else:
             state = slot.state
-            if step["input"] is not None:
-                state.apply_input(n, step["input"], out, self.coverage)
+            if step.input is not None:
+                state.apply_input(n, step.input, out, self.coverage)
             mark = len(out)
-            if step["plan"] is not None:
-                self._check_plan(state, slot.declared, n, step["plan"], out)
-            elif step["kind"] == "REAL" and step["input"] is not None and _has_tokens(step["input"]):
+            if step.plan is not None:
+                self._check_plan(state, slot.declared, n, step.plan, out)
+            elif step.kind == StepKind.REAL and step.input is not None and _has_tokens(step.input):
                 self.coverage.unchecked["no_plan"] += 1
         self._cross_rank(key, step, out=out, lead=(checked, out[found:mark], out[mark:]))
 
-    def _check_plan(self, state: RankState, declared: Declared | None, step: int, plan: dict, out) -> None:
+    def _check_plan(self, state: RankState, declared: Declared | None, step: int, plan: StepPlan, out) -> None:
         if declared is not None:
             check_declared_plan(state, declared, step, plan, out, self.coverage)
         else:
             state.check_plan(step, plan, out, self.coverage)
 
     # -- cross-rank agreement ---------------------------------------------------------------------
-    def _cross_rank(self, key: RankKey, step: dict, *, out: list[Violation], lead=None, fps=None) -> None:
+    def _cross_rank(self, key: RankKey, step: Step, *, out: list[Violation], lead=None, fps=None) -> None:
         """Record a rank's step for the comparison of its group; `lead` (for the lead rank: whether its
         tables were in sync, and what its input and plan revealed) is what the others are matched with."""
         group = self.step_groups.get((key.engine_id, key.dp))
         if group is None or len(group.expected) < 2:
             return
-        rank, n = (key.tp, key.pp), step["step"]
+        rank, n = (key.tp, key.pp), step.step
         last = group.last_step.get(rank, -1)
         group.last_step[rank] = n
         if rank in group.missing_since and n > last:
@@ -605,11 +624,11 @@ class Ledger:
         else:
             ls = group.lead_steps.get(n)
             if ls is not None:
-                clean = self._match(key, n, ls, input_fp, plan_fp, step["plan"], out)
+                clean = self._match(key, n, ls, input_fp, plan_fp, step.plan, out)
             else:
                 clean = None
-                if step["plan"] is not None:  # checked when the lead's step comes
-                    group.early.setdefault(n, {})[rank] = step["plan"]
+                if step.plan is not None:  # checked when the lead's step comes
+                    group.early.setdefault(n, {})[rank] = step.plan
         entry[rank] = (input_fp, plan_fp, clean)
         gkey = (key.engine_id, key.dp)
         if len(entry) == len(group.expected):
@@ -619,17 +638,17 @@ class Ledger:
         for t in [t for t in group.pending if (last < t < n and rank not in group.pending[t]) or t < horizon]:
             self._settle(gkey, group, t, out)
 
-    def _fingerprints(self, key: RankKey, step: dict, like: LeadStep | None = None) -> tuple[bytes, bytes]:
+    def _fingerprints(self, key: RankKey, step: Step, like: LeadStep | None = None) -> tuple[bytes, bytes]:
         """Fingerprints of a rank's step input and plan; `like`'s where the step equals its lead's
         (compared as bytes: much cheaper than hashing them again)."""
         same = like is not None and like.body is not None
-        inp, plan = step["input"], step["plan"]
-        input_fp = like.input_fp if same and inp == like.body["input"] else input_fingerprint(inp)
+        inp, plan = step.input, step.plan
+        input_fp = like.input_fp if same and inp == like.body.input else input_fingerprint(inp)
         declared = self.ranks[key].declared
         if declared is not None and declared.rank_plans and plan is not None:
             self.coverage.unchecked[declared.rank_plans] += 1
             return input_fp, b""  # each rank's plan is its own share: inputs still compared
-        return input_fp, like.plan_fp if same and plan == like.body["plan"] else plan_fingerprint(plan)
+        return input_fp, like.plan_fp if same and plan == like.body.plan else plan_fingerprint(plan)
 
     def _match(self, key: RankKey, n: int, ls: LeadStep, input_fp, plan_fp, plan, out) -> bool | None:
         """A rank's step against its lead's: the lead's findings where they agree, its own plan checked
@@ -699,7 +718,7 @@ class Ledger:
                     out.append(Violation.at(RANK_DIVERGENCE, RankKey(engine_id, dp, *rank), step, detail))
 
 
-_TRANSFER_BODIES = (STEP, CONNECTOR_EVENT, RANK_INFO)
+_TRANSFER_BODIES = (Step, ConnectorEvent, RankInfo)
 
 
 def _rekeyed(found: list[Violation], key: RankKey) -> list[Violation]:
@@ -707,5 +726,5 @@ def _rekeyed(found: list[Violation], key: RankKey) -> list[Violation]:
     return [replace(v, tp_rank=key.tp, pp_rank=key.pp) for v in found]
 
 
-def _has_tokens(inp: dict) -> bool:
-    return bool(inp["new_reqs"]) or len(inp["cached_req_indices"]) > 0
+def _has_tokens(inp: StepInput) -> bool:
+    return bool(inp.new_reqs) or len(inp.cached_req_indices) > 0

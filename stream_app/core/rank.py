@@ -24,6 +24,18 @@ from kvledger.stream_app.core.checks import (
     slot_targets,
     token_positions,
 )
+from kvledger.stream_app.core.events import (
+    ConnectorEvent,
+    ConnectorKind,
+    DraftPass,
+    GroupPlan,
+    KvGroupKind,
+    NewRequest,
+    RankInfo,
+    Snapshot,
+    StepInput,
+    StepPlan,
+)
 from kvledger.stream_app.core.tables import NULL_BLOCK, GroupTable, written_from
 from kvledger.stream_app.core.violations import (
     BLOCK_OUT_OF_RANGE,
@@ -36,15 +48,14 @@ from kvledger.stream_app.core.violations import (
     Violation,
 )
 
-_UNCHECKED_KINDS = ("MAMBA", "OTHER")  # groups without token -> slot addressing
+_UNCHECKED_KINDS = (KvGroupKind.MAMBA, KvGroupKind.OTHER)  # groups without token -> slot addressing
 
 
 class RankState:
-    def __init__(self, key: RankKey, info: dict):
+    def __init__(self, key: RankKey, info: RankInfo):
         self.key = key
         self.groups = [
-            GroupTable(g["group_id"], g["kind"], g["block_size"], g["num_blocks"], g["sliding_window"])
-            for g in info["kv_groups"]
+            GroupTable(g.group_id, g.kind, g.block_size, g.num_blocks, g.sliding_window) for g in info.kv_groups
         ]
         self.row_of = np.full(64, -1, np.int64)  # req_index -> row, -1 when not live
         self.index_of: dict[str, int] = {}  # req_id -> req_index
@@ -107,35 +118,35 @@ class RankState:
         return self.req_id_of.get(req_index, f"#{req_index}")
 
     # -- step input -----------------------------------------------------------------------
-    def apply_input(self, step: int, inp: dict, out: list[Violation], cov: Coverage) -> None:
-        for req_id in inp["finished_req_ids"]:
+    def apply_input(self, step: int, inp: StepInput, out: list[Violation], cov: Coverage) -> None:
+        for req_id in inp.finished_req_ids:
             if req_id in self.index_of:
                 self._drop(req_id)
-        for req_id in inp["preempted_req_ids"]:
+        for req_id in inp.preempted_req_ids:
             if req_id in self.index_of:
                 self._clear_row(int(self.row_of[self.index_of[req_id]]))
 
-        indices = unpack_i32(inp["cached_req_indices"])
+        indices = unpack_i32(inp.cached_req_indices)
         rows = self._rows(indices)
         known = rows >= 0
         if not known.all():
             cov.unchecked["unknown_request"] += int((~known).sum())
             rows = rows[known]
-        self.computed[rows] = unpack_i32(inp["cached_num_computed_tokens"])[known]
-        self.scheduled[rows] = unpack_i32(inp["cached_num_scheduled_tokens"])[known]
-        for row in self._rows(unpack_i32(inp["resumed_req_indices"])).tolist():
+        self.computed[rows] = unpack_i32(inp.cached_num_computed_tokens)[known]
+        self.scheduled[rows] = unpack_i32(inp.cached_num_scheduled_tokens)[known]
+        for row in self._rows(unpack_i32(inp.resumed_req_indices)).tolist():
             if row >= 0:  # resumed: its new block ids replace the row
                 self._clear_row(row)
         if rows.size:  # before grants: the scheduler frees, then allocates
             for g in self.groups:
                 g.release_freed(rows, self.computed[rows] + self.scheduled[rows])
 
-        grants = self._new_requests(inp["new_reqs"])
+        grants = self._new_requests(inp.new_reqs)
         self._appends(inp, grants, cov)
         for g, grant in zip(self.groups, grants, strict=True):
             if grant:
                 self._grant(step, g, *grant, out, cov)
-        zero, copies = unpack_i32(inp["block_ids_to_zero"]), unpack_i32(inp["block_copies"]).reshape(-1, 2)
+        zero, copies = unpack_i32(inp.block_ids_to_zero), unpack_i32(inp.block_copies).reshape(-1, 2)
         if zero.size or copies.size:
             granted = np.concatenate([np.concatenate(grant[2]) for grant in grants if grant] or [np.empty(0, np.int32)])
             self._check_overwrites(step, "zeroes", zero, None, out, cov)
@@ -181,14 +192,14 @@ class RankState:
             more = f" ({int(bad.sum())} such blocks)" if bad.sum() > 1 else ""
             out.append(self._violation(kind, step, f"the scheduler {what} block {b}, but {why}{more}"))
 
-    def _new_requests(self, new_reqs: list[dict]) -> list[list | None]:
+    def _new_requests(self, new_reqs: list[NewRequest]) -> list[list | None]:
         """Rows for new requests; returns per group the blocks to grant: (rows, counts, blocks)."""
         grants: list[list | None] = [None] * len(self.groups)
         for req in new_reqs:
-            row = self._new_row(req["req_index"], req["req_id"])
-            self.computed[row] = req["num_computed_tokens"]
-            self.scheduled[row] = req["num_scheduled_tokens"]
-            for gid, data in enumerate(req["block_ids"][: len(self.groups)]):
+            row = self._new_row(req.req_index, req.req_id)
+            self.computed[row] = req.num_computed_tokens
+            self.scheduled[row] = req.num_scheduled_tokens
+            for gid, data in enumerate(req.block_ids[: len(self.groups)]):
                 blocks = unpack_i32(data)
                 grant = grants[gid] = grants[gid] or [[], [], []]
                 grant[0].append(row)
@@ -196,13 +207,13 @@ class RankState:
                 grant[2].append(blocks)
         return grants
 
-    def _appends(self, inp: dict, grants: list[list | None], cov: Coverage) -> None:
-        counts = unpack_i32(inp["append_counts"])
+    def _appends(self, inp: StepInput, grants: list[list | None], cov: Coverage) -> None:
+        counts = unpack_i32(inp.append_counts)
         if counts.size == 0:
             return
-        rows = self._rows(unpack_i32(inp["append_req_indices"]))
-        gids = unpack_i32(inp["append_group_ids"])
-        blocks = unpack_i32(inp["append_block_ids"])
+        rows = self._rows(unpack_i32(inp.append_req_indices))
+        gids = unpack_i32(inp.append_group_ids)
+        blocks = unpack_i32(inp.append_block_ids)
         ok = (rows >= 0) & (gids < len(self.groups))
         if not ok.all():
             cov.unchecked["unknown_request"] += int((~ok).sum())
@@ -285,11 +296,11 @@ class RankState:
         return self.req_id(int(index[0])) if index.size else f"row {row}"
 
     # -- step plan ------------------------------------------------------------------------
-    def check_plan(self, step: int, plan: dict, out: list[Violation], cov: Coverage) -> None:
+    def check_plan(self, step: int, plan: StepPlan, out: list[Violation], cov: Coverage) -> None:
         """The plan against the tables, by the rules of checks.py; each failure reported."""
-        indices = unpack_i32(plan["req_indices"])
-        num_tokens = unpack_i32(plan["num_tokens"])
-        first_pos = unpack_i32(plan["first_positions"])
+        indices = unpack_i32(plan.req_indices)
+        num_tokens = unpack_i32(plan.num_tokens)
+        first_pos = unpack_i32(plan.first_positions)
         rows = self._rows(indices)
         known = rows >= 0
         all_known = bool(known.all())
@@ -307,8 +318,8 @@ class RankState:
         tok_known = None if all_known else (known if tok_req is None else known[tok_req])
 
         groups: list[GroupFacts] = []
-        for gp in plan["groups"]:
-            gid = gp["group_id"]
+        for gp in plan.groups:
+            gid = gp.group_id
             if gid >= len(self.groups):
                 cov.unchecked["unknown_group"] += 1
                 continue
@@ -316,13 +327,13 @@ class RankState:
             facts = GroupFacts(gid, g.block_size)
             if g.kind in _UNCHECKED_KINDS:
                 cov.unchecked[f"{g.kind.lower()}_group"] += 1
-                if g.kind != "MAMBA":
+                if g.kind != KvGroupKind.MAMBA:
                     continue
                 cov.checks["state_rows"] += n_known  # the rows its kernels index state by can be compared
             else:
-                slots = expand_slot_runs(gp["slot_runs"])
-                num_real = gp["num_real"]
-                if slots.size != num_real + gp["num_padding"]:
+                slots = expand_slot_runs(gp.slot_runs)
+                num_real = gp.num_real
+                if slots.size != num_real + gp.num_padding:
                     cov.unchecked["malformed_plan"] += 1
                     continue
                 cov.checks["write"] += n_known
@@ -337,7 +348,7 @@ class RankState:
             self._read_facts(facts, g, gp, rows, None if all_known else known, cov)
             groups.append(facts)
         self._report(step, requests, groups, indices, rows, plan, out)
-        for dp in plan.get("draft_writes") or ():
+        for dp in plan.draft_writes or ():
             self._check_draft_pass(step, dp, indices, rows, known, out, cov)
 
     def _token_facts(self, facts: GroupFacts, g: GroupTable, real, tok_req, tok_rows, tok_known, pos) -> None:
@@ -349,9 +360,9 @@ class RankState:
         facts.expected, facts.in_row, facts.block = slot_targets(g.table, g.lens[tok_rows], tok_rows, pos, g.block_size)
         facts.real, facts.tok_known, facts.tok_req, facts.pos = real, tok_known, tok_req, pos
 
-    def _read_facts(self, facts: GroupFacts, g: GroupTable, gp: dict, rows, known, cov: Coverage) -> None:
-        row_lens = unpack_i32(gp["row_lens"])
-        digests = unpack_digests(gp["row_digests"])
+    def _read_facts(self, facts: GroupFacts, g: GroupTable, gp: GroupPlan, rows, known, cov: Coverage) -> None:
+        row_lens = unpack_i32(gp.row_lens)
+        digests = unpack_digests(gp.row_digests)
         if row_lens.size != rows.size or digests.size != rows.size:
             cov.unchecked["malformed_plan"] += 1
             return
@@ -462,8 +473,8 @@ class RankState:
 
     def _report_reads(self, step, g: GroupTable, f: GroupFacts, bad, indices, rows, plan, out) -> None:
         """`plan`'s full rows, when it carries them, name the first block that differs."""
-        gp = next((gp for gp in plan["groups"] if gp["group_id"] == g.group_id), {}) if plan is not None else {}
-        packed = gp.get("rows")
+        gp = next((gp for gp in plan.groups if gp.group_id == g.group_id), None) if plan is not None else None
+        packed = gp.rows if gp is not None else None
         full = unpack_i32(packed) if packed is not None else None
         offsets = np.cumsum(f.plan_lens) - f.plan_lens
         for i in np.flatnonzero(bad).tolist():
@@ -489,19 +500,19 @@ class RankState:
     }
 
     # -- drafter passes --------------------------------------------------------------------------
-    def _check_draft_pass(self, step, dp: dict, indices, rows, known, out, cov: Coverage) -> None:
+    def _check_draft_pass(self, step, dp: DraftPass, indices, rows, known, out, cov: Coverage) -> None:
         """A drafter pass writes the drafter's own KV through the target group's rows: the same
         slot formula, at positions the scheduler reserved (its lookahead included)."""
-        gid = dp["group_id"]
+        gid = dp.group_id
         if gid >= len(self.groups) or self.groups[gid].kind in _UNCHECKED_KINDS:
             cov.unchecked["draft_unknown_group" if gid >= len(self.groups) else "draft_unchecked_group"] += 1
             return
         g = self.groups[gid]
-        slots = expand_slot_runs(dp["slot_runs"])
-        num_tokens, first = unpack_i32(dp["num_tokens"]), unpack_i32(dp["first_positions"])
-        n = dp["num_real"]
+        slots = expand_slot_runs(dp.slot_runs)
+        num_tokens, first = unpack_i32(dp.num_tokens), unpack_i32(dp.first_positions)
+        n = dp.num_real
         if not (num_tokens.size == first.size and num_tokens.size in (0, indices.size)) or (
-            slots.size != n + dp["num_padding"] or n != int(num_tokens.sum())
+            slots.size != n + dp.num_padding or n != int(num_tokens.sum())
         ):
             cov.unchecked["malformed_plan"] += 1
             return
@@ -510,11 +521,11 @@ class RankState:
         cov.checks["draft_padding"] += 1
         if num_tokens.size:  # else a pass serving no request (dummy run): all padding
             self._draft_facts(
-                step, facts, g, dp["pass_index"], indices, rows, known, num_tokens, first, slots[:n], found, cov
+                step, facts, g, dp.pass_index, indices, rows, known, num_tokens, first, slots[:n], found, cov
             )
         self._report(step, None, [facts], indices, rows, None, found)
         # The target's rules, said of the drafter's pass (its own KV, the same blocks).
-        out += [replace(v, detail=f"drafter pass {dp['pass_index']}: {v.detail}") for v in found]
+        out += [replace(v, detail=f"drafter pass {dp.pass_index}: {v.detail}") for v in found]
 
     def _draft_facts(self, step, facts, g: GroupTable, k, indices, rows, known, num_tokens, first, real, out, cov):
         tok_req, pos = token_positions(first, num_tokens)
@@ -542,28 +553,28 @@ class RankState:
         self._token_facts(facts, g, real, tok_req, rows[tok_req], tok_known, pos)
 
     # -- connector and snapshots ---------------------------------------------------------
-    def apply_connector(self, event: dict) -> None:
-        tid = event.get("transfer_id")
+    def apply_connector(self, event: ConnectorEvent) -> None:
+        tid = event.transfer_id
         if tid is None:
             return
-        if event["kind"] == "SEND_INTENT" and tid not in self.pending_sends:
-            blocks = [unpack_i32(b).astype(np.int64) for b in event["block_ids"]]
+        if event.kind == ConnectorKind.SEND_INTENT and tid not in self.pending_sends:
+            blocks = [unpack_i32(b).astype(np.int64) for b in event.block_ids]
             self.pending_sends[tid] = blocks
             for g, b in zip(self.groups, blocks, strict=False):
                 g.hold_for_send(b, +1)
-        elif event["kind"] in ("SEND_DONE", "EXPIRED") and tid in self.pending_sends:
+        elif event.kind in (ConnectorKind.SEND_DONE, ConnectorKind.EXPIRED) and tid in self.pending_sends:
             for g, b in zip(self.groups, self.pending_sends.pop(tid), strict=False):
                 g.hold_for_send(b, -1)
 
-    def load_snapshot(self, snap: dict) -> None:
+    def load_snapshot(self, snap: Snapshot) -> None:
         """Replace the rows with a snapshot's (pending sends survive: they are not in snapshots)."""
         for req_id in list(self.index_of):
             self._drop(req_id)
-        for req in snap["requests"]:
-            row = self._new_row(req["req_index"], req["req_id"])
-            self.computed[row] = req["num_computed_tokens"]
+        for req in snap.requests:
+            row = self._new_row(req.req_index, req.req_id)
+            self.computed[row] = req.num_computed_tokens
             self.scheduled[row] = 0
-            for g, data in zip(self.groups, req["block_ids"], strict=False):
+            for g, data in zip(self.groups, req.block_ids, strict=False):
                 blocks = unpack_i32(data)
                 g.append_many(np.array([row]), np.array([blocks.size]), blocks)
 

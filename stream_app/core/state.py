@@ -18,6 +18,7 @@ import numpy as np
 
 from kvledger.schemas.packing import pack_i32, unpack_i32
 from kvledger.stream_app.core.engine import Declared, LeadStep, Ledger, RankSlot, StepGroup
+from kvledger.stream_app.core.events import RankInfo, StepPlan
 from kvledger.stream_app.core.rank import RankState
 from kvledger.stream_app.core.transfers import (
     HeldSend,
@@ -138,7 +139,7 @@ def table_record(state: RankState) -> Record:
     }
 
 
-def table_from_record(key: RankKey, info: dict, rec: Record) -> RankState:
+def table_from_record(key: RankKey, info: RankInfo, rec: Record) -> RankState:
     state = RankState(key, info)
     if len(rec["groups"]) != len(state.groups):
         raise StateError(f"{key}: tables of {len(rec['groups'])} groups for a rank of {len(state.groups)}")
@@ -215,7 +216,7 @@ def _step_group_record(dp: int, group: StepGroup) -> Record:
             for step, ls in group.lead_steps.items()
         ],
         "early": [
-            {"step": step, "tp": tp, "pp": pp, "plan": plan}
+            {"step": step, "tp": tp, "pp": pp, "plan": plan.to_record()}
             for step, plans in group.early.items()
             for (tp, pp), plan in plans.items()
         ],
@@ -240,7 +241,7 @@ def _step_group_from_record(rec: Record) -> StepGroup:
         ls = LeadStep(r["input_fingerprint"], r["plan_fingerprint"], r["checked"], found_input, found_plan)
         group.lead_steps[r["step"]] = ls
     for r in rec["early"]:
-        group.early.setdefault(r["step"], {})[(r["tp"], r["pp"])] = r["plan"]
+        group.early.setdefault(r["step"], {})[(r["tp"], r["pp"])] = StepPlan.of(r["plan"])
     return group
 
 
@@ -249,7 +250,7 @@ def _slot_record(key: RankKey, slot: RankSlot, table) -> Record:
         "rank": _rank(key),
         "incarnation": slot.incarnation,
         "next_seq": slot.next_seq,
-        "info": slot.info,
+        "info": slot.info.to_record() if slot.info is not None else None,
         "desynced": slot.desynced,
         "last_step": slot.last_step,
         "events_dropped": slot.events_dropped,
@@ -346,7 +347,8 @@ def ledger_from_record(engine_id: str, rec: Record) -> Ledger:
         key = _key(srec["rank"])
         if key.engine_id != engine_id:
             raise StateError(f"rank {key} in the checkpoint of engine {engine_id}")
-        slot = RankSlot(srec["incarnation"], srec["next_seq"], info=srec["info"])
+        info = RankInfo.of(srec["info"]) if srec["info"] is not None else None
+        slot = RankSlot(srec["incarnation"], srec["next_seq"], info=info)
         slot.desynced, slot.last_step = srec["desynced"], srec["last_step"]
         slot.events_dropped, slot.gap_after_step = srec["events_dropped"], srec["gap_after_step"]
         slot.closed = srec["closed"]
@@ -373,7 +375,7 @@ def ledger_from_record(engine_id: str, rec: Record) -> Ledger:
     return ledger
 
 
-def _copy_tables(source: RankState, key: RankKey, info: dict) -> RankState:
+def _copy_tables(source: RankState, key: RankKey, info: RankInfo) -> RankState:
     """Another rank's own copy of identical tables (each rank's evolve on their own afterwards)."""
     return table_from_record(key, info, table_record(source))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvledger.schemas.packing import length_term, mix_blocks, position_weights
+from kvledger.stream_app.core.events import KvGroupKind
 
 NULL_BLOCK = 0
 _LEN_UNIT = np.uint64(length_term(1))
@@ -38,12 +39,12 @@ def positions_differ(count, pos_sum, pos_sumsq, pos) -> np.ndarray:
 
 
 class GroupTable:
-    def __init__(self, group_id: int, kind: str, block_size: int, num_blocks: int, window: int | None):
+    def __init__(self, group_id: int, kind: KvGroupKind, block_size: int, num_blocks: int, window: int | None):
         self.group_id = group_id
         self.kind = kind
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.window = window if kind == "SLIDING_WINDOW" else None
+        self.window = window if kind == KvGroupKind.SLIDING_WINDOW else None
         self.table = np.zeros((8, 16), dtype=np.int64)
         self.lens = np.zeros(8, dtype=np.int64)
         self.digests = np.full(8, length_term(0), dtype=np.uint64)
@@ -142,7 +143,7 @@ class GroupTable:
         """
         if self.window is not None:
             self.release_out_of_window(rows, tokens_done)
-        elif self.kind == "MAMBA":
+        elif self.kind == KvGroupKind.MAMBA:
             self.release_spent_states(rows, tokens_done)
 
     def release_out_of_window(self, rows: np.ndarray, tokens_done: np.ndarray) -> None:

@@ -37,7 +37,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvledger.schemas.packing import unpack_i32
-from kvledger.schemas.registry import CONNECTOR_EVENT, RANK_INFO, STEP
+from kvledger.stream_app.core.events import (
+    ConnectorEvent,
+    ConnectorKind,
+    LedgerEvent,
+    RankInfo,
+    Step,
+    StepInput,
+    as_event,
+)
 from kvledger.stream_app.core.tables import written_from
 from kvledger.stream_app.core.violations import (
     ORPHAN_TRANSFER,
@@ -59,12 +67,12 @@ FORGET_AFTER = 64  # ... and its id, kept so that late repeats of its events are
 SEND, RECV = "send", "recv"
 RETIRE, FORGET = "retire", "forget"  # deadline-heap entries that are housekeeping, not a side
 _ROLE = {
-    "SEND_INTENT": SEND,
-    "SEND_DONE": SEND,
-    "EXPIRED": SEND,
-    "RECV_INTENT": RECV,
-    "RECV_DONE": RECV,
-    "RECV_FAILED": RECV,
+    ConnectorKind.SEND_INTENT: SEND,
+    ConnectorKind.SEND_DONE: SEND,
+    ConnectorKind.EXPIRED: SEND,
+    ConnectorKind.RECV_INTENT: RECV,
+    ConnectorKind.RECV_DONE: RECV,
+    ConnectorKind.RECV_FAILED: RECV,
 }
 _OTHER_ROLE = {"release_only": RECV, "send_cancelled": SEND}  # OTHER events that close a side
 
@@ -82,12 +90,8 @@ def parse_digest(data: bytes | None) -> TransferDigest | None:
     return TransferDigest(bytes(data[1:9]), np.frombuffer(data, "<u8", offset=9))
 
 
-def rank_key(event: dict) -> RankKey:
-    return RankKey(event["engine_id"], event["dp_rank"], event["tp_rank"], event["pp_rank"])
-
-
-def _blocks(body: dict) -> list[list[int]]:
-    return [unpack_i32(b).tolist() for b in body["block_ids"]]
+def _blocks(body: ConnectorEvent) -> list[list[int]]:
+    return [unpack_i32(b).tolist() for b in body.block_ids]
 
 
 # -- the join by transfer id ------------------------------------------------------------------
@@ -164,28 +168,29 @@ class TransferJoin:
         self._due: dict[RankKey, list[tuple[int, str, str]]] = {}  # rank -> heap of (step, transfer, role)
 
     # -- entry points ---------------------------------------------------------------------
-    def apply(self, event: dict) -> list[Violation]:
-        name, body = event["body"]
-        if name == STEP:
-            return self.advance(rank_key(event), body["step"])
-        if name != CONNECTOR_EVENT:
+    def apply(self, event: LedgerEvent | dict) -> list[Violation]:
+        """A decoded record (a dict) is typed here first (core/events.py)."""
+        event = as_event(event)
+        body, key = event.body, event.rank
+        if isinstance(body, Step):
+            return self.advance(key, body.step)
+        if not isinstance(body, ConnectorEvent):
             return []
-        key = rank_key(event)
-        out = self.advance(key, body["step"])
-        role = _ROLE.get(body["kind"]) or _OTHER_ROLE.get(body.get("detail") or "")
-        tid = body.get("transfer_id")
+        out = self.advance(key, body.step)
+        role = _ROLE.get(body.kind) or _OTHER_ROLE.get(body.detail or "")
+        tid = body.transfer_id
         if role is None or tid is None or tid in self.retired:
             return out
         transfer = self.transfers.setdefault(tid, Transfer())
         side = self._side(tid, transfer, role, key, body)
-        if (body["kind"], body["step"]) in side.seen:
+        if (body.kind, body.step) in side.seen:
             return out  # a repeat
-        side.seen.add((body["kind"], body["step"]))
+        side.seen.add((body.kind, body.step))
         self._record(tid, side, body, out)
         self._compare(tid, transfer, out)
         if not transfer.retiring and transfer.closed():
             transfer.retiring = True
-            self._schedule(key, body["step"] + RETIRE_AFTER * self.deadline_steps, tid, RETIRE)
+            self._schedule(key, body.step + RETIRE_AFTER * self.deadline_steps, tid, RETIRE)
         return out
 
     def advance(self, key: RankKey, step: int) -> list[Violation]:
@@ -239,38 +244,39 @@ class TransferJoin:
         return out
 
     # -- sides -----------------------------------------------------------------------------
-    def _side(self, tid: str, transfer: Transfer, role: str, key: RankKey, body: dict) -> Side:
+    def _side(self, tid: str, transfer: Transfer, role: str, key: RankKey, body: ConnectorEvent) -> Side:
         sides = transfer.sides[role]
         side = sides.get(key)
         if side is None:
-            side = sides[key] = Side(key, role, first_step=body["step"])
-            if role == RECV and body.get("remote_engine_id"):
-                side.remote_engine_id = body["remote_engine_id"]
+            side = sides[key] = Side(key, role, first_step=body.step)
+            if role == RECV and body.remote_engine_id:
+                side.remote_engine_id = body.remote_engine_id
                 self.pulled_from.setdefault(side.remote_engine_id, set()).add(key.engine_id)
             side.peer_clock = self._peer_clock(side)
-            self._schedule(key, body["step"] + self.deadline_steps, tid, role)
+            self._schedule(key, body.step + self.deadline_steps, tid, role)
         return side
 
-    def _record(self, tid: str, side: Side, body: dict, out: list[Violation]) -> None:
-        kind, step = body["kind"], body["step"]
-        side.req_id = side.req_id or body.get("req_id") or None
-        if body.get("num_tokens") is not None:
-            side.num_tokens = body["num_tokens"]
-        if kind in ("SEND_INTENT", "RECV_INTENT"):
+    def _record(self, tid: str, side: Side, body: ConnectorEvent, out: list[Violation]) -> None:
+        kind, step = body.kind, body.step
+        side.req_id = side.req_id or body.req_id or None
+        if body.num_tokens is not None:
+            side.num_tokens = body.num_tokens
+        if kind in (ConnectorKind.SEND_INTENT, ConnectorKind.RECV_INTENT):
             side.intent_step = step
             side.blocks = _blocks(body)
             return
-        if side.blocks is None and body["block_ids"]:
+        if side.blocks is None and body.block_ids:
             side.blocks = _blocks(body)
         side.done_step = step
-        if kind in ("SEND_DONE", "RECV_DONE"):
-            side.outcome, side.digest = "DONE", body.get("digest")
-        elif kind == "OTHER":
+        if kind in (ConnectorKind.SEND_DONE, ConnectorKind.RECV_DONE):
+            side.outcome, side.digest = "DONE", body.digest
+        elif kind == ConnectorKind.OTHER:
             side.outcome = "RELEASED"
         else:  # RECV_FAILED, EXPIRED
-            side.outcome = "FAILED" if kind == "RECV_FAILED" else "EXPIRED"
-            what = "the receive failed" if kind == "RECV_FAILED" else "the prefill engine gave up on the send"
-            detail = f"transfer {tid}: {what}" + (f" ({body['detail']})" if body.get("detail") else "")
+            side.outcome = "FAILED" if kind == ConnectorKind.RECV_FAILED else "EXPIRED"
+            failed = kind == ConnectorKind.RECV_FAILED
+            what = "the receive failed" if failed else "the prefill engine gave up on the send"
+            detail = f"transfer {tid}: {what}" + (f" ({body.detail})" if body.detail else "")
             out.append(Violation.at(TRANSFER_FAILED, side.rank, step, detail, req_id=side.req_id))
 
     # -- checks across the two sides -----------------------------------------------------------
@@ -466,37 +472,36 @@ class TransferUse:
         self.coverage = coverage if coverage is not None else Coverage()
         self.ranks: dict[RankKey, RankTransfers] = {}
 
-    def apply(self, event: dict, req_id_of=None) -> list[Violation]:
+    def apply(self, event: LedgerEvent, req_id_of=None) -> list[Violation]:
         """`req_id_of(req_index)` names the rank's cached requests (the Ledger's RankState.req_id)."""
-        name, body = event["body"]
-        key = rank_key(event)
-        if name == RANK_INFO:
-            self.ranks.setdefault(key, RankTransfers()).block_sizes = [g["block_size"] for g in body["kv_groups"]]
-        elif name == CONNECTOR_EVENT:
+        body, key = event.body, event.rank
+        if isinstance(body, RankInfo):
+            self.ranks.setdefault(key, RankTransfers()).block_sizes = [g.block_size for g in body.kv_groups]
+        elif isinstance(body, ConnectorEvent):
             return self._connector(key, body)
-        elif name == STEP and body["input"] is not None:
+        elif isinstance(body, Step) and body.input is not None:
             state = self.ranks.get(key)
             if state is not None and (state.sends or state.recvs):
-                return self._step(key, state, body["step"], body["input"], req_id_of)
+                return self._step(key, state, body.step, body.input, req_id_of)
         return []
 
-    def _connector(self, key: RankKey, body: dict) -> list[Violation]:
-        tid, kind, step = body.get("transfer_id"), body["kind"], body["step"]
+    def _connector(self, key: RankKey, body: ConnectorEvent) -> list[Violation]:
+        tid, kind, step = body.transfer_id, body.kind, body.step
         if tid is None:
             return []
         state = self.ranks.setdefault(key, RankTransfers())
-        if kind == "SEND_INTENT" and tid not in state.sends:
+        if kind == ConnectorKind.SEND_INTENT and tid not in state.sends:
             blocks = [set(g) - {0} for g in _blocks(body)]
-            state.sends[tid] = HeldSend(tid, body.get("req_id"), step, blocks)
-        elif kind == "SEND_DONE" and tid in state.sends:
+            state.sends[tid] = HeldSend(tid, body.req_id, step, blocks)
+        elif kind == ConnectorKind.SEND_DONE and tid in state.sends:
             return self._shipped(key, state.sends.pop(tid), step)
-        elif kind == "EXPIRED" or (kind == "OTHER" and body.get("detail") == "send_cancelled"):
+        elif kind == ConnectorKind.EXPIRED or (kind == ConnectorKind.OTHER and body.detail == "send_cancelled"):
             state.sends.pop(tid, None)
-        elif kind == "RECV_INTENT" and body.get("req_id"):
-            state.recvs[body["req_id"]] = PendingRecv(tid, step, _blocks(body))
-        elif kind in ("RECV_DONE", "RECV_FAILED") and body.get("req_id") in state.recvs:
-            recv = state.recvs[body["req_id"]]
-            if kind == "RECV_DONE":
+        elif kind == ConnectorKind.RECV_INTENT and body.req_id:
+            state.recvs[body.req_id] = PendingRecv(tid, step, _blocks(body))
+        elif kind in (ConnectorKind.RECV_DONE, ConnectorKind.RECV_FAILED) and body.req_id in state.recvs:
+            recv = state.recvs[body.req_id]
+            if kind == ConnectorKind.RECV_DONE:
                 recv.done_step = step
             else:
                 recv.failed_step = step
@@ -513,7 +518,7 @@ class TransferUse:
         )
         return [Violation.at(SEND_BLOCK_REUSED, key, step, detail, req_id=send.req_id, group=group)]
 
-    def _step(self, key: RankKey, state: RankTransfers, step: int, inp: dict, req_id_of) -> list[Violation]:
+    def _step(self, key: RankKey, state: RankTransfers, step: int, inp: StepInput, req_id_of) -> list[Violation]:
         out: list[Violation] = []
         if state.sends:
             self._check_grants(key, state, step, inp, req_id_of, out)
@@ -522,7 +527,7 @@ class TransferUse:
         return out
 
     # -- prefill: blocks of a pending send handed to another request ---------------------------------
-    def _check_grants(self, key, state: RankTransfers, step: int, inp: dict, req_id_of, out) -> None:
+    def _check_grants(self, key, state: RankTransfers, step: int, inp: StepInput, req_id_of, out) -> None:
         held = [s for s in state.sends.values() if s.intent_step <= step]
         if not held:
             return
@@ -536,7 +541,7 @@ class TransferUse:
                     send.reused.append((step, group, req_id, min(taken)))
 
     # -- decode: computing before the receive completed ---------------------------------------------
-    def _check_reads(self, key, state: RankTransfers, step: int, inp: dict, req_id_of, out) -> None:
+    def _check_reads(self, key, state: RankTransfers, step: int, inp: StepInput, req_id_of, out) -> None:
         for req_id, computed, row in _scheduled(inp, req_id_of):
             recv = state.recvs.get(req_id)
             if recv is None:
@@ -560,7 +565,7 @@ class TransferUse:
             del state.recvs[req_id]  # checked at its first schedule: later steps compute on its own KV
 
 
-def _written_grants(inp: dict, req_id_of, block_sizes: list[int]):
+def _written_grants(inp: StepInput, req_id_of, block_sizes: list[int]):
     """(req id, group, block ids) the step input hands out to be written; prefix hits are only read."""
 
     def written(blocks: np.ndarray, group: int, computed: int) -> np.ndarray:
@@ -568,21 +573,21 @@ def _written_grants(inp: dict, req_id_of, block_sizes: list[int]):
             return blocks
         return blocks[written_from(computed, block_sizes[group]) :]
 
-    for req in inp["new_reqs"]:
-        for group, data in enumerate(req["block_ids"]):
-            blocks = written(unpack_i32(data), group, req["num_computed_tokens"])
+    for req in inp.new_reqs:
+        for group, data in enumerate(req.block_ids):
+            blocks = written(unpack_i32(data), group, req.num_computed_tokens)
             if blocks.size:
-                yield req["req_id"], group, blocks.tolist()
-    counts = unpack_i32(inp["append_counts"])
+                yield req.req_id, group, blocks.tolist()
+    counts = unpack_i32(inp.append_counts)
     if counts.size:
-        indices, groups = unpack_i32(inp["append_req_indices"]), unpack_i32(inp["append_group_ids"])
-        blocks = unpack_i32(inp["append_block_ids"])
+        indices, groups = unpack_i32(inp.append_req_indices), unpack_i32(inp.append_group_ids)
+        blocks = unpack_i32(inp.append_block_ids)
         # A resumed request's blocks replace its row from position 0; others extend it.
-        resumed = set(unpack_i32(inp["resumed_req_indices"]).tolist())
+        resumed = set(unpack_i32(inp.resumed_req_indices).tolist())
         computed = dict(
             zip(
-                unpack_i32(inp["cached_req_indices"]).tolist(),
-                unpack_i32(inp["cached_num_computed_tokens"]).tolist(),
+                unpack_i32(inp.cached_req_indices).tolist(),
+                unpack_i32(inp.cached_num_computed_tokens).tolist(),
                 strict=True,
             )
         )
@@ -597,13 +602,13 @@ def _written_grants(inp: dict, req_id_of, block_sizes: list[int]):
                 yield name, group, mine.tolist()
 
 
-def _scheduled(inp: dict, req_id_of):
+def _scheduled(inp: StepInput, req_id_of):
     """(req id, computed tokens, first group's row or None) of every request the step input schedules."""
-    for req in inp["new_reqs"]:
-        row = unpack_i32(req["block_ids"][0]).tolist() if req["block_ids"] else None
-        yield req["req_id"], req["num_computed_tokens"], row
+    for req in inp.new_reqs:
+        row = unpack_i32(req.block_ids[0]).tolist() if req.block_ids else None
+        yield req.req_id, req.num_computed_tokens, row
     if req_id_of is not None:
-        indices = unpack_i32(inp["cached_req_indices"])
-        computed = unpack_i32(inp["cached_num_computed_tokens"])
+        indices = unpack_i32(inp.cached_req_indices)
+        computed = unpack_i32(inp.cached_num_computed_tokens)
         for index, n in zip(indices.tolist(), computed.tolist(), strict=True):
             yield req_id_of(index), n, None

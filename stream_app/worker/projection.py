@@ -25,6 +25,7 @@ from kvledger.schemas import (
 )
 from kvledger.schemas.registry import CHECKPOINT, CONNECTOR_EVENT, ENGINE_CHECKPOINT, HEALTH, STEP
 from kvledger.stream_app.core import Ledger, Violation
+from kvledger.stream_app.core.events import PdRole
 from kvledger.stream_app.core.state import StateError, ledger_from_record, ledger_record
 from kvledger.stream_app.core.violations import RankKey
 
@@ -347,7 +348,7 @@ class EngineProjection:
         it forwarded a transfer. An engine outside every PD pair is no transfer's side and no side's peer;
         at TP=8 and 4 partitions its progress would be 32 messages per checkpoint for nothing."""
         return self.forwarded_transfers or any(
-            slot.info is None or slot.info["pd_role"] != "NONE" for slot in self.ledger.ranks.values()
+            slot.info is None or slot.info.pd_role != PdRole.NONE for slot in self.ledger.ranks.values()
         )
 
     def _new_unchecked(self) -> Counter:

@@ -1,0 +1,125 @@
+"""The core's typed events (core/events.py): every record of the contract is typed field for field,
+the enums name the schema's symbols, and what a checkpoint keeps of an event (RankInfo, StepPlan)
+goes back to the record it came from."""
+
+from __future__ import annotations
+
+import dataclasses
+from enum import StrEnum
+
+import pytest
+
+from kvledger.producer.synthetic import FaultSpec, PdConfig, SimConfig, simulate, simulate_pd_pair
+from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from kvledger.schemas.registry import raw_schema
+from kvledger.stream_app.core import Ledger
+from kvledger.stream_app.core.events import (
+    ConnectorEvent,
+    ConnectorKind,
+    Health,
+    KvGroupKind,
+    PdRole,
+    RankInfo,
+    Snapshot,
+    Step,
+    StepKind,
+    StepPlan,
+    as_event,
+    event_of,
+)
+from kvledger.stream_app.core.violations import RankKey
+
+CODEC = SingleObjectCodec(LEDGER_EVENT)
+
+
+def decoded(events: list[dict]) -> list[dict]:
+    """As a reader gets them: through Avro (defaults filled in, enums as their symbols)."""
+    return [CODEC.decode(CODEC.encode(e)) for e in events]
+
+
+def same(typed, record) -> bool:
+    """A typed value carries what the record does, field for field, all the way down."""
+    if dataclasses.is_dataclass(typed):
+        return all(same(getattr(typed, f.name), record[f.name]) for f in dataclasses.fields(typed))
+    if isinstance(typed, list):
+        return isinstance(record, list) and len(typed) == len(record) and all(map(same, typed, record))
+    if isinstance(typed, StrEnum):
+        return typed.value == record
+    return type(typed) is type(record) and typed == record
+
+
+def streams() -> list[dict]:
+    pd = simulate_pd_pair(PdConfig(seed=1, requests=4, faults=(("recv_failed", 0),))).events
+    closing = simulate(SimConfig(seed=2, steps=120, tp_size=2, snapshot_interval=40, close_at_end=True)).events
+    return decoded(pd + closing)
+
+
+def test_every_record_is_typed_field_for_field():
+    records = streams()
+    typed = [event_of(r) for r in records]
+    assert {type(t.body) for t in typed} == {RankInfo, Step, ConnectorEvent, Snapshot, Health}
+    for record, event in zip(records, typed, strict=True):
+        assert event.rank == RankKey(record["engine_id"], record["dp_rank"], record["tp_rank"], record["pp_rank"])
+        assert (event.incarnation, event.seq, event.emitted_at_us, event.engine_id) == (
+            record["incarnation"], record["seq"], record["emitted_at_us"], record["engine_id"],
+        )  # fmt: skip
+        assert same(event.body, record["body"][1]), record
+    assert any(isinstance(t.body, Health) and t.body.closing for t in typed)
+    assert {t.body.kind for t in typed if isinstance(t.body, ConnectorEvent)} >= {
+        ConnectorKind.SEND_INTENT, ConnectorKind.RECV_FAILED,
+    }  # fmt: skip
+
+
+def test_what_a_checkpoint_keeps_goes_back_to_its_record():
+    records = streams()
+    infos = [r["body"][1] for r in records if r["body"][0] == "kvledger.RankInfo"]
+    assert {i["pd_role"] for i in infos} == {"PREFILL", "DECODE", "NONE"}
+    for info in infos:
+        assert RankInfo.of(info).to_record() == info
+    steps = [r for r in records if r["body"][0] == "kvledger.Step" and r["body"][1]["plan"] is not None]
+    step = steps[len(steps) // 2]
+    plan = step["body"][1]["plan"]
+    pass_ = {"group_id": 0, "pass_index": 1, "num_tokens": plan["num_tokens"], "first_positions": b"",
+             "slot_runs": b"", "num_real": 0, "num_padding": 0}  # fmt: skip
+    step["body"][1]["plan"] = plan = plan | {"draft_writes": [pass_]}
+    (drafted,) = decoded([step])
+    assert drafted["body"][1]["plan"] == plan
+    for p in (plan, plan | {"draft_writes": None}, *(s["body"][1]["plan"] for s in steps[:20])):
+        assert StepPlan.of(p).to_record() == p
+
+
+def test_the_enums_name_the_schema_symbols():
+    symbols: dict[str, list[str]] = {}
+
+    def walk(node) -> None:
+        if isinstance(node, list):
+            for n in node:
+                walk(n)
+        elif isinstance(node, dict):
+            if node.get("type") == "enum":
+                symbols[node["name"]] = node["symbols"]
+            for key in ("type", "items", "fields"):
+                walk(node.get(key))
+
+    walk(raw_schema("ledger_event"))
+    enums = {"PdRole": PdRole, "KvGroupKind": KvGroupKind, "StepKind": StepKind, "ConnectorEventKind": ConnectorKind}
+    assert symbols.keys() == enums.keys()
+    for name, enum in enums.items():
+        assert [m.value for m in enum] == symbols[name], name
+        assert all(m == m.value for m in enum)  # a member equals the symbol a checkpoint holds
+
+
+def test_a_body_of_unknown_kind_is_refused_not_guessed():
+    record = streams()[0] | {"body": ("kvledger.Future", {})}
+    with pytest.raises(ValueError, match=r"unknown kind 'kvledger\.Future'"):
+        event_of(record)
+
+
+def test_records_and_typed_events_give_the_core_the_same_answers():
+    faults = (FaultSpec("slot_shift", step=40), FaultSpec("block_swap", step=90, tp_rank=1))
+    records = decoded(simulate(SimConfig(seed=4, steps=150, tp_size=2, faults=faults)).events)
+    by_record, by_typed = Ledger(), Ledger()
+    found = by_record.apply_many(records)
+    assert found  # the faults are there to be found
+    assert by_typed.apply_many([as_event(r) for r in records]) == found
+    assert by_typed.coverage.checks == by_record.coverage.checks
