@@ -318,20 +318,28 @@ class Ledger:
         which commits only when it proves the run clean; anything else goes
         event by event.
         """
-        events = [self._typed(e) for e in events]
         out: list[Violation] = []
-        i = 0
-        while i < len(events):
-            j = i
-            while j < len(events) and j - i < self.batch_steps and isinstance(events[j].body, Step):
-                j += 1
-            if j - i >= 2 and self._fast_run(events[i:j], out):
-                i = j
+        run: list[LedgerEvent] = []  # typed as they come: only a run's worth of typed events is alive
+        for record in events:
+            event = self._typed(record)
+            if isinstance(event.body, Step):
+                run.append(event)
+                if len(run) == self.batch_steps:
+                    self._run(run, out)
+                    run = []
                 continue
-            for event in events[i : max(j, i + 1)]:
-                out += self._apply(event)
-            i = max(j, i + 1)
+            if run:
+                self._run(run, out)
+                run = []
+            out += self._apply(event)
+        if run:
+            self._run(run, out)
         return out
+
+    def _run(self, run: list[LedgerEvent], out: list[Violation]) -> None:
+        if len(run) < 2 or not self._fast_run(run, out):
+            for event in run:
+                out += self._apply(event)
 
     def _fast_run(self, events: list[LedgerEvent], out: list[Violation]) -> bool:
         per_rank: dict[RankKey, list[Step]] = {}

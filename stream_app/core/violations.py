@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 WRITE_TARGET_MISMATCH = "write_target_mismatch"
 READ_TARGET_MISMATCH = "read_target_mismatch"
@@ -43,8 +44,10 @@ KINDS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class RankKey:
+class RankKey(NamedTuple):
+    """One rank of one engine. A tuple: it keys most of the core's dicts, hashed several times per
+    event, and a tuple hashes in C."""
+
     engine_id: str
     dp: int
     tp: int
