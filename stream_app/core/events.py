@@ -7,6 +7,10 @@ meanings are the contract's (schemas/avro/ledger_event.avsc, where each field
 is documented at length); enum fields become `StrEnum`s, which still compare
 equal to the symbols a checkpoint or a test writes.
 
+A field the schema gives a default may be missing from a record built in
+process (the in-engine check reads records before they are encoded): it takes
+that default here, as an Avro reader would fill it in.
+
 Packed columns stay `bytes` (little-endian integer arrays, unpacked where they
 are used, by schemas/packing.py): ranks are matched by comparing and hashing a
 step's columns as bytes, and the batched path joins a run's columns before one
@@ -117,9 +121,9 @@ class RankInfo:
             d["vllm_version"],
             d["runner"],
             list(map(_kv_group, d["kv_groups"])),
-            [Capability(c["name"], c["available"], c["reason"]) for c in d["capabilities"]],
-            d["full_rows"],
-            d["snapshot_interval"],
+            [Capability(c["name"], c["available"], c.get("reason")) for c in d["capabilities"]],
+            d.get("full_rows", False),
+            d.get("snapshot_interval", 0),
         )
 
     def to_record(self) -> Record:
@@ -237,7 +241,7 @@ class Step:
 
     @classmethod
     def of(cls, d: Record) -> Step:
-        i, p = d["input"], d["plan"]
+        i, p = d.get("input"), d.get("plan")
         inp = None if i is None else _input(i)
         return cls(d["step"], _STEP_KINDS[d["kind"]], inp, None if p is None else StepPlan.of(p))
 
@@ -269,12 +273,12 @@ def _new_request(r: Record) -> NewRequest:
 
 def _group_plan(g: Record) -> GroupPlan:
     return GroupPlan(
-        g["group_id"], g["slot_runs"], g["num_real"], g["num_padding"], g["row_lens"], g["row_digests"], g["rows"]
+        g["group_id"], g["slot_runs"], g["num_real"], g["num_padding"], g["row_lens"], g["row_digests"], g.get("rows")
     )
 
 
 def _kv_group(g: Record) -> KvGroup:
-    return KvGroup(g["group_id"], _GROUP_KINDS[g["kind"]], g["block_size"], g["num_blocks"], g["sliding_window"])
+    return KvGroup(g["group_id"], _GROUP_KINDS[g["kind"]], g["block_size"], g["num_blocks"], g.get("sliding_window"))
 
 
 def _kv_group_record(g: KvGroup) -> Record:
@@ -304,9 +308,10 @@ class ConnectorEvent:
 
     @classmethod
     def of(cls, d: Record) -> ConnectorEvent:
+        get = d.get
         return cls(
-            d["step"], d["connector"], _CONNECTOR_KINDS[d["kind"]], d["req_id"], d["transfer_id"],
-            d["remote_engine_id"], d["block_ids"], d["num_tokens"], d["digest"], d["detail"],
+            d["step"], d["connector"], _CONNECTOR_KINDS[d["kind"]], get("req_id"), get("transfer_id"),
+            get("remote_engine_id"), get("block_ids", []), get("num_tokens"), get("digest"), get("detail"),
         )  # fmt: skip
 
 
