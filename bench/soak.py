@@ -138,7 +138,7 @@ def report_engines(r: SoakResult) -> None:
 
 
 def extrapolate(r: SoakResult) -> None:
-    if r.step_events >= TARGET_STEP_EVENTS:
+    if r.step_events >= 0.99 * TARGET_STEP_EVENTS:  # a missing-rank fault leaves out a few of the planned
         return
     hours = TARGET_STEP_EVENTS / (r.step_events / r.elapsed) / 3600
     cpu_hours = TARGET_STEP_EVENTS * max(s.cpu_s for s in r.samples) / r.step_events / 3600
