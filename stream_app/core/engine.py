@@ -26,7 +26,7 @@ from kvledger.stream_app.core.events import (
     StepInput,
     StepKind,
     StepPlan,
-    event_of,
+    as_event,
 )
 from kvledger.stream_app.core.rank import RankState
 from kvledger.stream_app.core.transfers import DEFAULT_DEADLINE_STEPS, TransferJoin, TransferUse
@@ -269,17 +269,14 @@ class Ledger:
         self.transfer_join = (
             TransferJoin(deadline_steps=transfer_deadline_steps, coverage=self.coverage) if join_transfers else None
         )
-        self._keys: dict[tuple, RankKey] = {}
+        self._keys: dict[tuple, RankKey] = {}  # interned: a lookup costs half of building a RankKey
         self.events = 0
         self.steps = 0
 
     # -- entry points -------------------------------------------------------------------
     def apply(self, event: LedgerEvent | dict) -> list[Violation]:
         """The violations an event reveals; a decoded record (a dict) is typed here first (core/events.py)."""
-        return self._apply(self._typed(event))
-
-    def _typed(self, event: LedgerEvent | dict) -> LedgerEvent:
-        return event if isinstance(event, LedgerEvent) else event_of(event, self._key_of)
+        return self._apply(as_event(event, self._key_of))
 
     def _apply(self, event: LedgerEvent) -> list[Violation]:
         out: list[Violation] = []
@@ -321,7 +318,7 @@ class Ledger:
         out: list[Violation] = []
         run: list[LedgerEvent] = []  # typed as they come: only a run's worth of typed events is alive
         for record in events:
-            event = self._typed(record)
+            event = as_event(record, self._key_of)
             if isinstance(event.body, Step):
                 run.append(event)
                 if len(run) == self.batch_steps:

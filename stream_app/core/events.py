@@ -71,12 +71,16 @@ class ConnectorKind(StrEnum):
     OTHER = "OTHER"
 
 
-# Symbol -> member: an enum's call is a slow path, a hot one here (every step's kind). An unknown
-# symbol raises KeyError, as a malformed record's missing field does.
-_PD_ROLES = {m.value: m for m in PdRole}
-_GROUP_KINDS = {m.value: m for m in KvGroupKind}
-_STEP_KINDS = {m.value: m for m in StepKind}
-_CONNECTOR_KINDS = {m.value: m for m in ConnectorKind}
+def _by_symbol(enum: type[StrEnum]) -> dict[str, Any]:
+    """Symbol -> member: an enum's call is a slow path, a hot one here (every step's kind). An unknown
+    symbol raises KeyError, as a malformed record's missing field does."""
+    return {m.value: m for m in enum}
+
+
+_PD_ROLES = _by_symbol(PdRole)
+_GROUP_KINDS = _by_symbol(KvGroupKind)
+_STEP_KINDS = _by_symbol(StepKind)
+_CONNECTOR_KINDS = _by_symbol(ConnectorKind)
 
 
 # -- RankInfo -------------------------------------------------------------------------------------
@@ -128,17 +132,10 @@ class RankInfo:
 
     def to_record(self) -> Record:
         """The Avro record (a checkpoint keeps the RankInfo of every rank)."""
-        return {
-            "dp_size": self.dp_size,
-            "tp_size": self.tp_size,
-            "pp_size": self.pp_size,
+        return _fields(self) | {
             "pd_role": str(self.pd_role),
-            "vllm_version": self.vllm_version,
-            "runner": self.runner,
-            "kv_groups": [_kv_group_record(g) for g in self.kv_groups],
-            "capabilities": [{"name": c.name, "available": c.available, "reason": c.reason} for c in self.capabilities],
-            "full_rows": self.full_rows,
-            "snapshot_interval": self.snapshot_interval,
+            "kv_groups": [_fields(g) | {"kind": str(g.kind)} for g in self.kv_groups],
+            "capabilities": [_fields(c) for c in self.capabilities],
         }
 
 
@@ -225,8 +222,8 @@ class StepPlan:
             "req_indices": self.req_indices,
             "num_tokens": self.num_tokens,
             "first_positions": self.first_positions,
-            "groups": [_fields(g, GroupPlan) for g in self.groups],
-            "draft_writes": None if self.draft_writes is None else [_fields(p, DraftPass) for p in self.draft_writes],
+            "groups": [_fields(g) for g in self.groups],
+            "draft_writes": None if self.draft_writes is None else [_fields(p) for p in self.draft_writes],
         }
 
 
@@ -281,13 +278,9 @@ def _kv_group(g: Record) -> KvGroup:
     return KvGroup(g["group_id"], _GROUP_KINDS[g["kind"]], g["block_size"], g["num_blocks"], g.get("sliding_window"))
 
 
-def _kv_group_record(g: KvGroup) -> Record:
-    return _fields(g, KvGroup) | {"kind": str(g.kind)}
-
-
-def _fields(obj: Any, cls: type) -> Record:
-    """A slotted record's fields as the Avro record of the same names (no nested records)."""
-    return {name: getattr(obj, name) for name in cls.__slots__}
+def _fields(obj: Any) -> Record:
+    """A slotted record's fields by name, as its Avro record names them (nested records as they are)."""
+    return {name: getattr(obj, name) for name in type(obj).__slots__}
 
 
 # -- the other bodies -----------------------------------------------------------------------------
@@ -384,7 +377,10 @@ class LedgerEvent:
         return self.rank.engine_id
 
 
-def event_of(record: Record, key_of: Callable[[str, int, int, int], RankKey] = RankKey) -> LedgerEvent:
+KeyOf = Callable[[str, int, int, int], RankKey]
+
+
+def event_of(record: Record, key_of: KeyOf = RankKey) -> LedgerEvent:
     """The typed event of a decoded record (`key_of` may intern the rank keys)."""
     name, body = record["body"]
     typed = _BODIES.get(name)
@@ -394,6 +390,6 @@ def event_of(record: Record, key_of: Callable[[str, int, int, int], RankKey] = R
     return LedgerEvent(rank, record["incarnation"], record["seq"], record["emitted_at_us"], typed(body))
 
 
-def as_event(event: LedgerEvent | Record) -> LedgerEvent:
+def as_event(event: LedgerEvent | Record, key_of: KeyOf = RankKey) -> LedgerEvent:
     """A typed event as it is; a decoded record typed (the core's entry points take either)."""
-    return event if isinstance(event, LedgerEvent) else event_of(event)
+    return event if isinstance(event, LedgerEvent) else event_of(event, key_of)
