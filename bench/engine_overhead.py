@@ -3,10 +3,13 @@
 * probe cost per step on the engine thread, from the ranks' own Health events
   (cumulative probe time / steps: a mean), for 1, 16, 64 and 256 running requests;
 * ledger bytes per decode step and per scheduled request (file ledger, deflate);
-* generated tokens/s with tracing off and on: one engine, its probes paused and resumed
-  in turn between runs (`kvledger.producer.plugin.pause_tracing` over collective_rpc),
-  so both arms share the process, its memory and its core placement; paused probes
-  still wrap the runner (a counter and a flag per step).
+* generated tokens/s with tracing off and on, and the CPU time tracing adds to the engine's
+  worker process per step (all its threads, from the process's CPU clock, once the probes
+  delivered what the run captured), per action (`log`, `record`) at 64 and 256 requests:
+  one engine per configuration, its probes paused and resumed in turn between runs
+  (`kvledger.producer.plugin.pause_tracing` over collective_rpc), so both arms share the
+  process, its memory and its core placement; paused probes still wrap the runner (a
+  counter and a flag per step).
 
     python bench/engine_overhead.py [--python .venv-vllm/bin/python] [--rounds 10]
 """
@@ -20,6 +23,7 @@ import re
 import statistics
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvledger.schemas.files import discover, read_segment
@@ -27,9 +31,12 @@ from kvledger.schemas.files import discover, read_segment
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "tests" / "e2e" / "engine_run.py"
 TARGET_PROBE_US, TARGET_OVERHEAD, TARGET_BYTES = 20.0, 0.01, 8.0
+TARGET_CPU_US = {64: 30.0, 256: 60.0}  # engine-process CPU added per step
 
 
-def run(python: str, requests: int, max_tokens: int, ledger: Path | None, ab_rounds: int = 0) -> str:
+def run(
+    python: str, requests: int, max_tokens: int, ledger: Path | None, ab_rounds: int = 0, action: str = "log"
+) -> str:
     spec = {
         "prompts": [[(7 * i + j) % 500 + 3 for j in range(8)] for i in range(requests)],
         "max_tokens": max_tokens,
@@ -40,7 +47,7 @@ def run(python: str, requests: int, max_tokens: int, ledger: Path | None, ab_rou
         "ab_rounds": ab_rounds,
     }
     if ledger is not None:
-        spec["kv_trace"] = {"enabled": True, "sink": f"file://{ledger}", "snapshot_interval": 0}
+        spec["kv_trace"] = {"enabled": True, "sink": f"file://{ledger}", "snapshot_interval": 0, "action": action}
     proc = subprocess.run(
         [python, str(ENGINE), json.dumps(spec)],
         capture_output=True,
@@ -77,26 +84,44 @@ def main() -> None:
             probe_us, per_step, per_request = ledger_figures(Path(tmp))
         mark = f"  (target <= {TARGET_PROBE_US:.0f} us)" if requests == 64 else ""
         print(f"{requests:>8} {probe_us:>14.1f} {per_step:>8.0f} {per_request:>10.1f}{mark}")
-    rates = ab_rates(args.python, args.rounds)
-    ratios = [on / off for off, on in zip(rates["off"], rates["on"], strict=True)]
-    off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
+    print(f"\ntracing paused/resumed in turn in one engine per row, {args.rounds} pairs each, file sink")
     print(
-        f"tokens/s at 64 requests, one engine, tracing paused/resumed in turn ({args.rounds} pairs): "
-        f"off {off:,.0f}, on {on:,.0f}; overhead, median of pairs {1 - statistics.median(ratios):+.1%} "
-        f"(target <= {TARGET_OVERHEAD:.0%}); per pair {[f'{1 - r:+.1%}' for r in ratios]}"
+        f"{'action':>7} {'requests':>8} {'tokens/s off':>12} {'on':>7} {'overhead':>9} {'spread':>17} "
+        f"{'CPU us/step':>11} {'spread':>15}"
     )
+    for action in ("record", "log"):
+        for requests in (64, 256):
+            ab = ab_runs(args.python, requests, args.rounds, action)
+            overheads = [1 - on.rate / off.rate for off, on in ab]
+            added = [(on.cpu_per_step - off.cpu_per_step) * 1e6 for off, on in ab]
+            mark = f"  (targets <= {TARGET_OVERHEAD:.0%} at 64, <= {TARGET_CPU_US[requests]:.0f} us)"
+            print(
+                f"{action:>7} {requests:>8} {statistics.median(r.rate for r, _ in ab):>12,.0f} "
+                f"{statistics.median(r.rate for _, r in ab):>7,.0f} {statistics.median(overheads):>+9.1%} "
+                f"{min(overheads):>+8.1%}..{max(overheads):>+6.1%} {statistics.median(added):>11.1f} "
+                f"{min(added):>7.1f}..{max(added):>6.1f}{mark}"
+            )
 
 
-def ab_rates(python: str, rounds: int) -> dict[str, list[float]]:
-    """Tokens/s per run of one engine whose tracing is paused and resumed in turn (same process,
-    same memory and core placement for both arms; only the probes' work differs)."""
+@dataclass(frozen=True)
+class Arm:
+    """One generate call of an A/B run."""
+
+    rate: float  # tokens/s
+    cpu_per_step: float  # the worker process's CPU seconds per step
+
+
+def ab_runs(python: str, requests: int, rounds: int, action: str) -> list[tuple[Arm, Arm]]:
+    """(off, on) per pair, from one engine whose tracing is paused and resumed in turn (same
+    process, same memory and core placement for both arms; only the probes' work differs)."""
     with tempfile.TemporaryDirectory() as tmp:
-        stdout = run(python, 64, 96, Path(tmp), ab_rounds=rounds)
-    rates: dict[str, list[float]] = {"off": [], "on": []}
-    for arm, seconds, tokens in re.findall(r"^AB arm=(\w+) generate_s=(\S+) tokens=(\d+)$", stdout, re.M):
-        rates[arm].append(int(tokens) / float(seconds))
-    assert len(rates["off"]) == len(rates["on"]) == rounds, stdout[-2000:]
-    return rates
+        stdout = run(python, requests, 96, Path(tmp), ab_rounds=rounds, action=action)
+    arms: dict[str, list[Arm]] = {"off": [], "on": []}
+    pattern = r"^AB arm=(\w+) generate_s=(\S+) tokens=(\d+) cpu_s=(\S+) steps=(\d+)$"
+    for arm, seconds, tokens, cpu, steps in re.findall(pattern, stdout, re.M):
+        arms[arm].append(Arm(int(tokens) / float(seconds), float(cpu) / max(int(steps), 1)))
+    assert len(arms["off"]) == len(arms["on"]) == rounds, stdout[-2000:]
+    return list(zip(arms["off"], arms["on"], strict=True))
 
 
 if __name__ == "__main__":

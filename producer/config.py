@@ -9,6 +9,7 @@ A bad value fails at engine start with the key it is about, never later.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,6 +31,20 @@ _KEYS = {
 DEFAULT_SEGMENT_BYTES = 64 << 20
 
 
+class TraceAction(StrEnum):
+    """What a rank does with its own events besides recording them."""
+
+    RECORD = "record"  # nothing: the stream workers check (the default with a Kafka sink)
+    LOG = "log"  # replay them through the ledger core off the engine thread, log violations (file sinks)
+    RAISE = "raise"  # the same check on the engine thread: the step fails (a debugging mode)
+
+    @classmethod
+    def default_for(cls, sink: SinkSpec) -> TraceAction:
+        """A fleet writing to Kafka has stream workers for the checking; a file ledger is read
+        afterwards, so its engine says what it sees as it goes."""
+        return cls.RECORD if sink.kind == "kafka" else cls.LOG
+
+
 class TraceConfigError(ValueError):
     """An invalid `kv_trace` setting; the message names the key."""
 
@@ -48,7 +63,7 @@ class SinkSpec:
 @dataclass(frozen=True)
 class TraceConfig:
     enabled: bool = False
-    action: str = "log"  # "log" | "raise"
+    action: TraceAction = TraceAction.LOG  # the default follows the sink: TraceAction.default_for
     sink: SinkSpec = field(default_factory=lambda: SinkSpec("file", Path("kvledger-ledger").absolute()))
     kafka: dict[str, Any] = field(default_factory=dict)  # passed to the Kafka client as is
     buffer_events: int = 4096
@@ -68,10 +83,12 @@ class TraceConfig:
         unknown = sorted(set(raw) - _KEYS)
         if unknown:
             raise TraceConfigError(f"kv_trace.{unknown[0]}: unknown key (known: {', '.join(sorted(_KEYS))})")
+        sink = _file_options(raw, parse_sink(raw["sink"]) if "sink" in raw else cls().sink)
+        action = _choice(raw, "action", tuple(TraceAction), TraceAction.default_for(sink))
         config = cls(
             enabled=_typed(raw, "enabled", bool, False),
-            action=_choice(raw, "action", ("log", "raise"), "log"),
-            sink=_file_options(raw, parse_sink(raw["sink"]) if "sink" in raw else cls().sink),
+            action=TraceAction(action),
+            sink=sink,
             kafka=_typed(raw, "kafka", dict, {}),
             buffer_events=_positive(raw, "buffer_events", 4096),
             snapshot_interval=_typed(raw, "snapshot_interval", int, 256, minimum=0),

@@ -104,7 +104,13 @@ def attach(runner, config: TraceConfig):
         flush_when_idle(runner, probe.recorder)
     install_exit_hooks()
     _probes.append(probe)
-    log.info("kv_trace: recording %s to %s (%s runner)", probe.recorder.identity, config.sink, probe.runner_name)
+    log.info(
+        "kv_trace: recording %s to %s (%s runner, action %s)",
+        probe.recorder.identity,
+        config.sink,
+        probe.runner_name,
+        config.action,
+    )
     return probe
 
 
@@ -142,6 +148,14 @@ def resume_tracing(worker: Any = None) -> int:
     for probe in _probes:
         probe.paused = False
     return len(_probes)
+
+
+def process_counters(worker: Any = None) -> tuple[float, int]:
+    """(CPU seconds this process has used, all its threads; steps its probes counted), once
+    what they captured is delivered: what tracing costs the engine process, read from the driver
+    with `llm.collective_rpc(process_counters)` between runs."""
+    flush_all(timeout=2.0)
+    return time.process_time(), sum(probe.step + 1 for probe in _probes)
 
 
 def close_probe(probe: Any, timeout: float = 5.0) -> None:

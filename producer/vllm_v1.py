@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvledger.producer import records
-from kvledger.producer.config import TraceConfig, resolve_engine_id
+from kvledger.producer.config import TraceAction, TraceConfig, resolve_engine_id
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import open_sink
@@ -260,14 +260,14 @@ class V1RunnerProbe:
                 continue
             setattr(self.runner, point.method, wrap(getattr(self.runner, point.method)))
         self.drafter_capabilities = self._attach_drafter()
-        # Both actions run the ledger core in this process: `log` on the drain thread,
-        # off the hot path; `raise` on the engine thread, so a step can fail.
+        # `log` runs the ledger core on the drain thread, off the hot path; `raise` on the engine
+        # thread, so a step can fail; `record` leaves the checking to the stream workers.
         from kvledger.stream_app.core import Ledger
 
         observer = None
-        if self.config.action == "raise":
+        if self.config.action is TraceAction.RAISE:
             self._checker = Ledger()
-        else:
+        elif self.config.action is TraceAction.LOG:
             observer = _ViolationLogger(Ledger())
         self.recorder = RankRecorder(
             self._identity(),

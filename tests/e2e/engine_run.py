@@ -96,17 +96,25 @@ def main() -> None:
 
 
 def ab_rounds(llm, prompts, params, rounds: int) -> None:
-    """Print `AB arm=off|on generate_s=S tokens=N` per run, alternating which arm goes first."""
-    from kvledger.producer.plugin import pause_tracing, resume_tracing
+    """Print `AB arm=off|on generate_s=S tokens=N cpu_s=C steps=K` per run, alternating which arm
+    goes first; C and K: the worker processes' CPU seconds (all threads) and steps, summed."""
+    from kvledger.producer.plugin import pause_tracing, process_counters, resume_tracing
+
+    def counters() -> tuple[float, int]:
+        cpu, steps = zip(*llm.collective_rpc(process_counters), strict=True)
+        return sum(cpu), sum(steps)
 
     for r in range(rounds):
         for arm in ("off", "on") if r % 2 == 0 else ("on", "off"):
             assert all(llm.collective_rpc(pause_tracing if arm == "off" else resume_tracing)), "no probes"
+            cpu_before, steps_before = counters()
             started = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - started
+            cpu_after, steps_after = counters()  # once the probes delivered what the run captured
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            print(f"AB arm={arm} generate_s={seconds:.6f} tokens={tokens}", flush=True)
+            cpu, steps = cpu_after - cpu_before, steps_after - steps_before
+            print(f"AB arm={arm} generate_s={seconds:.6f} tokens={tokens} cpu_s={cpu:.6f} steps={steps}", flush=True)
     llm.collective_rpc(resume_tracing)
 
 

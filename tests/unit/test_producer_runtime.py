@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.producer.config import DEFAULT_TOPIC, TraceConfig, TraceConfigError, parse_sink
+from kvledger.producer.config import DEFAULT_TOPIC, TraceAction, TraceConfig, TraceConfigError, parse_sink
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import FileSink
@@ -48,6 +48,19 @@ def test_full_config():
     )
     assert config.kafka == {"security.protocol": "SASL_SSL"}
     assert (config.buffer_events, config.snapshot_interval, config.transfer_digests) == (64, 0, 0.25)
+
+
+def test_the_action_defaults_to_record_with_kafka_and_to_log_with_a_file_ledger():
+    def action(**raw):
+        return TraceConfig.from_additional_config({"kv_trace": raw}).action
+
+    assert action(sink="kafka://127.0.0.1:9092") is TraceAction.RECORD  # the stream workers check
+    assert action(sink="file:///var/lib/kvledger") is TraceAction.LOG
+    assert action() is TraceAction.LOG  # the default sink is a file ledger
+    assert action(sink="kafka://127.0.0.1:9092", action="log") is TraceAction.LOG
+    assert action(sink="file:///var/lib/kvledger", action="record") is TraceAction.RECORD
+    with pytest.raises(TraceConfigError, match=r"^kv_trace\.action: expected one of record, log, raise, got 'panic'"):
+        action(action="panic")
 
 
 def test_a_configured_engine_id_survives_restarts_and_agrees_with_the_connector():
