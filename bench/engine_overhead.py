@@ -76,30 +76,42 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--ab-only", action="store_true", help="only the tracing on/off pairs")
     args = parser.parse_args()
+    if not args.ab_only:
+        probe_table(args.python)
+    ab_table(args.python, args.rounds)
+
+
+def probe_table(python: str) -> None:
     print(f"{'requests':>8} {'probe us/step':>14} {'B/step':>8} {'B/request':>10}")
     for requests in (1, 16, 64, 256):
         with tempfile.TemporaryDirectory() as tmp:
-            run(args.python, requests, 48, Path(tmp))
+            run(python, requests, 48, Path(tmp))
             probe_us, per_step, per_request = ledger_figures(Path(tmp))
         mark = f"  (target <= {TARGET_PROBE_US:.0f} us)" if requests == 64 else ""
         print(f"{requests:>8} {probe_us:>14.1f} {per_step:>8.0f} {per_request:>10.1f}{mark}")
-    print(f"\ntracing paused/resumed in turn in one engine per row, {args.rounds} pairs each, file sink")
+
+
+def ab_table(python: str, rounds: int) -> None:
+    print(f"\ntracing paused/resumed in turn in one engine per row, {rounds} pairs each, file sink")
     print(
         f"{'action':>7} {'requests':>8} {'tokens/s off':>12} {'on':>7} {'overhead':>9} {'spread':>17} "
-        f"{'CPU us/step':>11} {'spread':>15}"
+        f"{'tracing CPU us/step':>19} {'spread':>13} {'process CPU us/step':>19} {'spread':>17}"
     )
     for action in ("record", "log"):
         for requests in (64, 256):
-            ab = ab_runs(args.python, requests, args.rounds, action)
+            ab = ab_runs(python, requests, rounds, action)
             overheads = [1 - on.rate / off.rate for off, on in ab]
+            tracing = [(on.tracing_per_step - off.tracing_per_step) * 1e6 for off, on in ab]
             added = [(on.cpu_per_step - off.cpu_per_step) * 1e6 for off, on in ab]
             mark = f"  (targets <= {TARGET_OVERHEAD:.0%} at 64, <= {TARGET_CPU_US[requests]:.0f} us)"
             print(
                 f"{action:>7} {requests:>8} {statistics.median(r.rate for r, _ in ab):>12,.0f} "
                 f"{statistics.median(r.rate for _, r in ab):>7,.0f} {statistics.median(overheads):>+9.1%} "
-                f"{min(overheads):>+8.1%}..{max(overheads):>+6.1%} {statistics.median(added):>11.1f} "
-                f"{min(added):>7.1f}..{max(added):>6.1f}{mark}"
+                f"{min(overheads):>+8.1%}..{max(overheads):>+6.1%} {statistics.median(tracing):>19.1f} "
+                f"{min(tracing):>6.1f}..{max(tracing):>5.1f} {statistics.median(added):>19.1f} "
+                f"{min(added):>8.1f}..{max(added):>7.1f}{mark}"
             )
 
 
@@ -108,7 +120,8 @@ class Arm:
     """One generate call of an A/B run."""
 
     rate: float  # tokens/s
-    cpu_per_step: float  # the worker process's CPU seconds per step
+    cpu_per_step: float  # the worker process's CPU seconds per step, all its threads
+    tracing_per_step: float  # of which the tracing work's: drain threads' CPU, probes' engine-thread time
 
 
 def ab_runs(python: str, requests: int, rounds: int, action: str) -> list[tuple[Arm, Arm]]:
@@ -117,9 +130,10 @@ def ab_runs(python: str, requests: int, rounds: int, action: str) -> list[tuple[
     with tempfile.TemporaryDirectory() as tmp:
         stdout = run(python, requests, 96, Path(tmp), ab_rounds=rounds, action=action)
     arms: dict[str, list[Arm]] = {"off": [], "on": []}
-    pattern = r"^AB arm=(\w+) generate_s=(\S+) tokens=(\d+) cpu_s=(\S+) steps=(\d+)$"
-    for arm, seconds, tokens, cpu, steps in re.findall(pattern, stdout, re.M):
-        arms[arm].append(Arm(int(tokens) / float(seconds), float(cpu) / max(int(steps), 1)))
+    pattern = r"^AB arm=(\w+) generate_s=(\S+) tokens=(\d+) cpu_s=(\S+) steps=(\d+) tracing_s=(\S+)$"
+    for arm, seconds, tokens, cpu, steps, tracing in re.findall(pattern, stdout, re.M):
+        per_step = max(int(steps), 1)
+        arms[arm].append(Arm(int(tokens) / float(seconds), float(cpu) / per_step, float(tracing) / per_step))
     assert len(arms["off"]) == len(arms["on"]) == rounds, stdout[-2000:]
     return list(zip(arms["off"], arms["on"], strict=True))
 

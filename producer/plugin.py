@@ -150,12 +150,19 @@ def resume_tracing(worker: Any = None) -> int:
     return len(_probes)
 
 
-def process_counters(worker: Any = None) -> tuple[float, int]:
-    """(CPU seconds this process has used, all its threads; steps its probes counted), once
-    what they captured is delivered: what tracing costs the engine process, read from the driver
-    with `llm.collective_rpc(process_counters)` between runs."""
+def process_counters(worker: Any = None) -> tuple[float, int, float]:
+    """What tracing costs this process, read from the driver with
+    `llm.collective_rpc(process_counters)` between runs, once the probes delivered what they
+    captured: (CPU seconds of the whole process, all its threads; steps its probes counted;
+    CPU seconds of the tracing work itself: the drain threads' CPU clocks plus the probes'
+    time on the engine thread)."""
     flush_all(timeout=2.0)
-    return time.process_time(), sum(probe.step + 1 for probe in _probes)
+    steps = tracing = 0.0
+    for probe in _probes:
+        steps += probe.step + 1
+        if probe.recorder is not None:
+            tracing += probe.recorder.drain_cpu_s() + probe.recorder.probe_ns / 1e9
+    return time.process_time(), int(steps), tracing
 
 
 def close_probe(probe: Any, timeout: float = 5.0) -> None:

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-
-import numpy as np
 
 MAGIC = 0x4B564C52_00000001  # "KVLR", layout version 1
 HEADER_BYTES = 64
@@ -63,21 +62,33 @@ def _align(n: int) -> int:
     return (n + 7) & ~7
 
 
+_WORD = struct.Struct("<Q")
+
+
 class Ring:
-    """One mapping of a ring; `create` for the producer, `attach` for the consumer."""
+    """One mapping of a ring; `create` for the producer, `attach` for the consumer.
+
+    The producer's path is `struct` and `mmap` slice stores: one C-level copy per record and a
+    few hundred nanoseconds of bookkeeping (numpy's per-call overhead is several times that).
+    """
 
     def __init__(self, path: Path, mapping: mmap.mmap):
         self.path = path
         self._map = mapping
-        self._words = np.ndarray((8,), np.uint64, buffer=mapping)  # the header, as u64 words
-        if int(self._words[_MAGIC]) != MAGIC:
-            raise RingError(f"{path}: not a kvledger ring (magic {int(self._words[_MAGIC]):#x})")
-        self.capacity = int(self._words[_CAPACITY])
+        if self._word(_MAGIC) != MAGIC:
+            raise RingError(f"{path}: not a kvledger ring (magic {self._word(_MAGIC):#x})")
+        self.capacity = self._word(_CAPACITY)
         if len(mapping) != HEADER_BYTES + self.capacity:
             raise RingError(f"{path}: {len(mapping)} bytes mapped, the header says {HEADER_BYTES + self.capacity}")
-        self.data = np.ndarray((self.capacity,), np.uint8, buffer=mapping, offset=HEADER_BYTES)
-        self._head = int(self._words[_HEAD])  # this side's copies (each side writes one of them)
-        self._tail = int(self._words[_TAIL])
+        self._head = self._word(_HEAD)  # this side's copies (each side writes one of them)
+        self._tail = self._word(_TAIL)
+        self._reserved: tuple[int, int, int] | None = None
+
+    def _word(self, i: int) -> int:
+        return _WORD.unpack_from(self._map, 8 * i)[0]
+
+    def _set(self, i: int, value: int) -> None:
+        _WORD.pack_into(self._map, 8 * i, value)
 
     # -- opening ----------------------------------------------------------------------------
     @classmethod
@@ -91,11 +102,10 @@ class Ring:
             mapping = mmap.mmap(fd, HEADER_BYTES + capacity)
         finally:
             os.close(fd)
-        words = np.ndarray((8,), np.uint64, buffer=mapping)
-        words[_CAPACITY], words[_PID] = capacity, os.getpid()
+        _WORD.pack_into(mapping, 8 * _CAPACITY, capacity)
+        _WORD.pack_into(mapping, 8 * _PID, os.getpid())
         memory_fence()
-        words[_MAGIC] = MAGIC  # last: a consumer that sees it sees the rest
-        del words
+        _WORD.pack_into(mapping, 8 * _MAGIC, MAGIC)  # last: a consumer that sees it sees the rest
         return cls(path, mapping)
 
     @classmethod
@@ -112,7 +122,7 @@ class Ring:
         return cls(path, mapping)
 
     # -- the producer's side -----------------------------------------------------------------
-    def reserve(self, size: int) -> np.ndarray | None:
+    def reserve(self, size: int) -> memoryview | None:
         """`size` writable bytes at the head, or None when the ring has no room (counted as dropped).
 
         Nothing is visible to the consumer until `publish`; a second `reserve` before it
@@ -122,87 +132,91 @@ class Ring:
         pos = self._head % self.capacity
         room_to_end = self.capacity - pos
         skip = room_to_end if room_to_end < need else 0
-        if self._head + skip + need - int(self._words[_TAIL]) > self.capacity:
-            self._words[_DROPPED] += 1
+        if self._head + skip + need - self._word(_TAIL) > self.capacity:
+            self._set(_DROPPED, self._word(_DROPPED) + 1)
             return None
         if skip:
-            self.data[pos : pos + _LENGTH].view(np.uint64)[0] = _PAD | room_to_end
+            _WORD.pack_into(self._map, HEADER_BYTES + pos, _PAD | room_to_end)
             pos = 0
         self._reserved = (skip + need, pos, size)
-        return self.data[pos + _LENGTH : pos + _LENGTH + size]
+        start = HEADER_BYTES + pos + _LENGTH
+        return memoryview(self._map)[start : start + size]
 
     def publish(self) -> None:
         """Make the record last reserved (and filled) visible to the consumer."""
         total, pos, size = self._reserved
-        self.data[pos : pos + _LENGTH].view(np.uint64)[0] = size
+        self._reserved = None
+        _WORD.pack_into(self._map, HEADER_BYTES + pos, size)
         memory_fence()  # the record's bytes before the head that covers them
         self._head += total
-        self._words[_HEAD] = self._head
-        self._words[_PUBLISHED] += 1
+        self._set(_HEAD, self._head)
+        self._set(_PUBLISHED, self._word(_PUBLISHED) + 1)
 
-    def write(self, payload: bytes | np.ndarray) -> bool:
-        """Reserve, copy and publish one record; False (and counted) when the ring is full."""
-        source = np.frombuffer(payload, np.uint8) if isinstance(payload, bytes | bytearray | memoryview) else payload
-        room = self.reserve(source.nbytes)
-        if room is None:
+    def write(self, payload) -> bool:
+        """Copy one record (any bytes-like object) in and publish it; False (and counted) when
+        the ring is full."""
+        view = memoryview(payload).cast("B")
+        size = view.nbytes
+        if self.reserve(size) is None:
             return False
-        room[:] = source.reshape(-1).view(np.uint8)
+        start = HEADER_BYTES + self._reserved[1] + _LENGTH
+        self._map[start : start + size] = view
         self.publish()
         return True
 
     def close_producer(self) -> None:
         """Say no record follows (the consumer drains, then may unlink)."""
         memory_fence()
-        self._words[_CLOSED] = 1
+        self._set(_CLOSED, 1)
 
     # -- the consumer's side -----------------------------------------------------------------
-    def records(self) -> Iterator[np.ndarray]:
+    def records(self) -> Iterator[memoryview]:
         """Each record published and not yet released, in order, as a view into the ring.
 
         A view is valid until the next record is asked for: the one before it is released
         then (copy what must outlive it). Stops at the head as it was read at the start.
         """
-        head = int(self._words[_HEAD])
+        head = self._word(_HEAD)
         memory_fence()  # the head before the bytes it covers
+        data = memoryview(self._map)[HEADER_BYTES:]
         while self._tail < head:
             pos = self._tail % self.capacity
-            length = int(self.data[pos : pos + _LENGTH].view(np.uint64)[0])
+            length = _WORD.unpack_from(data, pos)[0]
             if length & _PAD:
                 self._release(length & ~_PAD)
                 continue
-            yield self.data[pos + _LENGTH : pos + _LENGTH + length]
+            yield data[pos + _LENGTH : pos + _LENGTH + length]
             self._release(_align(_LENGTH + length))
 
     def _release(self, nbytes: int) -> None:
         memory_fence()  # done with the bytes before the producer may reuse them
         self._tail += nbytes
-        self._words[_TAIL] = self._tail
+        self._set(_TAIL, self._tail)
 
     # -- both ---------------------------------------------------------------------------------
     @property
     def published(self) -> int:
-        return int(self._words[_PUBLISHED])
+        return self._word(_PUBLISHED)
 
     @property
     def dropped(self) -> int:
-        return int(self._words[_DROPPED])
+        return self._word(_DROPPED)
 
     @property
     def pending(self) -> int:
         """Bytes published and not yet released."""
-        return int(self._words[_HEAD]) - int(self._words[_TAIL])
+        return self._word(_HEAD) - self._word(_TAIL)
 
     @property
     def producer_pid(self) -> int:
-        return int(self._words[_PID])
+        return self._word(_PID)
 
     @property
     def producer_closed(self) -> bool:
-        return bool(self._words[_CLOSED])
+        return bool(self._word(_CLOSED))
 
     def close(self, unlink: bool = False) -> None:
-        """Unmap (views into the ring must be gone by then), and remove the file if asked."""
-        self._words = self.data = None
+        """Unmap (no view into the ring may be alive by then), and remove the file if asked."""
         self._map.close()
         if unlink:
             self.path.unlink(missing_ok=True)

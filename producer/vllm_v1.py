@@ -36,6 +36,7 @@ import numpy as np
 
 from kvledger.producer import records
 from kvledger.producer.config import TraceAction, TraceConfig, resolve_engine_id
+from kvledger.producer.frames import scheduler_payload, step_input_record
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import open_sink
@@ -84,69 +85,6 @@ def kv_group_kind(spec: Any) -> tuple[str, int | None]:
     if "AttentionSpec" in names:  # FullAttentionSpec and friends
         return "FULL_ATTENTION", None
     return "OTHER", None
-
-
-@dataclass
-class KeptBlockIds:
-    """Copies of the block-id lists the runner keeps as request state and extends in place
-    on later steps (new requests', resumed requests'): read later, they would be wrong."""
-
-    new: list[list[list[int]]]
-    resumed: dict[str, list[list[int]]]
-
-    @classmethod
-    def of(cls, so: Any) -> KeptBlockIds:
-        new = [[list(g) for g in r.block_ids] for r in so.scheduled_new_reqs]
-        cached = so.scheduled_cached_reqs
-        resumed_ids = getattr(cached, "resumed_req_ids", None) or ()
-        resumed = {}
-        if resumed_ids:
-            for req_id, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
-                if req_id in resumed_ids and groups is not None:
-                    resumed[req_id] = [list(g) for g in groups]
-        return cls(new, resumed)
-
-
-def step_input(so: Any, index: RequestIndex, kept: KeptBlockIds) -> dict:
-    """A StepInput record from a vLLM SchedulerOutput, with the block-id lists `kept` at capture."""
-    num_scheduled = so.num_scheduled_tokens
-    new_reqs = [
-        records.new_request(
-            index(r.req_id),
-            r.req_id,
-            block_ids,
-            r.num_computed_tokens,
-            len(r.prompt_token_ids or ()),
-            num_scheduled.get(r.req_id, 0),
-        )
-        for r, block_ids in zip(so.scheduled_new_reqs, kept.new, strict=True)
-    ]
-    cached = so.scheduled_cached_reqs
-    indices = index.many(cached.req_ids)
-    resumed = {index(r) for r in (getattr(cached, "resumed_req_ids", None) or ())}
-    new_block_ids = [kept.resumed.get(r, g) for r, g in zip(cached.req_ids, cached.new_block_ids, strict=True)]
-    # A resumed request's blocks replace its row, so its groups count even when empty.
-    appends = [
-        (i, group, blocks)
-        for i, groups in zip(indices, new_block_ids, strict=True)
-        if groups is not None
-        for group, blocks in enumerate(groups)
-        if blocks or i in resumed
-    ]
-    finished = sorted(so.finished_req_ids)
-    for req_id in finished:
-        index.forget(req_id)
-    copies = getattr(so, "kv_cache_block_copies", None) or ()
-    return records.step_input(
-        new_reqs=new_reqs,
-        cached_columns=(indices, cached.num_computed_tokens, [num_scheduled.get(r, 0) for r in cached.req_ids]),
-        resumed=[i for i in indices if i in resumed] if resumed else [],
-        appends=appends,
-        finished=finished,
-        preempted=sorted(getattr(so, "preempted_req_ids", None) or ()),
-        blocks_to_zero=getattr(so, "new_block_ids_to_zero", None) or (),
-        block_copies=[(c.src, c.dst) if hasattr(c, "src") else tuple(c)[:2] for c in copies],
-    )
 
 
 def describe(v) -> str:
@@ -402,16 +340,16 @@ class V1RunnerProbe:
         self._drafts, self._next_pass, self._awaiting_sample, self._drafts_lost = [], 0, False, False
         if self.paused:
             return
-        # vLLM builds a new SchedulerOutput every step; the runner only reads it, except
-        # for block-id lists it adopts as request state: those are copied now.
-        self._input = (scheduler_output, KeptBlockIds.of(scheduler_output))
+        # Encoded now: the runner adopts some of its block-id lists as request state and
+        # extends them in place on later steps.
+        self._input = scheduler_payload(scheduler_output)
 
     def _after_step(self) -> None:
         if self._input is None:  # paused when the step began
             return
-        step, (so, kept) = self.step, self._input
+        step, payload = self.step, self._input
         self._input = None
-        self._record_step("REAL", lambda index: step_input(so, index, kept))
+        self._record_step("REAL", lambda index: step_input_record(payload, index))
         interval = self.config.snapshot_interval
         if interval and step % interval == interval - 1:
             self._record(self._rank_info())

@@ -96,25 +96,28 @@ def main() -> None:
 
 
 def ab_rounds(llm, prompts, params, rounds: int) -> None:
-    """Print `AB arm=off|on generate_s=S tokens=N cpu_s=C steps=K` per run, alternating which arm
-    goes first; C and K: the worker processes' CPU seconds (all threads) and steps, summed."""
+    """Print `AB arm=off|on generate_s=S tokens=N cpu_s=C steps=K tracing_s=T` per run, alternating
+    which arm goes first; C, K and T: the worker processes' CPU seconds (all threads), steps and
+    CPU seconds of the tracing work (see plugin.process_counters), summed over the workers."""
     from kvledger.producer.plugin import pause_tracing, process_counters, resume_tracing
 
-    def counters() -> tuple[float, int]:
-        cpu, steps = zip(*llm.collective_rpc(process_counters), strict=True)
-        return sum(cpu), sum(steps)
+    def counters() -> list[float]:
+        return [sum(column) for column in zip(*llm.collective_rpc(process_counters), strict=True)]
 
     for r in range(rounds):
         for arm in ("off", "on") if r % 2 == 0 else ("on", "off"):
             assert all(llm.collective_rpc(pause_tracing if arm == "off" else resume_tracing)), "no probes"
-            cpu_before, steps_before = counters()
+            before = counters()
             started = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - started
-            cpu_after, steps_after = counters()  # once the probes delivered what the run captured
+            cpu, steps, tracing = (b - a for a, b in zip(before, counters(), strict=True))  # once delivered
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            cpu, steps = cpu_after - cpu_before, steps_after - steps_before
-            print(f"AB arm={arm} generate_s={seconds:.6f} tokens={tokens} cpu_s={cpu:.6f} steps={steps}", flush=True)
+            print(
+                f"AB arm={arm} generate_s={seconds:.6f} tokens={tokens} cpu_s={cpu:.6f} steps={int(steps)} "
+                f"tracing_s={tracing:.6f}",
+                flush=True,
+            )
     llm.collective_rpc(resume_tracing)
 
 

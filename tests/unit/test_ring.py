@@ -21,9 +21,9 @@ def record(seq: int, size: int) -> np.ndarray:
     return np.concatenate([np.array([seq, size, int(body.sum())], np.int64).view(np.uint8), body])
 
 
-def check(rec: np.ndarray) -> int:
-    seq, size, total = rec[:24].view(np.int64)
-    body = rec[24:]
+def check(rec: memoryview) -> int:
+    seq, size, total = np.frombuffer(rec, np.int64, 3)
+    body = np.frombuffer(rec, np.uint8, offset=24)
     assert body.size == size and int(body.sum()) == total, f"record {seq} corrupt"
     return int(seq)
 
@@ -76,8 +76,9 @@ CONSUMER = textwrap.dedent(
     out = open(sys.argv[2], "a")
     while True:
         for rec in ring.records():
-            seq, size, total = rec[:24].view(np.int64)
-            ok = rec[24:].size == size and int(rec[24:].sum()) == total
+            seq, size, total = np.frombuffer(rec, np.int64, 3)
+            body = np.frombuffer(rec, np.uint8, offset=24)
+            ok = body.size == size and int(body.sum()) == total
             out.write(f"{seq} {int(ok)}\\n"); out.flush()
         if ring.producer_closed and not ring.pending:
             break

@@ -1,0 +1,109 @@
+"""Frames through the ring: the recorder rebuilds exactly the record the drain thread builds."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from kvledger.producer import records
+from kvledger.producer.frames import FrameKind, read_frame, scheduler_payload, step_input_record, write_frame
+from kvledger.producer.ring import Ring
+from kvledger.producer.vllm_v1 import RequestIndex
+
+
+def reference_step_input(so, index: RequestIndex) -> dict:
+    """The StepInput record of a SchedulerOutput, built field by field as the probes first did:
+    what the frames' columns must come back as."""
+    num_scheduled = so.num_scheduled_tokens
+    new_reqs = [
+        records.new_request(
+            index(r.req_id), r.req_id, blocks, r.num_computed_tokens, len(r.prompt_token_ids), num_scheduled[r.req_id]
+        )
+        for r in so.scheduled_new_reqs
+        for blocks in [r.block_ids]
+    ]
+    cached = so.scheduled_cached_reqs
+    indices = [index(r) for r in cached.req_ids]
+    resumed = {index(r) for r in cached.resumed_req_ids}
+    groups_of = cached.new_block_ids
+    appends = [
+        (i, group, blocks)
+        for i, groups in zip(indices, groups_of, strict=True)
+        if groups is not None
+        for group, blocks in enumerate(groups)
+        if blocks or i in resumed
+    ]
+    finished = sorted(so.finished_req_ids)
+    for req_id in finished:
+        index.forget(req_id)
+    copies = [(c.src, c.dst) if hasattr(c, "src") else tuple(c) for c in so.kv_cache_block_copies]
+    return records.step_input(
+        new_reqs=new_reqs,
+        cached=[
+            (i, c, num_scheduled[r])
+            for i, c, r in zip(indices, cached.num_computed_tokens, cached.req_ids, strict=True)
+        ],
+        resumed=[i for i in indices if i in resumed],
+        appends=appends,
+        finished=finished,
+        preempted=sorted(so.preempted_req_ids),
+        blocks_to_zero=so.new_block_ids_to_zero or (),
+        block_copies=copies,
+    )
+
+
+def new_req(req_id: str, blocks: tuple[list[int], ...], computed: int = 0, prompt: int = 20):
+    return SimpleNamespace(req_id=req_id, block_ids=blocks, num_computed_tokens=computed, prompt_token_ids=[1] * prompt)
+
+
+def scheduler_output(step: int):
+    """SchedulerOutputs shaped as vLLM's: admissions, decodes with appends, a preemption, a resume,
+    finished requests, blocks to zero and block copies, over two KV cache groups."""
+    new = [new_req(f"r{step}-{i}", ([10 * step + i, 10 * step + i + 1], [500 + i]), computed=16 * i) for i in range(2)]
+    cached_ids = [f"r{s}-{i}" for s in range(step) for i in range(2)]
+    new_blocks = [([7, 8], []) if k % 3 == 0 else None if k % 3 == 1 else ([], [9]) for k in range(len(cached_ids))]
+    resumed = set(cached_ids[-1:]) if step == 3 else set()
+    return SimpleNamespace(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=cached_ids,
+            resumed_req_ids=resumed,
+            new_block_ids=new_blocks,
+            num_computed_tokens=[30 + k for k in range(len(cached_ids))],
+        ),
+        num_scheduled_tokens={**{r.req_id: 20 for r in new}, **dict.fromkeys(cached_ids, 1)},
+        finished_req_ids={"r0-0"} if step == 4 else set(),
+        preempted_req_ids={"r1-1", "r1-0"} if step == 2 else set(),
+        new_block_ids_to_zero=[3, 4] if step == 1 else None,
+        kv_cache_block_copies=[(5, 6), SimpleNamespace(src=1, dst=2)] if step == 2 else (),
+    )
+
+
+def test_a_step_input_written_as_a_frame_reads_back_as_the_same_record(tmp_path):
+    ring = Ring.create(tmp_path / "ring", 1 << 16)
+    reader = Ring.attach(tmp_path / "ring")
+    engine_index, drain_index = RequestIndex(), RequestIndex()
+    for step in range(6):
+        so = scheduler_output(step)
+        expected = reference_step_input(so, drain_index)
+        assert write_frame(ring, FrameKind.STEP_INPUT, step, 1000 + step, [scheduler_payload(so)])
+        # The runner adopts block-id lists as request state and extends them in place later:
+        # the frame holds them as they were when the step began.
+        for r in so.scheduled_new_reqs:
+            r.block_ids[0].append(999)
+        [record] = list(reader.records())
+        frame = read_frame(record)
+        assert (frame.kind, frame.seq, frame.emitted_at_us) == (FrameKind.STEP_INPUT, step, 1000 + step)
+        assert step_input_record(frame.parts[0], engine_index) == expected, f"step {step}"
+    assert engine_index._index == drain_index._index  # both gave out and forgot the same indices
+
+
+def test_frames_carry_any_mix_of_buffers(tmp_path):
+    ring = Ring.create(tmp_path / "ring", 4096)
+    parts = [b"abc", np.arange(5, dtype=np.int64), np.zeros(0, np.int32), np.array([-1, 7], np.int32)]
+    assert write_frame(ring, FrameKind.STEP_INPUT, 9, 10, parts)
+    [record] = list(ring.records())
+    frame = read_frame(record)
+    assert bytes(frame.parts[0]) == b"abc" and frame.parts[1].tolist() == [0, 1, 2, 3, 4]
+    assert frame.parts[2].size == 0 and frame.parts[3].tolist() == [-1, 7]
