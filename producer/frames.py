@@ -36,9 +36,8 @@ class PartType(IntEnum):
     I64 = 3
 
 
-_NUMPY = {PartType.U8: np.uint8, PartType.I32: np.int32, PartType.I64: np.int64}
-_OF_DTYPE = {np.dtype(t): p for p, t in _NUMPY.items()}
-_OF_DTYPE[np.dtype(np.int8)] = PartType.U8
+_DTYPES = {PartType.U8: np.dtype(np.uint8), PartType.I32: np.dtype(np.int32), PartType.I64: np.dtype(np.int64)}
+_OF_DTYPE = {dtype: part for part, dtype in _DTYPES.items()}
 _HEAD = struct.Struct("<3Q")
 _ZEROS = bytes(8)
 
@@ -81,7 +80,7 @@ def read_frame(record) -> Frame:
     offset = 8 * (3 + n)
     parts = []
     for word in struct.unpack_from(f"<{n}Q", record, 24):
-        dtype = np.dtype(_NUMPY[PartType(word & 0xFF)])
+        dtype = _DTYPES[PartType(word & 0xFF)]
         count = word >> 8
         parts.append(np.frombuffer(record, dtype, count, offset))
         offset += (count * dtype.itemsize + 7) & ~7

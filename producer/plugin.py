@@ -157,12 +157,12 @@ def process_counters(worker: Any = None) -> tuple[float, int, float]:
     CPU seconds of the tracing work itself: the drain threads' CPU clocks plus the probes'
     time on the engine thread)."""
     flush_all(timeout=2.0)
-    steps = tracing = 0.0
+    steps, tracing = 0, 0.0
     for probe in _probes:
         steps += probe.step + 1
         if probe.recorder is not None:
             tracing += probe.recorder.drain_cpu_s() + probe.recorder.probe_ns / 1e9
-    return time.process_time(), int(steps), tracing
+    return time.process_time(), steps, tracing
 
 
 def close_probe(probe: Any, timeout: float = 5.0) -> None:

@@ -156,11 +156,11 @@ class Ring:
         """Copy one record (any bytes-like object) in and publish it; False (and counted) when
         the ring is full."""
         view = memoryview(payload).cast("B")
-        size = view.nbytes
-        if self.reserve(size) is None:
+        room = self.reserve(view.nbytes)
+        if room is None:
             return False
-        start = HEADER_BYTES + self._reserved[1] + _LENGTH
-        self._map[start : start + size] = view
+        room[:] = view
+        room.release()  # before publish: nothing of ours keeps the mapping from being closed
         self.publish()
         return True
 

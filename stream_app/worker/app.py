@@ -33,7 +33,7 @@ from faust.events import Event
 from faust.types import TP, Message
 
 from kvledger.schemas import LEDGER_EVENT, VIOLATION, SingleObjectCodec
-from kvledger.stream_app.worker.faust_fixes import close_fetching_holes
+from kvledger.stream_app.worker.faust_fixes import close_faust_holes
 from kvledger.stream_app.worker.join import JoinProjection
 from kvledger.stream_app.worker.metrics import WorkerMetrics
 from kvledger.stream_app.worker.projection import (
@@ -101,7 +101,7 @@ class StreamWorker:
     """Builds the Faust app and holds the engines it projects."""
 
     def __init__(self, settings: WorkerSettings):
-        close_fetching_holes()
+        close_faust_holes()
         self.settings = s = settings
         self.topics = Topics(s.topic_prefix)
         self.metrics = WorkerMetrics()
@@ -123,7 +123,6 @@ class StreamWorker:
         self.recent: deque = deque(maxlen=RECENT_VIOLATIONS)
         self.last_checkpoint = time.monotonic()
         self.checkpoint_cost = 0.0  # seconds the last checkpoint took
-        self.deferred = False  # checkpoints wait for the changelogs' metadata
         self.lock = asyncio.Lock()
         self.app = self._make_app()
 
@@ -157,9 +156,6 @@ class StreamWorker:
             consumer_max_fetch_size=32 << 20,
             broker_max_poll_records=4 * s.batch_size,
             table_standby_replicas=0,
-            # A changelog created at start may be in the first metadata without its partitions; until
-            # the next refresh checkpoints wait (see _changelogs_known), so refresh within seconds.
-            consumer_metadata_max_age_ms=10_000,
         )
         raw = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
         self.events_topic = app.topic(self.topics.events, partitions=s.partitions, **raw)
@@ -257,17 +253,6 @@ class StreamWorker:
     @staticmethod
     def changelog(table) -> str:
         return table.changelog_topic.get_topic_name()
-
-    def _changelogs_known(self) -> bool:
-        """Whether the consumer's metadata has the changelogs' partitions yet. Just after a changelog
-        is created the metadata may list it with none, and Faust's first write to a table then takes
-        0 for the partition count and refuses the table (PartitionsMismatch) for good."""
-        changelogs = map(self.changelog, (self.table, self.join_table))
-        unknown = [t for t in changelogs if self.app.consumer.topic_partitions(t) == 0]
-        if unknown and not self.deferred:
-            log.info("%s: partitions not in the metadata yet; checkpoints deferred", ", ".join(unknown))
-        self.deferred = bool(unknown)
-        return not unknown
 
     def _read_checkpoint(self, table, key: bytes) -> bytes | None:
         """A checkpoint, put back together from its entries; CheckpointError if it cannot be."""
@@ -495,12 +480,9 @@ class StreamWorker:
         before the checkpoint that covers them is written, and events are acked
         (so their offsets may be committed) only once a checkpoint covers them.
         """
-        if not self.dirty and not self.dirty_joins and not self.unacked and not self.retiring:
-            self.last_checkpoint = time.monotonic()
-            return
-        if not self._changelogs_known():
-            return  # retried at the next housekeeping tick; nothing is acked meanwhile
         started = self.last_checkpoint = time.monotonic()
+        if not self.dirty and not self.dirty_joins and not self.unacked and not self.retiring:
+            return
         await self._flush()
         assigned = self.app.consumer.assignment()
         # After the flush: a rank's transfer events are on the topic before its clock passes them.

@@ -1,5 +1,6 @@
-"""Three holes in Faust's fetching around a rebalance (faust-streaming 0.15, aiokafka 0.14),
-through which records were skipped for good; closed here, when the worker is imported.
+"""Holes in Faust (faust-streaming 0.15, aiokafka 0.14) closed here, when the worker is imported:
+three in its fetching around a rebalance, through which records were skipped for good, and one
+that crashed a worker at its first checkpoint.
 
 Found by the two-workers takeover test (tests/integration/test_stream_worker.py),
 which lost records about one run in seven before:
@@ -22,6 +23,11 @@ which lost records about one run in seven before:
    empties the agents' queues: records of the new assignment already handed over
    were thrown away, and their re-fetch dropped as already read. Only a suspended
    flow is resumed now (suspending clears the queues anyway).
+4. aiokafka's metadata snapshot lists a topic whose partitions it does not know yet
+   (a changelog just created, its leader not elected) with 0 partitions, and Faust
+   takes that 0 as a count where it means "unknown" (None): a table's first write
+   compared it with its source topic's and refused the table for good
+   (PartitionsMismatch). It reads as unknown now, as Faust's own check expects.
 """
 
 from __future__ import annotations
@@ -36,12 +42,13 @@ log = logging.getLogger("kvledger.worker")
 _PATCHED = False
 
 
-def close_fetching_holes() -> None:
+def close_faust_holes() -> None:
     global _PATCHED
     if _PATCHED:
         return
     needed = [
         (faust_aiokafka.AIOKafkaConsumerThread, "getmany"),
+        (faust_aiokafka.AIOKafkaConsumerThread, "topic_partitions"),
         (faust_aiokafka, "ensure_aiokafka_TP"),
         (faust_consumer.Consumer, "perform_seek"),
         (faust_consumer.Consumer, "_is_changelog_tp"),
@@ -50,7 +57,7 @@ def close_fetching_holes() -> None:
     ]
     missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needed if not hasattr(owner, name)]
     if missing:
-        log.warning("this Faust lacks %s: its rebalance fixes are not applied", ", ".join(missing))
+        log.warning("this Faust lacks %s: its fixes are not applied", ", ".join(missing))
         return
     thread_getmany = faust_aiokafka.AIOKafkaConsumerThread.getmany
 
@@ -73,6 +80,11 @@ def close_fetching_holes() -> None:
         if uncommitted:
             await self._thread.seek_to_beginning(*uncommitted)
 
+    thread_topic_partitions = faust_aiokafka.AIOKafkaConsumerThread.topic_partitions
+
+    def topic_partitions(self, topic: str) -> int | None:
+        return thread_topic_partitions(self, topic) or None
+
     flow_resume = FlowControlEvent.resume
 
     def resume(self) -> None:
@@ -80,6 +92,7 @@ def close_fetching_holes() -> None:
             flow_resume(self)
 
     faust_aiokafka.AIOKafkaConsumerThread.getmany = getmany
+    faust_aiokafka.AIOKafkaConsumerThread.topic_partitions = topic_partitions
     faust_consumer.Consumer.perform_seek = perform_seek
     FlowControlEvent.resume = resume
     _PATCHED = True
