@@ -22,6 +22,7 @@ _KEYS = {
     "sink",
     "kafka",
     "buffer_events",
+    "ring_bytes",
     "snapshot_interval",
     "full_rows",
     "transfer_digests",
@@ -29,6 +30,7 @@ _KEYS = {
     *_FILE_KEYS,
 }
 DEFAULT_SEGMENT_BYTES = 64 << 20
+DEFAULT_RING_BYTES = 16 << 20  # ~1,600 steps of 64 requests; ~80 of 8k-token prefills over 2 groups
 
 
 class TraceAction(StrEnum):
@@ -66,7 +68,8 @@ class TraceConfig:
     action: TraceAction = TraceAction.LOG  # the default follows the sink: TraceAction.default_for
     sink: SinkSpec = field(default_factory=lambda: SinkSpec("file", Path("kvledger-ledger").absolute()))
     kafka: dict[str, Any] = field(default_factory=dict)  # passed to the Kafka client as is
-    buffer_events: int = 4096
+    buffer_events: int = 4096  # records the recorder holds for its sink
+    ring_bytes: int = DEFAULT_RING_BYTES  # the shared-memory ring between a rank and its recorder
     snapshot_interval: int = 256  # steps between snapshots (0: none)
     full_rows: bool = False
     transfer_digests: float = 0.0
@@ -91,6 +94,7 @@ class TraceConfig:
             sink=sink,
             kafka=_typed(raw, "kafka", dict, {}),
             buffer_events=_positive(raw, "buffer_events", 4096),
+            ring_bytes=_ring_bytes(raw),
             snapshot_interval=_typed(raw, "snapshot_interval", int, 256, minimum=0),
             full_rows=_typed(raw, "full_rows", bool, False),
             transfer_digests=_fraction(raw, "transfer_digests"),
@@ -101,6 +105,13 @@ class TraceConfig:
             key = "retain_bytes" if config.sink.retain_bytes else "retain_hours"
             raise TraceConfigError(f"kv_trace.{key}: retention needs snapshots (snapshot_interval > 0)")
         return config
+
+
+def _ring_bytes(raw: dict) -> int:
+    value = _typed(raw, "ring_bytes", int, DEFAULT_RING_BYTES, minimum=1 << 20)
+    if value % 8:
+        raise TraceConfigError(f"kv_trace.ring_bytes: must be a multiple of 8, got {value}")
+    return value
 
 
 def _engine_id(raw: dict) -> str | None:

@@ -3,8 +3,10 @@
 A frame is a few flat buffers behind a small header, so the engine thread
 builds no records: the scheduler's fields go in as one MessagePack blob (one
 C-level encode; a per-request Python loop costs ~10 times more), the plan's
-arrays as they were copied. The reader (the drain thread today, a recorder
-process next) builds the StepInput record from the blob.
+arrays as they were copied (`capture.StepCapture`). The recorder process
+builds the records from them; rare bodies (RankInfo, connector events, and
+every record in `raise` mode, which builds them on the engine thread) travel
+built, as MessagePack.
 
     header, u64 words: kind | parts << 8, seq, emitted_at_us, then per part: dtype | size << 8
     parts, each 8-byte aligned
@@ -27,7 +29,10 @@ from kvledger.producer.ring import Ring
 
 
 class FrameKind(IntEnum):
-    STEP_INPUT = 1  # parts: a `scheduler_payload`
+    BODY = 1  # a built record body: (name, body) as MessagePack
+    STEP = 2  # a `capture.StepCapture`
+    SNAPSHOT = 3  # a `capture.SnapshotCapture`
+    HEALTH = 4  # the engine's counts (step, captured, probe_ns, closing); the recorder adds its own
 
 
 class PartType(IntEnum):
@@ -42,10 +47,13 @@ _HEAD = struct.Struct("<3Q")
 _ZEROS = bytes(8)
 
 
-def _part_type(part: Any) -> PartType:
+def _part(part: Any) -> tuple[PartType, Any]:
     if isinstance(part, bytes | bytearray):
-        return PartType.U8
-    return _OF_DTYPE[part.dtype]
+        return PartType.U8, part
+    kind = _OF_DTYPE.get(part.dtype)
+    if kind is None:  # another integer width: widened (a copy), not refused
+        return PartType.I64, np.ascontiguousarray(part, np.int64)
+    return kind, np.ascontiguousarray(part)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +72,9 @@ def write_frame(ring: Ring, kind: FrameKind, seq: int, emitted_at_us: int, parts
     words = [kind | len(parts) << 8, seq, emitted_at_us]
     pieces: list[Any] = [b""]
     for part in parts:
+        kind, part = _part(part)
         view = memoryview(part)
-        words.append(_part_type(part) | (view.nbytes // view.itemsize) << 8)
+        words.append(kind | (view.nbytes // view.itemsize) << 8)
         pieces.append(view)
         if view.nbytes & 7:
             pieces.append(_ZEROS[: 8 - (view.nbytes & 7)])
@@ -85,6 +94,28 @@ def read_frame(record) -> Frame:
         parts.append(np.frombuffer(record, dtype, count, offset))
         offset += (count * dtype.itemsize + 7) & ~7
     return Frame(FrameKind(kind_parts & 0xFF), seq, at_us, parts)
+
+
+# -- bodies ------------------------------------------------------------------------------------------
+def _plain(obj: Any) -> Any:
+    """numpy values in a built body (a runner's integers, a packed column) as plain data;
+    anything else unsupported fails loudly."""
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    return _integer(obj)
+
+
+_BODY_ENCODER = msgspec.msgpack.Encoder(enc_hook=_plain)
+
+
+def body_part(body: tuple[str, dict]) -> bytes:
+    """A built record body as one frame part."""
+    return _BODY_ENCODER.encode(body)
+
+
+def body_of(part) -> tuple[str, dict]:
+    name, body = _DECODER.decode(part)
+    return name, body
 
 
 # -- the step input ----------------------------------------------------------------------------------

@@ -14,11 +14,11 @@ Shutdown: a probe closes (a last Health event, the ledger confirmed complete)
 when vLLM shuts its worker down (`WorkerWrapperBase.shutdown`, on every clean
 stop and after an engine failure), else at the exit of its process (atexit,
 and multiprocessing's exit hooks for vLLM's engine-core and worker processes,
-which skip atexit). SIGTERM and SIGINT first flush every probe of the process
-(within `SIGNAL_FLUSH_S`), then run vLLM's own handler unchanged: vLLM's
-server force-kills its engine core right after its SIGTERM, so the flush is
-a last chance; what holds without it is the sinks' bound (an idle rank holds
-nothing in memory, a busy one at most its sink's linger).
+which skip atexit). A worker killed outright loses nothing it wrote: each
+rank's recorder process runs in its own session, drains the ring once its
+rank is gone and closes the ledger. SIGTERM and SIGINT first give the
+recorders a moment to read the rings (within `SIGNAL_FLUSH_S`), then run
+vLLM's own handler unchanged.
 """
 
 from __future__ import annotations
@@ -100,8 +100,6 @@ def attach(runner, config: TraceConfig):
         return None
     probe = adapter(runner, config)
     probe.attach()
-    if probe.recorder is not None:
-        flush_when_idle(runner, probe.recorder)
     install_exit_hooks()
     _probes.append(probe)
     log.info(
@@ -112,24 +110,6 @@ def attach(runner, config: TraceConfig):
         config.action,
     )
     return probe
-
-
-def flush_when_idle(runner: Any, recorder: Any) -> None:
-    """After a step with nothing scheduled (vLLM runs one to tell workers which requests
-    finished, once it has run out of work), the rank's events leave at once, not after the
-    sink's linger: a server stopped right after its last response, and force-killed, keeps
-    them. The wrapper goes outside the probe's own, so the step is captured by then."""
-    execute_model = runner.execute_model
-
-    def execute_model_then_flush_when_idle(*args, **kwargs):
-        try:
-            return execute_model(*args, **kwargs)
-        finally:
-            scheduler_output = kwargs.get("scheduler_output", args[0] if args else None)
-            if getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0:
-                recorder.request_flush()
-
-    runner.execute_model = execute_model_then_flush_when_idle
 
 
 def pause_tracing(worker: Any = None) -> int:
@@ -150,19 +130,19 @@ def resume_tracing(worker: Any = None) -> int:
     return len(_probes)
 
 
-def process_counters(worker: Any = None) -> tuple[float, int, float]:
-    """What tracing costs this process, read from the driver with
-    `llm.collective_rpc(process_counters)` between runs, once the probes delivered what they
-    captured: (CPU seconds of the whole process, all its threads; steps its probes counted;
-    CPU seconds of the tracing work itself: the drain threads' CPU clocks plus the probes'
-    time on the engine thread)."""
+def process_counters(worker: Any = None) -> tuple[float, int, float, float]:
+    """What tracing costs, read from the driver with `llm.collective_rpc(process_counters)`
+    between runs, once the recorders read what the probes wrote: (CPU seconds of this whole
+    process, all its threads; steps its probes counted; seconds the probes spent on the engine
+    thread; CPU seconds of the recorder processes)."""
     flush_all(timeout=2.0)
-    steps, tracing = 0, 0.0
+    steps, probes, recorders = 0, 0.0, 0.0
     for probe in _probes:
         steps += probe.step + 1
         if probe.recorder is not None:
-            tracing += probe.recorder.drain_cpu_s() + probe.recorder.probe_ns / 1e9
-    return time.process_time(), steps, tracing
+            probes += probe.recorder.probe_ns / 1e9
+            recorders += probe.recorder.recorder_cpu_s()
+    return time.process_time(), steps, probes, recorders
 
 
 def close_probe(probe: Any, timeout: float = 5.0) -> None:

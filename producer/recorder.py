@@ -88,22 +88,35 @@ class RankRecorder:
         return self.dropped_full + self.sink_failed + self.sink.lost
 
     # -- hot path ------------------------------------------------------------------------
-    def capture(self, body: tuple[str, dict] | Callable[[], tuple[str, dict]]) -> int:
+    def capture(
+        self,
+        body: tuple[str, dict] | Callable[[], tuple[str, dict]],
+        *,
+        seq: int | None = None,
+        at_us: int | None = None,
+    ) -> int:
         """Stamp and buffer one event; never blocks, never raises. Returns its sequence number.
 
-        `body` may be a function that builds it: it runs on the drain thread.
+        `body` may be a function that builds it: it runs on the drain thread. A recorder process
+        passes the `seq` and `at_us` its rank stamped the frame with.
         """
-        seq = self._seq
+        if seq is None:
+            seq = self._seq
         self._seq = seq + 1
         self.captured += 1
         buffered = len(self._buffer)
         if buffered >= self.capacity:
             self.dropped_full += 1
             return seq
-        self._buffer.append((seq, time.time_ns() // 1000, body))
+        self._buffer.append((seq, time.time_ns() // 1000 if at_us is None else at_us, body))
         if buffered >= self.high_water:
             self.high_water = buffered + 1
         return seq
+
+    @property
+    def backlog(self) -> int:
+        """Events buffered, not yet handed to the sink."""
+        return len(self._buffer)
 
     def drain_cpu_s(self) -> float:
         """CPU seconds the drain thread has used (its own clock; 0 once it ended)."""
@@ -201,6 +214,11 @@ class RankRecorder:
         while self._buffer and time.monotonic() < deadline:  # room for the last word
             time.sleep(0.001)
         self.capture(self.health(step, closing=True))
+        self.finish(max(deadline - time.monotonic(), 0.0))
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """Deliver what is buffered and close the sink within `timeout` seconds (no last word)."""
+        deadline = time.monotonic() + timeout
         self._stop = True
         self._wake.set()
         self._thread.join(max(deadline - time.monotonic(), 0.0))

@@ -98,7 +98,8 @@ class Ring:
             raise ValueError(f"ring capacity must be a positive multiple of 8, got {capacity}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, HEADER_BYTES + capacity)
+            # Reserved now, not on first touch: a tmpfs out of room would fault the writer later.
+            os.posix_fallocate(fd, 0, HEADER_BYTES + capacity)
             mapping = mmap.mmap(fd, HEADER_BYTES + capacity)
         finally:
             os.close(fd)

@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from kvledger.producer import records
+from kvledger.producer.capture import PlanCapture, SnapshotCapture
 from kvledger.producer.staging import Staged, StagingFull
-from kvledger.producer.vllm_v1 import AttachPoint, PlanCapture, V1RunnerProbe
+from kvledger.producer.vllm_v1 import AttachPoint, V1RunnerProbe
 
 log = logging.getLogger("kvledger.producer")
 
@@ -95,35 +96,25 @@ class MRV2RunnerProbe(V1RunnerProbe):
             groups=groups,
         )
 
-    def _snapshot(self):
+    def _snapshot(self) -> SnapshotCapture | None:
         """The live requests after this step, from MRV2's request state and device block tables.
 
-        The engine thread copies the host columns and enqueues one device gather and one
-        device-to-host copy per group (no stream sync); the drain thread waits for them.
-        A request the rank never recorded (it arrived while paused) gets its index here:
-        the snapshot is how the ledger learns it.
+        One device gather and one device-to-host copy per group, waited for here (a snapshot
+        step only, every `snapshot_interval` steps). A request the rank never recorded (it
+        arrived while paused) gets its index from the snapshot: that is how the ledger learns it.
         """
         states, tables = self.runner.req_states, self.runner.block_tables
         req_ids = list(states.req_id_to_index)
         slots = np.fromiter((states.req_id_to_index[r] for r in req_ids), np.int64, len(req_ids))
-        computed = states.num_computed_tokens_np[slots].copy()
+        computed = states.num_computed_tokens_np[slots].tolist()
         lens = tables.num_blocks.np[:, slots].copy()  # groups x requests
         try:
-            rows = self._stage_rows(tables.block_tables, slots, lens)
-        except StagingFull as exc:  # the drain thread is behind: the next interval snapshots
+            rows = [r.numpy() for r in self._stage_rows(tables.block_tables, slots, lens)]
+        except StagingFull as exc:  # the recorder is behind: the next interval snapshots
             log.warning("kv_trace: step %d not snapshotted: %s", self.step, exc)
             return None
-        step, index = self.step, self.index
-
-        def build() -> tuple[str, dict]:
-            host = [r.numpy() for r in rows]
-            live = [
-                (index(req_id), req_id, int(computed[j]), [host[g][j, : lens[g, j]] for g in range(len(host))])
-                for j, req_id in enumerate(req_ids)
-            ]
-            return records.snapshot(step, live)
-
-        return build
+        blocks = [host[np.arange(host.shape[1]) < n[:, None]] for host, n in zip(rows, lens, strict=True)]
+        return SnapshotCapture(self.step, req_ids, computed, list(lens), blocks)
 
     def _stage_rows(self, block_tables, slots: np.ndarray, lens: np.ndarray) -> list[Staged]:
         """Each group's rows of these request states, `[requests, longest row]`, staged to the host."""

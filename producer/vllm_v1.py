@@ -29,47 +29,22 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvledger.producer import records
+from kvledger.producer.capture import DraftPassCapture, PlanCapture, RequestIndex, SnapshotCapture, StepCapture
 from kvledger.producer.config import TraceAction, TraceConfig, resolve_engine_id
-from kvledger.producer.frames import scheduler_payload, step_input_record
-from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.frames import scheduler_payload
+from kvledger.producer.recorder_process import describe
 from kvledger.producer.records import RankIdentity
-from kvledger.producer.sinks import open_sink
+from kvledger.producer.ring_recorder import SUPERVISE_EVERY, RingRecorder
 from kvledger.producer.staging import Staged, StagingFull, StagingPool
 from kvledger.producer.vllm_connector import attach_connector_probe
 
 log = logging.getLogger("kvledger.producer")
-
-
-class RequestIndex:
-    """Dense, never reused indices for request ids, as the packed columns want."""
-
-    def __init__(self) -> None:
-        self._index: dict[str, int] = {}
-        self._next = 0
-
-    def __call__(self, req_id: str) -> int:
-        index = self._index.get(req_id)
-        if index is None:
-            index = self._index[req_id] = self._next
-            self._next += 1
-        return index
-
-    def many(self, req_ids: list[str]) -> list[int]:
-        get = self._index.get
-        found = [get(r) for r in req_ids]
-        return found if None not in found else [self(r) for r in req_ids]
-
-    def get(self, req_id: str) -> int | None:
-        return self._index.get(req_id)
-
-    def forget(self, req_id: str) -> None:
-        self._index.pop(req_id, None)
 
 
 def kv_group_kind(spec: Any) -> tuple[str, int | None]:
@@ -87,11 +62,6 @@ def kv_group_kind(spec: Any) -> tuple[str, int | None]:
     return "OTHER", None
 
 
-def describe(v) -> str:
-    """Where a violation is, as both actions report it."""
-    return f"{v.kind} at step {v.step}, req {v.req_id}, group {v.group}"
-
-
 class KVTraceViolation(RuntimeError):
     """`action: raise`: this step's KV addressing disagrees with the ledger."""
 
@@ -101,25 +71,6 @@ class KVTraceViolation(RuntimeError):
         super().__init__(
             "kv_trace: " + "; ".join(lines) + (f" (+{len(violations) - 5} more)" if len(violations) > 5 else "")
         )
-
-
-class _ViolationLogger:
-    """`action: log`: replays the rank's own events on the drain thread and logs what it finds."""
-
-    def __init__(self, ledger):
-        self.ledger = ledger
-
-    def __call__(self, events: list[dict]) -> None:
-        for v in self.ledger.apply_many(events):
-            log.warning(
-                "kv_trace: %s on %s dp%d/tp%d/pp%d: %s",
-                describe(v),
-                v.engine_id,
-                v.dp_rank,
-                v.tp_rank,
-                v.pp_rank,
-                v.detail,
-            )
 
 
 @dataclass(frozen=True)
@@ -154,7 +105,7 @@ class V1RunnerProbe:
         self.config = config
         self.index = RequestIndex()
         self.step = -1
-        self.recorder: RankRecorder | None = None
+        self.recorder: RingRecorder | None = None
         self._input: Any = None  # this step's SchedulerOutput
         self._plan: PlanCapture | None = None
         self.staging = StagingPool()
@@ -198,21 +149,13 @@ class V1RunnerProbe:
                 continue
             setattr(self.runner, point.method, wrap(getattr(self.runner, point.method)))
         self.drafter_capabilities = self._attach_drafter()
-        # `log` runs the ledger core on the drain thread, off the hot path; `raise` on the engine
-        # thread, so a step can fail; `record` leaves the checking to the stream workers.
-        from kvledger.stream_app.core import Ledger
-
-        observer = None
+        # `raise` checks on the engine thread, so a step can fail; `log` in the recorder process,
+        # off the engine's interpreter; `record` leaves the checking to the stream workers.
         if self.config.action is TraceAction.RAISE:
+            from kvledger.stream_app.core import Ledger
+
             self._checker = Ledger()
-        elif self.config.action is TraceAction.LOG:
-            observer = _ViolationLogger(Ledger())
-        self.recorder = RankRecorder(
-            self._identity(),
-            open_sink(self.config.sink, self.config.kafka),
-            capacity=self.config.buffer_events,
-            observer=observer,
-        )
+        self.recorder = RingRecorder(self._identity(), self.config)
         self.connector_capabilities = attach_connector_probe(self.runner, self._record, lambda: self.step)
         self._record(self._rank_info())
 
@@ -349,14 +292,16 @@ class V1RunnerProbe:
             return
         step, payload = self.step, self._input
         self._input = None
-        self._record_step("REAL", lambda index: step_input_record(payload, index))
+        self._record_step("REAL", payload)
         interval = self.config.snapshot_interval
-        if interval and step % interval == interval - 1:
+        # A respawned recorder records under a new incarnation: announce the rank and resync now.
+        respawned = step % SUPERVISE_EVERY == 0 and self.recorder.supervise()
+        if respawned or (interval and step % interval == interval - 1):
             self._record(self._rank_info())
             snapshot = self._snapshot()
             if snapshot is not None:
-                self._record(snapshot)
-            self._record(self.recorder.health(step))
+                self._record_snapshot(snapshot)
+            self.recorder.health(step)
 
     def _before_dummy(self, kind: str) -> None:
         self.step += 1
@@ -367,32 +312,32 @@ class V1RunnerProbe:
     def _after_dummy(self) -> None:
         kind, self._dummy_kind = self._dummy_kind, None
         if not self.paused:
-            self._record_step(kind, lambda index: None)
+            self._record_step(kind, None)
 
-    def _record_step(self, kind: str, build_input: Callable[[RequestIndex], dict | None]) -> None:
-        """Record this step with the plan captured during it; both are built on the drain thread."""
-        step, plan, index, full_rows = self.step, self._plan, self.index, self.config.full_rows
-        self._plan = None
-        plan = self._with_drafts(kind, plan)
+    def _record_step(self, kind: str, scheduler: bytes | None) -> None:
+        """Record this step with the plan captured during it: as a frame the recorder builds, or
+        built here in raise mode."""
+        plan, self._plan = self._plan, None
+        capture = StepCapture(self.step, kind, scheduler, self._with_drafts(kind, plan))
+        if self._checker is None:
+            self.recorder.step(capture)
+        else:
+            self._record(capture.record(self.index, self.config.full_rows))
 
-        def build() -> tuple[str, dict]:
-            name, body = records.step(step, kind, build_input(index), None)
-            if plan is not None:
-                body["plan"] = _plan_record(plan, index, full_rows)
-            return name, body
-
-        self._record(build)
+    def _record_snapshot(self, capture: SnapshotCapture) -> None:
+        if self._checker is None:
+            self.recorder.snapshot(capture)
+        else:
+            self._record(capture.record(self.index))
 
     def _record(self, body) -> None:
-        if self._checker is None:
-            self.recorder.capture(body)
-            return
-        # raise: check on the engine thread, before the step's output is returned.
+        """A built record (or a function building one: a connector's event, built now)."""
         body = body() if callable(body) else body
-        seq = self.recorder.capture(body)
-        found = self._checker.apply(records.envelope(self.recorder.identity, seq, 0, *body))
-        if found:
-            self._violations += found
+        seq = self.recorder.body(body)
+        if self._checker is not None:  # raise: check on the engine thread, before the step returns
+            found = self._checker.apply(records.envelope(self.recorder.identity, seq, 0, *body))
+            if found:
+                self._violations += found
 
     def _capture_plan(self, kwargs: dict) -> None:
         """Copy what attention reads and writes this step (the buffers are reused next step)."""
@@ -564,39 +509,13 @@ class V1RunnerProbe:
         plan.drafts, plan.draft_group = drafts, int(self._drafter.kv_cache_gid)
         return plan
 
-    def _snapshot(self) -> tuple[str, dict]:
-        # The runner's request states change next step: copy them now, index them later.
-        states = [
-            (req_id, state.num_computed_tokens, [np.array(b, dtype=np.int32) for b in state.block_ids])
-            for req_id, state in self.runner.requests.items()
-        ]
-        step, index = self.step, self.index
-
-        def build() -> tuple[str, dict]:
-            # A request that arrived while tracing was paused gets its index here: after the
-            # resync its later steps are checked, not counted as unknown.
-            return records.snapshot(step, [(index(r), r, computed, blocks) for r, computed, blocks in states])
-
-        return build
-
-
-@dataclass
-class PlanCapture:
-    """What the hot path copied of one step's plan; packed later by `_plan_record`."""
-
-    req_ids: list[str]
-    query_start_loc: np.ndarray
-    positions: Staged | None
-    num_tokens: int
-    groups: list[tuple[int, Staged, Staged, np.ndarray]]  # per group: id, slot mapping, table rows, row lengths
-    drafts: list[DraftPassCapture] = field(default_factory=list)  # the drafter's passes, in order
-    draft_group: int = -1  # the KV cache group the drafter's layers write
-
-    @classmethod
-    def of_dummy_run(cls, slot_mappings: list[tuple[int, Staged]]) -> PlanCapture:
-        """A dummy run serves no request: every slot it writes is padding (a real one is a fault)."""
-        no_rows, no_lens = Staged.host(np.zeros((0, 0), np.int32)), np.zeros(0, np.int32)
-        return cls([], np.zeros(1, np.int32), None, 0, [(gid, slots, no_rows, no_lens) for gid, slots in slot_mappings])
+    def _snapshot(self) -> SnapshotCapture | None:
+        """The runner's request states, copied now (they change next step)."""
+        states = self.runner.requests
+        req_ids = list(states)
+        groups = len(self.runner.kv_cache_config.kv_cache_groups)
+        rows = [[states[r].block_ids[g] for r in req_ids] for g in range(groups)]
+        return SnapshotCapture.of_rows(self.step, req_ids, [states[r].num_computed_tokens for r in req_ids], rows)
 
 
 def unmodelled_drafter(drafter: Any) -> str | None:
@@ -616,39 +535,3 @@ def unmodelled_drafter(drafter: Any) -> str | None:
     if getattr(propose, "__qualname__", "") != "SpecDecodeBaseProposer.propose":
         return f"{name}.propose is its own, not the pass loop the probe models"
     return None
-
-
-@dataclass
-class DraftPassCapture:
-    """What the hot path copied of one drafter pass; packed later by `record`."""
-
-    pass_index: int
-    slots: Staged  # the whole slot mapping the pass writes with
-    positions: Staged | None  # its real tokens' positions; None for a pass serving no request
-    qsl: np.ndarray | None  # the first pass's query starts per request (later passes: one token each)
-    num_real: int
-
-    def record(self, group_id: int) -> dict:
-        slots = self.slots.numpy()
-        if self.qsl is None:
-            return records.draft_pass(group_id, self.pass_index, [], [], slots)
-        positions = self.positions.numpy()
-        if self.pass_index == 0:
-            counts = np.diff(self.qsl)
-            starts = np.minimum(self.qsl[:-1], max(positions.size - 1, 0))
-            first = positions[starts] if positions.size else np.zeros(counts.size, np.int64)
-        else:
-            counts, first = np.ones(self.num_real, np.int32), positions
-        return records.draft_pass(group_id, self.pass_index, counts, first, slots)
-
-
-def _plan_record(plan: PlanCapture, index: RequestIndex, full_rows: bool) -> dict:
-    qsl = plan.query_start_loc
-    first = plan.positions.numpy()[qsl[:-1]] if plan.positions is not None else np.zeros(0, np.int64)
-    group_records = []
-    for gid, slots, table, lens in plan.groups:
-        slots = slots.numpy()
-        num_real = min(plan.num_tokens, len(slots))
-        group_records.append(records.group_plan_from_table(gid, slots, num_real, table.numpy(), lens, full_rows))
-    drafts = [d.record(plan.draft_group) for d in plan.drafts] or None
-    return records.step_plan(index.many(plan.req_ids), np.diff(qsl), first, group_records, drafts)

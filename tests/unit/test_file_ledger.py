@@ -11,17 +11,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import fastavro
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvledger.producer import plugin
-from kvledger.producer.recorder import RankRecorder
-from kvledger.producer.records import RankIdentity
-from kvledger.producer.sinks import FILE_LINGER_S, FileSink
+from kvledger.producer.sinks import FILE_LINGER_S
 from kvledger.producer.synthetic import SimConfig, simulate
 from kvledger.schemas.files import (
     EndMarker,
@@ -29,7 +25,6 @@ from kvledger.schemas.files import (
     ReadProblem,
     SegmentWriter,
     discover,
-    end_marker_path,
     rank_dir,
     read_end_marker,
     read_segment,
@@ -522,32 +517,3 @@ def test_sigterm_and_sigint_flush_everything_then_run_the_handler_before_ours(tm
     result = replay(tmp_path)
     assert result.problems == [] and not result.unchecked and result.violations == []
     assert killed_at - newest_event_at(tmp_path) <= PACE + BOUND_SLACK_S  # the step just before the signal
-
-
-def test_a_step_with_nothing_scheduled_flushes_the_rank_at_once(tmp_path):
-    """vLLM runs one empty step after the last request finishes (to hand workers the finished
-    ids): the plugin flushes the rank then, without waiting for the idle timer or the linger."""
-    recorder = RankRecorder(RankIdentity("eng", 0, 0, 0, 1), FileSink(tmp_path), idle_after=3600)
-    runner = type("Runner", (), {})()
-    runner.execute_model = lambda scheduler_output: recorder.capture(next(bodies))
-    plugin.flush_when_idle(runner, recorder)
-    bodies = iter(e["body"] for e in simulate(SimConfig(seed=4, steps=8, snapshot_interval=0)).events)
-    marker = None
-    try:
-        for _ in range(5):
-            runner.execute_model(SimpleNamespace(total_num_scheduled_tokens=7))
-        time.sleep(0.3)  # a busy rank's block is in the file by now (the linger), unconfirmed
-        [stream] = discover(tmp_path)
-        got, problems = read_stream_all(stream)
-        assert len(got) == 5 and [p.reason for p in problems] == ["truncated"]
-        runner.execute_model(SimpleNamespace(total_num_scheduled_tokens=0))
-        marker = end_marker_path(stream.segments[0].parent, 1)
-        deadline = time.monotonic() + 1
-        while read_end_marker(marker).seq != 5 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert read_end_marker(marker) == EndMarker(5, False)
-        got, problems = read_stream_all(stream)
-        assert len(got) == 6 and problems == []
-    finally:
-        recorder.close(step=6)
-    assert read_end_marker(marker) == EndMarker(6, True)  # the closing Health

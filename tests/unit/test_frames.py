@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import numpy as np
 
 from kvledger.producer import records
+from kvledger.producer.capture import RequestIndex
 from kvledger.producer.frames import FrameKind, read_frame, scheduler_payload, step_input_record, write_frame
 from kvledger.producer.ring import Ring
-from kvledger.producer.vllm_v1 import RequestIndex
 
 
 def reference_step_input(so, index: RequestIndex) -> dict:
@@ -87,14 +87,14 @@ def test_a_step_input_written_as_a_frame_reads_back_as_the_same_record(tmp_path)
     for step in range(6):
         so = scheduler_output(step)
         expected = reference_step_input(so, drain_index)
-        assert write_frame(ring, FrameKind.STEP_INPUT, step, 1000 + step, [scheduler_payload(so)])
+        assert write_frame(ring, FrameKind.STEP, step, 1000 + step, [scheduler_payload(so)])
         # The runner adopts block-id lists as request state and extends them in place later:
         # the frame holds them as they were when the step began.
         for r in so.scheduled_new_reqs:
             r.block_ids[0].append(999)
         [record] = list(reader.records())
         frame = read_frame(record)
-        assert (frame.kind, frame.seq, frame.emitted_at_us) == (FrameKind.STEP_INPUT, step, 1000 + step)
+        assert (frame.kind, frame.seq, frame.emitted_at_us) == (FrameKind.STEP, step, 1000 + step)
         assert step_input_record(frame.parts[0], engine_index) == expected, f"step {step}"
     assert engine_index._index == drain_index._index  # both gave out and forgot the same indices
 
@@ -102,7 +102,7 @@ def test_a_step_input_written_as_a_frame_reads_back_as_the_same_record(tmp_path)
 def test_frames_carry_any_mix_of_buffers(tmp_path):
     ring = Ring.create(tmp_path / "ring", 4096)
     parts = [b"abc", np.arange(5, dtype=np.int64), np.zeros(0, np.int32), np.array([-1, 7], np.int32)]
-    assert write_frame(ring, FrameKind.STEP_INPUT, 9, 10, parts)
+    assert write_frame(ring, FrameKind.STEP, 9, 10, parts)
     [record] = list(ring.records())
     frame = read_frame(record)
     assert bytes(frame.parts[0]) == b"abc" and frame.parts[1].tolist() == [0, 1, 2, 3, 4]

@@ -1,0 +1,216 @@
+"""What the probes capture of a step, and the one place it becomes a ledger record.
+
+The engine thread fills a `StepCapture` (the scheduler's fields as one
+MessagePack blob, the plan's arrays as copied) and hands it to the ring as a
+frame (`to_parts`); the recorder process reads it back (`from_parts`) and
+builds the Step record (`record`). `raise` mode builds the same record on the
+engine thread from the same capture, so both paths share every rule here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from kvledger.producer import records
+from kvledger.producer.frames import step_input_record
+from kvledger.producer.staging import Staged
+
+_ENCODE = msgspec.msgpack.Encoder().encode
+_DECODE = msgspec.msgpack.Decoder().decode
+_EMPTY = np.zeros(0, np.int64)
+
+
+class RequestIndex:
+    """Dense, never reused indices for request ids, as the packed columns want."""
+
+    def __init__(self) -> None:
+        self._index: dict[str, int] = {}
+        self._next = 0
+
+    def __call__(self, req_id: str) -> int:
+        index = self._index.get(req_id)
+        if index is None:
+            index = self._index[req_id] = self._next
+            self._next += 1
+        return index
+
+    def many(self, req_ids: list[str]) -> list[int]:
+        get = self._index.get
+        found = [get(r) for r in req_ids]
+        return found if None not in found else [self(r) for r in req_ids]
+
+    def get(self, req_id: str) -> int | None:
+        return self._index.get(req_id)
+
+    def forget(self, req_id: str) -> None:
+        self._index.pop(req_id, None)
+
+
+@dataclass
+class DraftPassCapture:
+    """What the hot path copied of one drafter pass."""
+
+    pass_index: int
+    slots: Staged  # the whole slot mapping the pass writes with
+    positions: Staged | None  # its real tokens' positions; None for a pass serving no request
+    qsl: np.ndarray | None  # the first pass's query starts per request (later passes: one token each)
+    num_real: int
+
+    def record(self, group_id: int) -> dict:
+        slots = self.slots.numpy()
+        if self.qsl is None:
+            return records.draft_pass(group_id, self.pass_index, [], [], slots)
+        positions = self.positions.numpy()
+        if self.pass_index == 0:
+            counts = np.diff(self.qsl)
+            starts = np.minimum(self.qsl[:-1], max(positions.size - 1, 0))
+            first = positions[starts] if positions.size else np.zeros(counts.size, np.int64)
+        else:
+            counts, first = np.ones(self.num_real, np.int32), positions
+        return records.draft_pass(group_id, self.pass_index, counts, first, slots)
+
+
+@dataclass
+class PlanCapture:
+    """What the hot path copied of one step's plan."""
+
+    req_ids: list[str]
+    query_start_loc: np.ndarray
+    positions: Staged | None
+    num_tokens: int
+    groups: list[tuple[int, Staged, Staged, np.ndarray]]  # per group: id, slot mapping, table rows, row lengths
+    drafts: list[DraftPassCapture] = field(default_factory=list)  # the drafter's passes, in order
+    draft_group: int = -1  # the KV cache group the drafter's layers write
+
+    @classmethod
+    def of_dummy_run(cls, slot_mappings: list[tuple[int, Staged]]) -> PlanCapture:
+        """A dummy run serves no request: every slot it writes is padding (a real one is a fault)."""
+        no_rows, no_lens = Staged.host(np.zeros((0, 0), np.int32)), np.zeros(0, np.int32)
+        return cls([], np.zeros(1, np.int32), None, 0, [(gid, slots, no_rows, no_lens) for gid, slots in slot_mappings])
+
+    def record(self, index: RequestIndex, full_rows: bool) -> dict:
+        qsl = self.query_start_loc
+        first = self.positions.numpy()[qsl[:-1]] if self.positions is not None else np.zeros(0, np.int64)
+        group_records = []
+        for gid, slots, table, lens in self.groups:
+            slots = slots.numpy()
+            num_real = min(self.num_tokens, len(slots))
+            group_records.append(records.group_plan_from_table(gid, slots, num_real, table.numpy(), lens, full_rows))
+        drafts = [d.record(self.draft_group) for d in self.drafts] or None
+        return records.step_plan(index.many(self.req_ids), np.diff(qsl), first, group_records, drafts)
+
+    # -- the wire form: a small header and the arrays, in order --------------------------------
+    def to_parts(self) -> tuple[tuple, list[np.ndarray]]:
+        """(header, arrays) for a frame; waits for a device copy still in flight."""
+        arrays = [self.query_start_loc, self.positions.numpy() if self.positions is not None else _EMPTY]
+        shapes = []
+        for gid, slots, table, lens in self.groups:
+            rows = table.numpy()
+            shapes.append((gid, *rows.shape))
+            arrays += [slots.numpy(), rows, lens]
+        passes = []
+        for d in self.drafts:
+            passes.append((d.pass_index, d.num_real, d.positions is not None, d.qsl is not None))
+            arrays += [d.slots.numpy(), d.positions.numpy() if d.positions is not None else _EMPTY]
+            arrays.append(d.qsl if d.qsl is not None else _EMPTY)
+        header = (self.req_ids, self.num_tokens, self.positions is not None, shapes, self.draft_group, passes)
+        return header, arrays
+
+    @classmethod
+    def from_parts(cls, header, arrays: list[np.ndarray]) -> PlanCapture:
+        req_ids, num_tokens, has_positions, shapes, draft_group, passes = header
+        qsl, positions, *rest = arrays
+        groups = []
+        for k, (gid, height, width) in enumerate(shapes):
+            slots, rows, lens = rest[3 * k : 3 * k + 3]
+            groups.append((gid, Staged.host(slots), Staged.host(rows.reshape(height, width)), lens))
+        drafts, rest = [], rest[3 * len(shapes) :]
+        for k, (pass_index, num_real, has_pos, has_qsl) in enumerate(passes):
+            slots, pos, pass_qsl = rest[3 * k : 3 * k + 3]
+            drafts.append(
+                DraftPassCapture(
+                    pass_index,
+                    Staged.host(slots),
+                    Staged.host(pos) if has_pos else None,
+                    pass_qsl if has_qsl else None,
+                    num_real,
+                )
+            )
+        return cls(
+            req_ids, qsl, Staged.host(positions) if has_positions else None, num_tokens, groups, drafts, draft_group
+        )
+
+
+@dataclass
+class StepCapture:
+    """One step as the engine thread leaves it: built into a Step record by `record`."""
+
+    step: int
+    kind: str  # REAL, DUMMY, PROFILE, WARMUP
+    scheduler: bytes | None  # a `frames.scheduler_payload` (REAL steps)
+    plan: PlanCapture | None
+
+    def record(self, index: RequestIndex, full_rows: bool) -> tuple[str, dict]:
+        # The input first: it gives this step's new requests their indices, which the plan names.
+        inp = step_input_record(self.scheduler, index) if self.scheduler is not None else None
+        plan = self.plan.record(index, full_rows) if self.plan is not None else None
+        return records.step(self.step, self.kind, inp, plan)
+
+    def to_parts(self) -> list:
+        plan_header, arrays = self.plan.to_parts() if self.plan is not None else (None, [])
+        header = _ENCODE((self.step, self.kind, self.scheduler is not None, plan_header))
+        return [header, self.scheduler or b"", *arrays]
+
+    @classmethod
+    def from_parts(cls, parts: list[np.ndarray]) -> StepCapture:
+        step, kind, has_input, plan_header = _DECODE(parts[0])
+        plan = PlanCapture.from_parts(plan_header, parts[2:]) if plan_header is not None else None
+        return cls(step, kind, parts[1].tobytes() if has_input else None, plan)
+
+
+@dataclass
+class SnapshotCapture:
+    """The live requests after a step: per request its id and computed tokens, per group the
+    row lengths and every row's blocks end to end."""
+
+    step: int
+    req_ids: list[str]
+    computed: list[int]
+    lens: list[np.ndarray]  # per group: the rows' lengths, by request
+    blocks: list[np.ndarray]  # per group: the rows, concatenated
+
+    @classmethod
+    def of_rows(cls, step: int, req_ids: list[str], computed, rows: list[list]) -> SnapshotCapture:
+        """From per-group lists of per-request block lists (V1's request states)."""
+        lens = [np.fromiter((len(r) for r in group), np.int32, len(group)) for group in rows]
+        blocks = [
+            np.fromiter((b for r in group for b in r), np.int32, int(n.sum()))
+            for group, n in zip(rows, lens, strict=True)
+        ]
+        return cls(step, req_ids, [int(c) for c in computed], lens, blocks)
+
+    def record(self, index: RequestIndex) -> tuple[str, dict]:
+        # A request that arrived while tracing was paused gets its index here: after the
+        # resync its later steps are checked, not counted as unknown.
+        starts = [np.concatenate([[0], np.cumsum(n)]) for n in self.lens]
+        live = [
+            (
+                index(req_id),
+                req_id,
+                self.computed[j],
+                [b[s[j] : s[j + 1]] for b, s in zip(self.blocks, starts, strict=True)],
+            )
+            for j, req_id in enumerate(self.req_ids)
+        ]
+        return records.snapshot(self.step, live)
+
+    def to_parts(self) -> list:
+        return [_ENCODE((self.step, self.req_ids, self.computed, len(self.lens))), *self.lens, *self.blocks]
+
+    @classmethod
+    def from_parts(cls, parts: list[np.ndarray]) -> SnapshotCapture:
+        step, req_ids, computed, groups = _DECODE(parts[0])
+        return cls(step, req_ids, computed, list(parts[1 : 1 + groups]), list(parts[1 + groups : 1 + 2 * groups]))

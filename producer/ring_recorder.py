@@ -1,0 +1,196 @@
+"""A rank's recording, seen from the engine: frames into a ring, a recorder process behind it.
+
+The probes hand over captures; this writes each as one frame into the rank's
+shared-memory ring (`ring.Ring`) and goes on. A recorder process
+(`kvledger.producer.recorder_process`), spawned here, reads the ring and does
+everything else: builds the records, packs, encodes, writes the sink, and runs
+the `log` check. The engine process never builds a record, never waits for
+the recorder and never raises for it:
+
+* a full ring drops the frame and counts it (its sequence number is spent, so
+  the loss shows in the ledger as well as in the next Health);
+* a recorder that died is respawned at the next check (`supervise`, every
+  `SUPERVISE_EVERY` steps). The new one records under a new incarnation
+  (what the old one held is gone, and its request indices with it), and the
+  probe re-announces the rank and snapshots at once, so the ledger resyncs;
+* an engine that dies leaves the recorder to drain the ring and close the
+  ledger on its own: it runs in its own session, so a signal to the engine's
+  process group does not reach it, and it sees its parent go.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import msgspec
+
+from kvledger.producer.capture import SnapshotCapture, StepCapture
+from kvledger.producer.config import TraceConfig
+from kvledger.producer.frames import FrameKind, body_part, write_frame
+from kvledger.producer.records import RankIdentity
+from kvledger.producer.ring import Ring, ring_dir
+
+log = logging.getLogger("kvledger.producer")
+
+SUPERVISE_EVERY = 64  # steps between checks that the recorder is alive (a waitpid each)
+RESPAWN_AFTER_S = 1.0  # a recorder that dies sooner after its start waits this long for the next
+MIN_RING_BYTES = 1 << 20
+_HEALTH = msgspec.msgpack.Encoder().encode
+
+
+@dataclass(frozen=True)
+class RecorderMeta:
+    """What a recorder process needs besides the ring: written next to it as JSON."""
+
+    identity: RankIdentity
+    config: TraceConfig
+    engine_pid: int
+    generation: int  # 0 for the first recorder of the ring; each respawn counts one up
+
+
+def meta_path(ring_path: Path) -> Path:
+    return ring_path.with_suffix(".meta.json")
+
+
+def write_meta(path: Path, meta: RecorderMeta) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(msgspec.json.encode(asdict(meta), enc_hook=str))
+    tmp.replace(path)  # a respawned recorder never reads half a file
+
+
+def read_meta(path: Path) -> RecorderMeta:
+    def dec_hook(kind: type, obj):
+        if kind is Path:
+            return Path(obj)
+        raise NotImplementedError(f"{kind} in a recorder's meta")
+
+    return msgspec.json.decode(path.read_bytes(), type=RecorderMeta, dec_hook=dec_hook)
+
+
+def create_ring(identity: RankIdentity, size: int) -> Ring:
+    """A new ring for this rank, as large as the shared memory allows down to `MIN_RING_BYTES`
+    (the space is reserved up front: a tmpfs that runs out later would fault the engine)."""
+    name = f"kvledger-{os.getpid()}-dp{identity.dp_rank}-tp{identity.tp_rank}-pp{identity.pp_rank}.ring"
+    path = ring_dir() / name
+    while True:
+        try:
+            return Ring.create(path, size)
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            if size // 4 < MIN_RING_BYTES:
+                raise
+            log.warning("kv_trace: no room for a %d MiB ring in %s (%s); trying smaller", size >> 20, path.parent, exc)
+            size //= 4
+
+
+class RingRecorder:
+    """One rank's ring and its recorder process; used by the engine thread only."""
+
+    def __init__(self, identity: RankIdentity, config: TraceConfig):
+        self.identity = identity
+        self.config = config
+        self.captured = 0  # frames offered (sequence numbers spent)
+        self.probe_ns = 0  # time the probes spent on the hot path, reported in Health
+        self.respawns = 0
+        self.ring = create_ring(identity, config.ring_bytes)
+        self._meta = meta_path(self.ring.path)
+        self._spawned_at = 0.0
+        self._process: subprocess.Popen | None = None
+        self._generation = -1
+        self._spawn()
+
+    # -- the recorder process --------------------------------------------------------------------
+    def _spawn(self) -> None:
+        self._generation += 1
+        write_meta(self._meta, RecorderMeta(self.identity, self.config, os.getpid(), self._generation))
+        self._spawned_at = time.monotonic()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "kvledger.producer.recorder_process", str(self.ring.path)],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a signal to the engine's group leaves it to drain the ring
+        )
+
+    def supervise(self) -> bool:
+        """Respawn a recorder that died (True when it did: the caller re-announces the rank)."""
+        if self._process is None or self._process.poll() is None:
+            return False
+        if time.monotonic() - self._spawned_at < RESPAWN_AFTER_S:
+            return False
+        log.warning(
+            "kv_trace: %s: the recorder process ended (exit %s); a new one takes over the ring",
+            self.identity,
+            self._process.returncode,
+        )
+        self.respawns += 1
+        self._spawn()
+        return True
+
+    @property
+    def recorder_pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def recorder_cpu_s(self) -> float:
+        """CPU seconds the live recorder process has used (0 if it is gone)."""
+        try:
+            fields = Path(f"/proc/{self._process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, AttributeError, IndexError):
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    # -- frames ------------------------------------------------------------------------------------
+    def _frame(self, kind: FrameKind, parts: list) -> int:
+        seq = self.captured
+        self.captured = seq + 1
+        write_frame(self.ring, kind, seq, time.time_ns() // 1000, parts)
+        return seq
+
+    def body(self, body: tuple[str, dict]) -> int:
+        """A built record (RankInfo, connector events; everything in `raise` mode)."""
+        return self._frame(FrameKind.BODY, [body_part(body)])
+
+    def step(self, capture: StepCapture) -> int:
+        return self._frame(FrameKind.STEP, capture.to_parts())
+
+    def snapshot(self, capture: SnapshotCapture) -> int:
+        return self._frame(FrameKind.SNAPSHOT, capture.to_parts())
+
+    def health(self, step: int, closing: bool = False) -> int:
+        """A Health record; the recorder adds what it lost and the ring dropped."""
+        return self._frame(FrameKind.HEALTH, [_HEALTH((step, self.captured, self.probe_ns, closing))])
+
+    @property
+    def dropped(self) -> int:
+        """Frames the full ring turned away."""
+        return self.ring.dropped
+
+    def flush(self, timeout: float = 0.25) -> bool:
+        """Wait up to `timeout` seconds for the recorder to have read every frame (True when it
+        has). Never needed for safety: a recorder outlives its rank and drains the ring."""
+        deadline = time.monotonic() + timeout
+        while self.ring.pending and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return not self.ring.pending
+
+    # -- closing ----------------------------------------------------------------------------------
+    def close(self, step: int, timeout: float = 5.0) -> None:
+        """A last Health (the rank says it is done), then wait up to `timeout` seconds for the
+        recorder to drain the ring and close the sink (it finishes on its own past that)."""
+        self.health(step, closing=True)
+        self.ring.close_producer()
+        if self._process is not None and self._process.poll() is not None:  # died unseen: one to drain
+            self._spawn()
+        process, self._process = self._process, None
+        if process is not None:
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("kv_trace: %s: the recorder is still draining; it finishes on its own", self.identity)
+        if self.dropped:
+            log.warning("kv_trace: %s: the ring dropped %d of %d frame(s)", self.identity, self.dropped, self.captured)
+        self.ring.close()  # the recorder unlinks it once drained

@@ -1,0 +1,170 @@
+"""A rank's ring and its recorder process: real processes, a real file ledger.
+
+The rank side (`RingRecorder`) writes frames; the recorder it spawns builds and
+writes the records. Checked here: what reaches the ledger is exactly what the
+rank would have built in process; a recorder SIGKILLed mid-run is replaced
+and the ledger resyncs without a false violation; an engine SIGKILLed
+mid-run leaves a complete ledger behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvledger.producer import records
+from kvledger.producer.capture import PlanCapture, RequestIndex, SnapshotCapture, StepCapture
+from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
+from kvledger.producer.frames import scheduler_payload
+from kvledger.producer.records import RankIdentity
+from kvledger.producer.ring_recorder import RingRecorder
+from kvledger.producer.staging import Staged
+from kvledger.producer.synthetic import SimConfig, simulate
+from kvledger.stream_app.replay import iter_ledger, replay
+
+from .test_frames import scheduler_output
+
+RANK = RankIdentity("ring-eng", 0, 0, 0, 7)
+
+
+def config(root: Path, action: TraceAction = TraceAction.RECORD) -> TraceConfig:
+    return TraceConfig(enabled=True, action=action, sink=SinkSpec("file", path=root), ring_bytes=1 << 20)
+
+
+def ledger_events(root: Path) -> list[dict]:
+    problems: list = []
+    _, events = iter_ledger(root, problems)
+    found = [event for _, event in events]
+    assert problems == []
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, ended and not yet reaped by its parent, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not alive(pid)
+
+
+def plan(step: int) -> PlanCapture:
+    """A plan shaped as the V1 runner's: 3 requests over 2 groups, a drafter pass."""
+    rows = np.arange(12, dtype=np.int32).reshape(3, 4) + 100 * step
+    lens = np.array([4, 2, 3], np.int32)
+    slots = np.arange(7, dtype=np.int64) + 16 * step
+    capture = PlanCapture(
+        req_ids=[f"r{step}-0", f"r{step}-1", "r0-1"],
+        query_start_loc=np.array([0, 3, 5, 6], np.int32),
+        positions=Staged.host(np.arange(7, dtype=np.int64)),
+        num_tokens=6,
+        groups=[(0, Staged.host(slots), Staged.host(rows), lens), (1, Staged.host(slots + 1), Staged.host(rows), lens)],
+    )
+    return capture
+
+
+def test_what_the_recorder_writes_is_what_the_rank_would_have_built(tmp_path):
+    captures = [StepCapture(s, "REAL", scheduler_payload(scheduler_output(s)), plan(s)) for s in range(5)]
+    captures.append(StepCapture(5, "DUMMY", None, PlanCapture.of_dummy_run([(0, Staged.host(np.full(4, -1)))])))
+    snapshot = SnapshotCapture.of_rows(5, ["r4-0", "r4-1"], [3, 9], [[[1, 2], [3]], [[7], []]])
+    recorder = RingRecorder(RANK, config(tmp_path))
+    recorder.body(
+        (
+            "kvledger.RankInfo",
+            records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")[1],
+        )
+    )
+    for capture in captures:
+        recorder.step(capture)
+    recorder.snapshot(snapshot)
+    recorder.close(step=5, timeout=30)
+
+    index = RequestIndex()  # the rank's own build of the same captures, in the same order
+    expected = [c.record(index, False) for c in captures] + [snapshot.record(index)]
+    events = ledger_events(tmp_path)
+    assert [e["seq"] for e in events] == list(range(9))  # RankInfo, 6 steps, the snapshot, the closing Health
+    assert [e["body"] for e in events[1:8]] == expected
+    health = events[-1]["body"][1]
+    assert health["closing"] and health["events_captured"] == 8 and health["events_dropped"] == 0
+    assert not recorder.ring.path.exists()  # the recorder unlinked the ring once drained
+
+
+def test_a_killed_recorder_is_replaced_and_the_ledger_resyncs(tmp_path):
+    sim = [e["body"] for e in simulate(SimConfig(seed=4, steps=400, snapshot_interval=50)).events if e["tp_rank"] == 0]
+    recorder = RingRecorder(RankIdentity("sim-engine", 0, 0, 0, 11), config(tmp_path))
+    first = recorder.recorder_pid
+    for n, body in enumerate(sim):
+        recorder.body(body)
+        if n == len(sim) // 3:
+            time.sleep(0.5)  # the first recorder delivers what it read (idle: its sink is flushed)
+            os.kill(first, signal.SIGKILL)
+            wait_gone(first)
+            time.sleep(1.0)  # past RESPAWN_AFTER_S
+            assert recorder.supervise()
+        if n % 50 == 0:
+            time.sleep(0.01)
+    recorder.close(step=399, timeout=30)
+    assert recorder.respawns == 1 and recorder.recorder_pid is None
+    result = replay(tmp_path)
+    incarnations = {e["incarnation"] for e in ledger_events(tmp_path)}
+    assert len(incarnations) == 2  # the respawned recorder wrote under a new one
+    assert result.violations == []  # no false alarm for the restart
+    assert result.ledger.coverage.unchecked["rank_restarted"] == 1
+    assert result.ledger.coverage.checks["write"] > 0  # checked again after the resync
+
+
+ENGINE = """
+import os, signal, sys, time
+from pathlib import Path
+from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
+from kvledger.producer.records import RankIdentity
+from kvledger.producer.ring_recorder import RingRecorder
+from kvledger.producer.synthetic import SimConfig, simulate
+
+sim = [e["body"] for e in simulate(SimConfig(seed=2, steps=300, snapshot_interval=0)).events if e["tp_rank"] == 0]
+config = TraceConfig(enabled=True, action=TraceAction.RECORD, sink=SinkSpec("file", path=Path(sys.argv[1])))
+recorder = RingRecorder(RankIdentity("killed-eng", 0, 0, 0, 5), config)
+for body in sim:
+    recorder.body(body)
+print(recorder.recorder_pid, len(sim), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # mid-run, nothing closed
+"""
+
+
+def test_an_engine_killed_mid_run_leaves_a_complete_ledger(tmp_path):
+    done = subprocess.run([sys.executable, "-c", ENGINE, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    pid, written = map(int, done.stdout.split())
+    wait_gone(pid)  # the recorder drains the ring, closes the ledger and ends on its own
+    events = ledger_events(tmp_path)  # no read problem: nothing truncated
+    assert [e["seq"] for e in events] == list(range(written))
+    assert replay(tmp_path).violations == []
+
+
+@pytest.mark.parametrize("action", [TraceAction.LOG])
+def test_the_log_check_runs_in_the_recorder_and_logs_to_the_engines_stderr(tmp_path, action):
+    script = (
+        ENGINE.replace("TraceAction.RECORD", f"TraceAction.{action.name}")
+        .replace(
+            "simulate(SimConfig(seed=2, steps=300, snapshot_interval=0))",
+            "simulate(SimConfig(seed=2, steps=300, snapshot_interval=0, faults=(FaultSpec('slot_shift', 120),)))",
+        )
+        .replace("import SimConfig, simulate", "import FaultSpec, SimConfig, simulate")
+        .replace("os.kill(os.getpid(), signal.SIGKILL)  # mid-run, nothing closed", "recorder.close(299, timeout=60)")
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "kv_trace: write_target_mismatch at step 120" in done.stderr
