@@ -3,9 +3,10 @@
 * probe cost per step on the engine thread, from the ranks' own Health events
   (cumulative probe time / steps: a mean), for 1, 16, 64 and 256 running requests;
 * ledger bytes per decode step and per scheduled request (file ledger, deflate);
-* generated tokens/s with tracing off and on, and the CPU time tracing adds to the engine's
-  worker process per step (all its threads, from the process's CPU clock, once the probes
-  delivered what the run captured), per action (`log`, `record`) at 64 and 256 requests:
+* generated tokens/s with tracing off and on, the CPU time tracing adds to the engine's
+  worker process per step (all its threads, from the process's CPU clock), the probes' share
+  of it (the engine thread), and the CPU the rank's recorder process spends per step (outside
+  the engine process, on the same host), per action (`log`, `record`) at 64 and 256 requests:
   one engine per configuration, its probes paused and resumed in turn between runs
   (`kvledger.producer.plugin.pause_tracing` over collective_rpc), so both arms share the
   process, its memory and its core placement; paused probes still wrap the runner (a
@@ -97,21 +98,21 @@ def ab_table(python: str, rounds: int) -> None:
     print(f"\ntracing paused/resumed in turn in one engine per row, {rounds} pairs each, file sink")
     print(
         f"{'action':>7} {'requests':>8} {'tokens/s off':>12} {'on':>7} {'overhead':>9} {'spread':>17} "
-        f"{'tracing CPU us/step':>19} {'spread':>13} {'process CPU us/step':>19} {'spread':>17}"
+        f"{'engine CPU us/step':>18} {'spread':>17} {'probes us/step':>14} {'recorder CPU us/step':>20}"
     )
     for action in ("record", "log"):
         for requests in (64, 256):
             ab = ab_runs(python, requests, rounds, action)
             overheads = [1 - on.rate / off.rate for off, on in ab]
-            tracing = [(on.tracing_per_step - off.tracing_per_step) * 1e6 for off, on in ab]
             added = [(on.cpu_per_step - off.cpu_per_step) * 1e6 for off, on in ab]
+            probes = statistics.median(on.probes_per_step * 1e6 for _, on in ab)
+            recorder = statistics.median((on.recorder_per_step - off.recorder_per_step) * 1e6 for off, on in ab)
             mark = f"  (targets <= {TARGET_OVERHEAD:.0%} at 64, <= {TARGET_CPU_US[requests]:.0f} us)"
             print(
                 f"{action:>7} {requests:>8} {statistics.median(r.rate for r, _ in ab):>12,.0f} "
                 f"{statistics.median(r.rate for _, r in ab):>7,.0f} {statistics.median(overheads):>+9.1%} "
-                f"{min(overheads):>+8.1%}..{max(overheads):>+6.1%} {statistics.median(tracing):>19.1f} "
-                f"{min(tracing):>6.1f}..{max(tracing):>5.1f} {statistics.median(added):>19.1f} "
-                f"{min(added):>8.1f}..{max(added):>7.1f}{mark}"
+                f"{min(overheads):>+8.1%}..{max(overheads):>+6.1%} {statistics.median(added):>18.1f} "
+                f"{min(added):>8.1f}..{max(added):>7.1f} {probes:>14.1f} {recorder:>20.1f}{mark}"
             )
 
 
@@ -121,7 +122,8 @@ class Arm:
 
     rate: float  # tokens/s
     cpu_per_step: float  # the worker process's CPU seconds per step, all its threads
-    tracing_per_step: float  # of which the tracing work's: drain threads' CPU, probes' engine-thread time
+    probes_per_step: float  # of which the probes' time on the engine thread
+    recorder_per_step: float  # the recorder process's CPU seconds per step (outside the engine process)
 
 
 def ab_runs(python: str, requests: int, rounds: int, action: str) -> list[tuple[Arm, Arm]]:
@@ -130,10 +132,11 @@ def ab_runs(python: str, requests: int, rounds: int, action: str) -> list[tuple[
     with tempfile.TemporaryDirectory() as tmp:
         stdout = run(python, requests, 96, Path(tmp), ab_rounds=rounds, action=action)
     arms: dict[str, list[Arm]] = {"off": [], "on": []}
-    pattern = r"^AB arm=(\w+) generate_s=(\S+) tokens=(\d+) cpu_s=(\S+) steps=(\d+) tracing_s=(\S+)$"
-    for arm, seconds, tokens, cpu, steps, tracing in re.findall(pattern, stdout, re.M):
+    pattern = r"^AB arm=(\w+) generate_s=(\S+) tokens=(\d+) cpu_s=(\S+) steps=(\d+) probes_s=(\S+) recorder_s=(\S+)$"
+    for arm, seconds, tokens, cpu, steps, probes, recorder in re.findall(pattern, stdout, re.M):
         per_step = max(int(steps), 1)
-        arms[arm].append(Arm(int(tokens) / float(seconds), float(cpu) / per_step, float(tracing) / per_step))
+        rate = int(tokens) / float(seconds)
+        arms[arm].append(Arm(rate, float(cpu) / per_step, float(probes) / per_step, float(recorder) / per_step))
     assert len(arms["off"]) == len(arms["on"]) == rounds, stdout[-2000:]
     return list(zip(arms["off"], arms["on"], strict=True))
 

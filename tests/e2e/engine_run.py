@@ -96,9 +96,10 @@ def main() -> None:
 
 
 def ab_rounds(llm, prompts, params, rounds: int) -> None:
-    """Print `AB arm=off|on generate_s=S tokens=N cpu_s=C steps=K tracing_s=T` per run, alternating
-    which arm goes first; C, K and T: the worker processes' CPU seconds (all threads), steps and
-    CPU seconds of the tracing work (see plugin.process_counters), summed over the workers."""
+    """Print `AB arm=off|on generate_s=S tokens=N cpu_s=C steps=K probes_s=P recorder_s=R` per
+    run, alternating which arm goes first; C, K, P and R (see plugin.process_counters), summed
+    over the workers: the worker processes' CPU seconds (all threads), steps, the probes' time
+    on the engine thread, the recorder processes' CPU seconds."""
     from kvledger.producer.plugin import pause_tracing, process_counters, resume_tracing
 
     def counters() -> list[float]:
@@ -111,11 +112,11 @@ def ab_rounds(llm, prompts, params, rounds: int) -> None:
             started = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - started
-            cpu, steps, tracing = (b - a for a, b in zip(before, counters(), strict=True))  # once delivered
+            cpu, steps, probes, recorder = (b - a for a, b in zip(before, counters(), strict=True))
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             print(
                 f"AB arm={arm} generate_s={seconds:.6f} tokens={tokens} cpu_s={cpu:.6f} steps={int(steps)} "
-                f"tracing_s={tracing:.6f}",
+                f"probes_s={probes:.6f} recorder_s={recorder:.6f}",
                 flush=True,
             )
     llm.collective_rpc(resume_tracing)

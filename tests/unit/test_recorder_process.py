@@ -24,7 +24,8 @@ from kvledger.producer.capture import PlanCapture, RequestIndex, SnapshotCapture
 from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
 from kvledger.producer.frames import scheduler_payload
 from kvledger.producer.records import RankIdentity
-from kvledger.producer.ring_recorder import RingRecorder
+from kvledger.producer.ring import Ring
+from kvledger.producer.ring_recorder import RingRecorder, meta_path, sweep_stale_rings
 from kvledger.producer.staging import Staged
 from kvledger.producer.synthetic import SimConfig, simulate
 from kvledger.stream_app.replay import iter_ledger, replay
@@ -59,6 +60,15 @@ def wait_gone(pid: int, timeout: float = 30.0) -> None:
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not alive(pid)
+
+
+def started(recorder: RingRecorder, timeout: float = 60.0) -> int:
+    """The pid of the recorder once it runs."""
+    deadline = time.monotonic() + timeout
+    while recorder.recorder_state() is not True:
+        assert time.monotonic() < deadline and recorder.recorder_state() is not False, "no recorder"
+        time.sleep(0.01)
+    return recorder.recorder_pid
 
 
 def plan(step: int) -> PlanCapture:
@@ -105,7 +115,7 @@ def test_what_the_recorder_writes_is_what_the_rank_would_have_built(tmp_path):
 def test_a_killed_recorder_is_replaced_and_the_ledger_resyncs(tmp_path):
     sim = [e["body"] for e in simulate(SimConfig(seed=4, steps=400, snapshot_interval=50)).events if e["tp_rank"] == 0]
     recorder = RingRecorder(RankIdentity("sim-engine", 0, 0, 0, 11), config(tmp_path))
-    first = recorder.recorder_pid
+    first = started(recorder)
     for n, body in enumerate(sim):
         recorder.body(body)
         if n == len(sim) // 3:
@@ -131,7 +141,8 @@ import os, signal, sys, time
 from pathlib import Path
 from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
 from kvledger.producer.records import RankIdentity
-from kvledger.producer.ring_recorder import RingRecorder
+from kvledger.producer.ring import Ring
+from kvledger.producer.ring_recorder import RingRecorder, meta_path, sweep_stale_rings
 from kvledger.producer.synthetic import SimConfig, simulate
 
 sim = [e["body"] for e in simulate(SimConfig(seed=2, steps=300, snapshot_interval=0)).events if e["tp_rank"] == 0]
@@ -139,6 +150,8 @@ config = TraceConfig(enabled=True, action=TraceAction.RECORD, sink=SinkSpec("fil
 recorder = RingRecorder(RankIdentity("killed-eng", 0, 0, 0, 5), config)
 for body in sim:
     recorder.body(body)
+while recorder.recorder_state() is not True:
+    time.sleep(0.01)
 print(recorder.recorder_pid, len(sim), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # mid-run, nothing closed
 """
@@ -168,3 +181,15 @@ def test_the_log_check_runs_in_the_recorder_and_logs_to_the_engines_stderr(tmp_p
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "kv_trace: write_target_mismatch at step 120" in done.stderr
+
+
+def test_rings_of_ranks_and_recorders_both_gone_are_swept(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid: a process that no longer exists
+    dead, live = tmp_path / f"kvledger-{gone.pid}-dp0-tp0-pp0.ring", tmp_path / f"kvledger-{os.getpid()}-x.ring"
+    for path in (dead, live):
+        Ring.create(path, 4096).close()
+    meta_path(dead).write_text("{}")
+    sweep_stale_rings(tmp_path)
+    assert not dead.exists() and not meta_path(dead).exists()  # a killed recorder's leftovers
+    assert live.exists()  # its rank still runs
