@@ -12,7 +12,10 @@
   process, its memory and its core placement; paused probes still wrap the runner (a
   counter and a flag per step).
 
-    python bench/engine_overhead.py [--python .venv-vllm/bin/python] [--rounds 10]
+* vLLM's own KV events publisher (`kv_events_config`, ZMQ), for comparison: it cannot be
+  paused, so one engine per run, on and off in turn (`--kv-events-pairs`).
+
+    python bench/engine_overhead.py [--python .venv-vllm/bin/python] [--rounds 10] [--kv-events-pairs 6]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import tempfile
@@ -36,16 +40,24 @@ TARGET_CPU_US = {64: 30.0, 256: 60.0}  # engine-process CPU added per step
 
 
 def run(
-    python: str, requests: int, max_tokens: int, ledger: Path | None, ab_rounds: int = 0, action: str = "log"
+    python: str,
+    requests: int,
+    max_tokens: int,
+    ledger: Path | None,
+    ab_rounds: int = 0,
+    action: str = "log",
+    kv_events: str | None = None,
+    prefix_caching: bool = False,
 ) -> str:
     spec = {
         "prompts": [[(7 * i + j) % 500 + 3 for j in range(8)] for i in range(requests)],
         "max_tokens": max_tokens,
         "max_num_seqs": requests,
         "max_num_batched_tokens": max(1024, 8 * requests),
-        "prefix_caching": False,
+        "prefix_caching": prefix_caching,
         "warmup": 1,
         "ab_rounds": ab_rounds,
+        "kv_events": kv_events,
     }
     if ledger is not None:
         spec["kv_trace"] = {"enabled": True, "sink": f"file://{ledger}", "snapshot_interval": 0, "action": action}
@@ -78,10 +90,13 @@ def main() -> None:
     parser.add_argument("--python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--ab-only", action="store_true", help="only the tracing on/off pairs")
+    parser.add_argument("--kv-events-pairs", type=int, default=6, help="engine pairs for vLLM's KV events (0: none)")
     args = parser.parse_args()
     if not args.ab_only:
         probe_table(args.python)
     ab_table(args.python, args.rounds)
+    if args.kv_events_pairs:
+        kv_events_table(args.python, args.kv_events_pairs)
 
 
 def probe_table(python: str) -> None:
@@ -114,6 +129,32 @@ def ab_table(python: str, rounds: int) -> None:
                 f"{min(overheads):>+8.1%}..{max(overheads):>+6.1%} {statistics.median(added):>18.1f} "
                 f"{min(added):>8.1f}..{max(added):>7.1f} {probes:>14.1f} {recorder:>20.1f}{mark}"
             )
+
+
+def kv_events_table(python: str, pairs: int, requests: int = 64) -> None:
+    """vLLM's own KV events publisher cannot be paused: one engine per run, on and off in turn
+    (prefix caching on in both, as the events need it; nothing subscribed to the ZMQ socket)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    for pair in range(pairs):
+        for arm in ("off", "on") if pair % 2 == 0 else ("on", "off"):
+            events = endpoint if arm == "on" else None
+            stdout = run(python, requests, 96, None, kv_events=events, prefix_caching=True)
+            seconds, tokens = re.search(r"^TIMING generate_s=(\S+) tokens=(\d+)$", stdout, re.M).groups()
+            rates[arm].append(int(tokens) / float(seconds))
+    overheads = [1 - on / off for off, on in zip(rates["off"], rates["on"], strict=True)]
+    print(f"\nvLLM's KV events (ZMQ publisher), one engine per run, {pairs} pairs, {requests} requests")
+    print(f"{'tokens/s off':>12} {'on':>7} {'overhead':>9} {'spread':>17}")
+    print(
+        f"{statistics.median(rates['off']):>12,.0f} {statistics.median(rates['on']):>7,.0f} "
+        f"{statistics.median(overheads):>+9.1%} {min(overheads):>+8.1%}..{max(overheads):>+6.1%}"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ SPEC_JSON: {"kv_trace": {...} | null, "tp": 1, "pp": 1, "prompts": [[token ids],
             "num_blocks": null, "plugins": "kvledger,...", "speculative_config": {...} | null,
             "model": {config.json} | null (default TINY_LLAMA),
             "draft_model": {config.json} | null (a random-weight drafter, e.g. EAGLE's: speculative_config's model),
+            "kv_events": ZMQ endpoint | null (vLLM's KV events publisher on, to compare its cost),
             "stop_file": path | null (generate round after round until that file exists or "max_seconds" (600)
             pass, idle "round_pause_s" (0) between rounds; each round appends a JSON line to "rounds_file":
             its wall-clock start and end, tokens and a digest of its outputs)}.
@@ -47,6 +48,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     extra = {"additional_config": {"kv_trace": spec["kv_trace"]}} if spec.get("kv_trace") else {}
+    if spec.get("kv_events"):  # vLLM's own KV events publisher (ZMQ), for comparison
+        extra["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": spec["kv_events"]}
     if spec.get("num_blocks"):
         extra["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("speculative_config"):  # with stats on: the METRICS line reports vLLM's own spec counters

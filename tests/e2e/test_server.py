@@ -7,9 +7,10 @@ ledger is compared with vLLM's own counters (/metrics): engine steps with schedu
 tokens scheduled, prefix-cache hits, per data-parallel engine.
 
 How a server stops decides what a worker can do: on SIGTERM vLLM's server force-kills its
-engine core at once (no grace period by default); a killed worker does nothing at all. The
-ledger must hold every step up to the sinks' bound whatever happens, and say when its end is
-unconfirmed (a truncated tail, counted as unchecked), never call it corrupt.
+engine core at once (no grace period by default), and with it the engine's process tree; a
+killed worker does nothing at all. Each rank's recorder process runs outside that tree and
+delivers what its rank wrote: the ledger holds every step up to the kill whatever happens, and
+says when its end is unconfirmed (a truncated tail, counted as unchecked), never calls it corrupt.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.e2e
 PREFIX = list(range(3, 3 + 70))  # two full blocks of 32 tokens shared by every even prompt
 PROMPTS = [[*PREFIX, 100 + i, 101 + i] if i % 2 == 0 else list(range(80 + i, 80 + 2 * i + 20)) for i in range(32)]
 # A busy rank's events are in the file within the file sink's linger and a drain period; the
-# assertions leave room for the drain thread's own work on a loaded 2-core machine.
+# assertions leave room for the recorder's own work on a loaded 2-core machine.
 LOSS_BOUND_S = FILE_LINGER_S + 0.05
 SLACK_S = 0.15
 
@@ -209,28 +210,33 @@ def run_until_killed(server: Server, title: str, after_s: float) -> tuple[float,
     return killed_at, errors
 
 
-def test_sigkill_of_the_worker_mid_run_keeps_all_but_its_last_moments_and_counts_the_loss(tmp_path):
+def closed_within(ledger: Path, seconds: float) -> bool:
+    """Every rank stream's end marker says closed within `seconds` (a recorder may still drain)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        markers = end_markers(ledger)
+        if markers and all(m is not None and m.closed for m in markers):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_sigkill_of_the_worker_mid_run_loses_nothing_its_recorder_closes_the_ledger(tmp_path):
+    """A killed worker does nothing at all; its recorder, outside the engine's process tree,
+    delivers everything the worker wrote into the ring and closes the ledger."""
     ledger = tmp_path / "ledger"
     with serve(tmp_path, traced(ledger), args=["--max-num-seqs", "32"]) as server:
         killed_at, errors = run_until_killed(server, "VLLM::Worker", after_s=3)
     assert len(errors) == 32 and server.completions == [], "the engine was not busy when killed"
+    assert closed_within(ledger, 60), end_markers(ledger)
     lost_s = killed_at - newest(ledger)
     print(f"worker SIGKILL: the newest event in the file is {lost_s * 1000:.0f} ms older than the kill")
-    assert 0 <= lost_s <= LOSS_BOUND_S + SLACK_S
+    assert 0 <= lost_s <= LOSS_BOUND_S + SLACK_S  # at most the step under way when it was killed
     result = replay(ledger)
-    # Killed while events it had written were unconfirmed: a truncated tail, counted. Killed right
-    # after the drain thread found the rank idle between two steps (20 ms; steps here take 20-40 ms)
-    # and confirmed everything written: what it still held is within the bound above, and its end
-    # marker says it never closed.
-    if result.problems:
-        [problem] = result.problems
-        assert problem.reason == "truncated" and "without its writer's confirmation" in problem.detail, problem
-        assert result.unchecked == Counter(truncated_file=1), result.unchecked
-    else:
-        assert [m.closed for m in end_markers(ledger)] == [False] and not result.unchecked, result.unchecked
+    assert result.problems == [] and not result.unchecked, (result.problems, result.unchecked)  # nothing cut
     assert result.violations == []
     checks = result.ledger.coverage.checks
-    assert checks["write"] > 0 and checks["sequence"] == result.ledger.events - 1  # nothing missing before the tail
+    assert checks["write"] > 0 and checks["sequence"] == result.ledger.events - 1  # nothing missing
     assert result.ledger.steps > 50
 
 
