@@ -44,16 +44,19 @@ class PartType(IntEnum):
 _DTYPES = {PartType.U8: np.dtype(np.uint8), PartType.I32: np.dtype(np.int32), PartType.I64: np.dtype(np.int64)}
 _OF_DTYPE = {dtype: part for part, dtype in _DTYPES.items()}
 _HEAD = struct.Struct("<3Q")
-_ZEROS = bytes(8)
+_NO_BYTES = memoryview(b"")
 
 
-def _part(part: Any) -> tuple[PartType, Any]:
+def _part(part: Any) -> tuple[PartType, memoryview]:
+    """A part's type and its bytes."""
     if isinstance(part, bytes | bytearray):
-        return PartType.U8, part
+        return PartType.U8, memoryview(part)
     kind = _OF_DTYPE.get(part.dtype)
     if kind is None:  # another integer width: widened (a copy), not refused
-        return PartType.I64, np.ascontiguousarray(part, np.int64)
-    return kind, np.ascontiguousarray(part)
+        kind, part = PartType.I64, part.astype(np.int64)
+    if not part.size:
+        return kind, _NO_BYTES
+    return kind, memoryview(np.ascontiguousarray(part)).cast("B")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,19 +70,28 @@ class Frame:
 
 
 def write_frame(ring: Ring, kind: FrameKind, seq: int, emitted_at_us: int, parts: Sequence[Any]) -> bool:
-    """Copy `parts` (bytes or contiguous numpy arrays) into the ring as one frame;
-    False when it has no room (the ring counts it). One join and one copy into the ring."""
+    """Copy `parts` (bytes or contiguous numpy arrays) into the ring as one frame; False when it
+    has no room (the ring counts it). Each part is copied once, straight into the ring."""
     words = [kind | len(parts) << 8, seq, emitted_at_us]
-    pieces: list[Any] = [b""]
+    views = []
+    size = 8 * (3 + len(parts))
     for part in parts:
-        kind, part = _part(part)
-        view = memoryview(part)
-        words.append(kind | (view.nbytes // view.itemsize) << 8)
-        pieces.append(view)
-        if view.nbytes & 7:
-            pieces.append(_ZEROS[: 8 - (view.nbytes & 7)])
-    pieces[0] = struct.pack(f"<{len(words)}Q", *words)
-    return ring.write(b"".join(pieces))
+        kind_, view = _part(part)
+        words.append(kind_ | (view.nbytes // _DTYPES[kind_].itemsize) << 8)
+        views.append(view)
+        size += (view.nbytes + 7) & ~7
+    room = ring.reserve(size)
+    if room is None:
+        return False
+    struct.pack_into(f"<{len(words)}Q", room, 0, *words)
+    offset = 8 * (3 + len(parts))
+    for view in views:
+        end = offset + view.nbytes
+        room[offset:end] = view
+        offset = (end + 7) & ~7  # the padding's bytes are left as they were: the reader skips them
+    room.release()  # before publish: nothing of ours keeps the mapping from being closed
+    ring.publish()
+    return True
 
 
 def read_frame(record) -> Frame:

@@ -83,6 +83,7 @@ class Ring:
             raise RingError(f"{path}: {len(mapping)} bytes mapped, the header says {HEADER_BYTES + self.capacity}")
         self._head = self._word(_HEAD)  # this side's copies (each side writes one of them)
         self._tail = self._word(_TAIL)
+        self._published = self._word(_PUBLISHED)  # the producer's count
         self._reserved: tuple[int, int, int] | None = None
 
     def _word(self, i: int) -> int:
@@ -134,7 +135,7 @@ class Ring:
         pos = self._head % self.capacity
         room_to_end = self.capacity - pos
         skip = room_to_end if room_to_end < need else 0
-        if self._head + skip + need - self._word(_TAIL) > self.capacity:
+        if self._head + skip + need - _WORD.unpack_from(self._map, 8 * _TAIL)[0] > self.capacity:
             self._set(_DROPPED, self._word(_DROPPED) + 1)
             return None
         if skip:
@@ -151,8 +152,9 @@ class Ring:
         _WORD.pack_into(self._map, HEADER_BYTES + pos, size)
         memory_fence()  # the record's bytes before the head that covers them
         self._head += total
-        self._set(_HEAD, self._head)
-        self._set(_PUBLISHED, self._word(_PUBLISHED) + 1)
+        self._published += 1
+        _WORD.pack_into(self._map, 8 * _HEAD, self._head)
+        _WORD.pack_into(self._map, 8 * _PUBLISHED, self._published)
 
     def write(self, payload) -> bool:
         """Copy one record (any bytes-like object) in and publish it; False (and counted) when

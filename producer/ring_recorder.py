@@ -20,6 +20,7 @@ the recorder and never raises for it:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import select
@@ -40,6 +41,7 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring, RingError, ring_dir
 
 log = logging.getLogger("kvledger.producer")
+_RINGS = itertools.count()
 
 SUPERVISE_EVERY = 64  # steps between checks that the recorder is alive (a waitpid each)
 RESPAWN_AFTER_S = 1.0  # a recorder that dies sooner after its start waits this long for the next
@@ -171,7 +173,8 @@ def sweep_stale_rings(directory: Path) -> None:
 def create_ring(identity: RankIdentity, size: int) -> Ring:
     """A new ring for this rank, as large as the shared memory allows down to `MIN_RING_BYTES`
     (the space is reserved up front: a tmpfs that runs out later would fault the engine)."""
-    name = f"kvledger-{os.getpid()}-dp{identity.dp_rank}-tp{identity.tp_rank}-pp{identity.pp_rank}.ring"
+    rank = f"dp{identity.dp_rank}-tp{identity.tp_rank}-pp{identity.pp_rank}"
+    name = f"kvledger-{os.getpid()}-{rank}-{next(_RINGS)}.ring"  # a process may record a rank twice
     path = ring_dir() / name
     sweep_stale_rings(path.parent)
     while True:
@@ -248,6 +251,8 @@ class RingRecorder:
 
     def supervise(self) -> bool:
         """Respawn a recorder that ended (True when it did: the caller re-announces the rank)."""
+        if self._generation < 0:  # spawn=False: the caller reads the ring
+            return False
         if self.recorder_state() is not False or time.monotonic() - self._spawned_at < RESPAWN_AFTER_S:
             return False
         log.warning("kv_trace: %s: the recorder process ended; a new one takes over the ring", self.identity)
