@@ -35,7 +35,10 @@ from kvledger.producer.sinks import open_sink
 
 log = logging.getLogger("kvledger.producer")
 
-POLL_S = 0.005  # between looks at the ring while frames arrive
+POLL_S = 0.01  # between looks at the ring while frames arrive
+# The rank counts as idle (its sink flushed, its end confirmed) once its newest record is this old:
+# longer than in an engine's own thread, as records reach the recorder up to a poll and a drain late.
+RANK_IDLE_S = 0.1
 IDLE_POLL_S = 0.05  # once nothing arrived for IDLE_AFTER_S
 IDLE_AFTER_S = 1.0
 CLOSE_S = 30.0  # for the sink to deliver what it holds at the end
@@ -138,8 +141,9 @@ def run(ring_path: Path) -> int:
     detach(ring)
     config = meta.config
     observer = ViolationLogger() if config.action is TraceAction.LOG else None
+    sink = open_sink(config.sink, config.kafka)
     recorder = RankRecorder(
-        identity_of(meta), open_sink(config.sink, config.kafka), capacity=config.buffer_events, observer=observer
+        identity_of(meta), sink, capacity=config.buffer_events, observer=observer, idle_after=RANK_IDLE_S
     )
     reader = FrameReader(ring, recorder, config.full_rows)
     stopping = []

@@ -57,6 +57,8 @@ ENGINE_ONLY_ENV = ("LD_PRELOAD", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 def recorder_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ENGINE_ONLY_ENV}
     return {**env, **RECORDER_ENV}
+
+
 _HEALTH = msgspec.msgpack.Encoder().encode
 
 
@@ -209,6 +211,7 @@ class RingRecorder:
         self._launcher: subprocess.Popen | None = None
         self._watch: ProcessWatch | None = None  # the recorder, once its pid is in the ring
         self._generation = -1
+        self._dropped: int | None = None  # the ring's count, kept once it is closed
         if spawn:
             self._spawn()
 
@@ -297,7 +300,7 @@ class RingRecorder:
     @property
     def dropped(self) -> int:
         """Frames the full ring turned away."""
-        return self.ring.dropped
+        return self._dropped if self._dropped is not None else self.ring.dropped
 
     def flush(self, timeout: float = 0.25) -> bool:
         """Wait up to `timeout` seconds for the recorder to have read every frame (True when it
@@ -324,4 +327,5 @@ class RingRecorder:
         if self.dropped:
             log.warning("kv_trace: %s: the ring dropped %d of %d frame(s)", self.identity, self.dropped, self.captured)
         self._forget_recorder()
+        self._dropped = self.ring.dropped
         self.ring.close()  # the recorder unlinks it once drained

@@ -193,3 +193,17 @@ def test_rings_of_ranks_and_recorders_both_gone_are_swept(tmp_path):
     sweep_stale_rings(tmp_path)
     assert not dead.exists() and not meta_path(dead).exists()  # a killed recorder's leftovers
     assert live.exists()  # its rank still runs
+
+
+def test_frames_the_full_ring_turned_away_are_counted_in_health_and_show_as_gaps(tmp_path):
+    recorder = RingRecorder(RANK, config(tmp_path))  # a 1 MiB ring
+    slots = Staged.host(np.full(60_000, -1, np.int64))  # 480 KB a frame: two fill the ring
+    for step in range(40):  # far more than the ring holds before its recorder starts reading
+        recorder.step(StepCapture(step, "DUMMY", None, PlanCapture.of_dummy_run([(0, slots)])))
+    assert recorder.dropped > 0
+    started(recorder)
+    recorder.close(step=0, timeout=30)
+    events = ledger_events(tmp_path)
+    health = events[-1]["body"][1]
+    assert health["closing"] and health["events_captured"] == 40
+    assert health["events_dropped"] == recorder.dropped == 40 - (len(events) - 1)
