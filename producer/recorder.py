@@ -1,4 +1,5 @@
-"""Per-rank capture: sequence numbers, a bounded buffer, a drain thread.
+"""Per-rank delivery: sequence numbers, a bounded buffer, a drain thread (in a rank's recorder
+process, `recorder_process`, and in the synthetic engine).
 
 The engine thread calls `capture` and goes on: it stamps the event, appends
 it to a bounded buffer and returns. A full buffer drops the event and counts

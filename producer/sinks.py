@@ -1,6 +1,6 @@
 """Where captured events go: the file ledger (the embedded default) or Kafka.
 
-Sinks run on the drain thread, never on the engine's. `lost` counts events a
+Sinks run in a rank's recorder process (its drain thread), never in the engine's. `lost` counts events a
 sink accepted but could not deliver (Kafka delivery failures, undelivered at
 close), so a rank's loss is counted exactly.
 """

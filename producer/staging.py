@@ -4,7 +4,8 @@ On a CPU engine a probe copies the few arrays it needs and is done. On a
 device (CUDA, or NPU through torch-npu), `tensor.cpu()` would synchronise the
 stream on the hot path. Instead a probe copies into a reused pinned host
 buffer with `non_blocking=True`, records an event on the current stream, and
-returns a `Staged` handle; the drain thread waits for that event, reads the
+returns a `Staged` handle; the step's frame waits for that event at the
+step's end (`capture.PlanCapture.to_parts`), reads the
 buffer and gives it back to the pool. Only torch's generic device API is used
 (`torch.Event`, `torch.accelerator`), so any backend that implements it works.
 
@@ -24,7 +25,7 @@ import numpy as np
 
 
 class StagingFull(RuntimeError):
-    """Every pinned buffer of this shape is still waiting for the drain thread."""
+    """Every pinned buffer of this shape is still in flight."""
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Staged:
         return cls(array, array.shape)
 
     def numpy(self) -> np.ndarray:
-        """Wait for the copy (drain thread only), return an owned array, free the buffer."""
+        """Wait for the copy, return an owned array, free the buffer."""
         if self.pool is None:
             return self.buffer
         if self.event is not None:
@@ -61,7 +62,7 @@ class StagingPool:
         self.max_in_flight = max_in_flight
         self._free: dict[Any, list] = defaultdict(list)
         self._in_flight = 0
-        self._lock = threading.Lock()  # taken by the engine thread and the drain thread
+        self._lock = threading.Lock()  # a pool may be shared by threads
 
     def stage(self, tensor) -> Staged:
         """Start copying `tensor` to the host; never synchronises a device stream."""

@@ -397,7 +397,7 @@ class ConnectorProbe:
             "num_tokens": self.num_tokens.get(req) if req and transfer and transfer.kind == "SEND_INTENT" else None,
             "digest": digest,
         }
-        # Packed on the drain thread; the block lists are our own copies.
+        # Built at once and sent through the ring as a body; the block lists are our own copies.
         self.record(lambda: records.connector_event(step, name, kind, **fields))
 
 

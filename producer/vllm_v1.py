@@ -17,9 +17,10 @@ leaves in `_slot_mapping_buffer`); the runner's `sample_tokens`, where the
 drafter runs, closes the step. Without them the capability
 `drafter_kv_writes` is recorded unavailable and the rest still records.
 
-On the hot path the probes copy a few arrays and buffer them; packing,
-digests and envelopes happen on the drain thread. A probe never raises into
-the engine: a failure is logged once and the probe stops recording.
+On the hot path the probes copy a few arrays and write the step as one frame
+into the rank's ring; building, packing and encoding happen in the rank's
+recorder process (`ring_recorder`). A probe never raises into the engine: a
+failure is logged once and the probe stops recording.
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ class V1RunnerProbe:
         started = time.perf_counter_ns()
         try:
             fn(*args)
-        except StagingFull as exc:  # the drain thread is behind: this step goes without its plan
+        except StagingFull as exc:  # device copies are behind: this step goes without its plan
             log.warning("kv_trace: step %d recorded without its plan: %s", self.step, exc)
         except Exception:
             self._broken = True
@@ -274,9 +275,9 @@ class V1RunnerProbe:
         )
 
     # -- steps -------------------------------------------------------------------------------------
-    # The engine thread only keeps references and copies; every builder below runs later,
-    # in capture order, on the drain thread (or at once in raise mode), so the request
-    # index is only ever used by one thread at a time and always in step order.
+    # The engine thread only copies and writes frames; the records are built in the recorder
+    # process, in frame order (or here, at once, in raise mode), so the request index is only
+    # ever used in step order.
     def _before_step(self, scheduler_output) -> None:
         self.step += 1  # paused or not: step numbers stay those of the engine
         self._plan = self._input = None
