@@ -119,13 +119,6 @@ class RankRecorder:
         """Events buffered, not yet handed to the sink."""
         return len(self._buffer)
 
-    def drain_cpu_s(self) -> float:
-        """CPU seconds the drain thread has used (its own clock; 0 once it ended)."""
-        try:
-            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
-        except (OSError, TypeError):  # ended (its clock went with it) or never started
-            return 0.0
-
     def health(self, step: int, closing: bool = False) -> tuple[str, dict]:
         counts = (self.captured, self.dropped, self.probe_ns, self.capacity, self.high_water)
         return records.health(step, *counts, closing=closing)
