@@ -4,22 +4,20 @@ The engine thread fills a `StepCapture` (the scheduler's fields as one
 MessagePack blob, the plan's arrays as copied) and hands it to the ring as a
 frame (`to_parts`); the recorder process reads it back (`from_parts`) and
 builds the Step record (`record`). `raise` mode builds the same record on the
-engine thread from the same capture, so both paths share every rule here.
+engine thread from the same capture, so both paths share every rule here. The
+same for snapshots and Health.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 
 from kvledger.producer import records
-from kvledger.producer.frames import step_input_record
+from kvledger.producer.frames import pack, step_input_record, unpack
 from kvledger.producer.staging import Staged
 
-_ENCODE = msgspec.msgpack.Encoder().encode
-_DECODE = msgspec.msgpack.Decoder().decode
 _EMPTY = np.zeros(0, np.int64)
 
 
@@ -161,12 +159,12 @@ class StepCapture:
 
     def to_parts(self) -> list:
         plan_header, arrays = self.plan.to_parts() if self.plan is not None else (None, [])
-        header = _ENCODE((self.step, self.kind, self.scheduler is not None, plan_header))
+        header = pack((self.step, self.kind, self.scheduler is not None, plan_header))
         return [header, self.scheduler or b"", *arrays]
 
     @classmethod
     def from_parts(cls, parts: list[np.ndarray]) -> StepCapture:
-        step, kind, has_input, plan_header = _DECODE(parts[0])
+        step, kind, has_input, plan_header = unpack(parts[0])
         plan = PlanCapture.from_parts(plan_header, parts[2:]) if plan_header is not None else None
         return cls(step, kind, parts[1].tobytes() if has_input else None, plan)
 
@@ -208,9 +206,30 @@ class SnapshotCapture:
         return records.snapshot(self.step, live)
 
     def to_parts(self) -> list:
-        return [_ENCODE((self.step, self.req_ids, self.computed, len(self.lens))), *self.lens, *self.blocks]
+        return [pack((self.step, self.req_ids, self.computed, len(self.lens))), *self.lens, *self.blocks]
 
     @classmethod
     def from_parts(cls, parts: list[np.ndarray]) -> SnapshotCapture:
-        step, req_ids, computed, groups = _DECODE(parts[0])
+        step, req_ids, computed, groups = unpack(parts[0])
         return cls(step, req_ids, computed, list(parts[1 : 1 + groups]), list(parts[1 + groups : 1 + 2 * groups]))
+
+
+@dataclass
+class HealthCapture:
+    """The rank's own counts for a Health record; the recorder adds what was lost past the rank."""
+
+    step: int
+    captured: int  # frames the rank offered before this one
+    probe_ns: int  # the probes' time on the engine thread, cumulative
+    closing: bool = False
+
+    def record(self, dropped: int, capacity: int, high_water: int) -> tuple[str, dict]:
+        counts = (self.captured, dropped, self.probe_ns, capacity, high_water)
+        return records.health(self.step, *counts, closing=self.closing)
+
+    def to_parts(self) -> list:
+        return [pack((self.step, self.captured, self.probe_ns, self.closing))]
+
+    @classmethod
+    def from_parts(cls, parts: list[np.ndarray]) -> HealthCapture:
+        return cls(*unpack(parts[0]))

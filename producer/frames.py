@@ -108,47 +108,36 @@ def read_frame(record) -> Frame:
     return Frame(FrameKind(kind_parts & 0xFF), seq, at_us, parts)
 
 
-# -- bodies ------------------------------------------------------------------------------------------
-def _plain(obj: Any) -> Any:
-    """numpy values in a built body (a runner's integers, a packed column) as plain data;
-    anything else unsupported fails loudly."""
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    return _integer(obj)
-
-
-_BODY_ENCODER = msgspec.msgpack.Encoder(enc_hook=_plain)
-
-
-def body_part(body: tuple[str, dict]) -> bytes:
-    """A built record body as one frame part."""
-    return _BODY_ENCODER.encode(body)
-
-
-def body_of(part) -> tuple[str, dict]:
-    name, body = _DECODER.decode(part)
-    return name, body
-
-
-# -- the step input ----------------------------------------------------------------------------------
+# -- MessagePack, for every structured part ----------------------------------------------------------
 def _integer(obj: Any) -> int:
     """numpy integers (a runner may hand them over) as ints; anything else unsupported fails loudly."""
     if isinstance(obj, numbers.Integral):
         return int(obj)
-    raise NotImplementedError(f"a scheduler field of type {type(obj).__name__} cannot be recorded")
+    raise NotImplementedError(f"a value of type {type(obj).__name__} cannot be recorded")
 
 
-_ENCODER = msgspec.msgpack.Encoder(enc_hook=_integer)
-_DECODER = msgspec.msgpack.Decoder()
+pack = msgspec.msgpack.Encoder(enc_hook=_integer).encode  # data only: nothing read back is executed
+unpack = msgspec.msgpack.Decoder().decode
 
 
+def body_part(body: tuple[str, dict]) -> bytes:
+    """A built record body as one frame part."""
+    return pack(body)
+
+
+def body_of(part) -> tuple[str, dict]:
+    name, body = unpack(part)
+    return name, body
+
+
+# -- the step input ----------------------------------------------------------------------------------
 def scheduler_payload(so: Any) -> bytes:
     """The SchedulerOutput fields a StepInput is built from, as MessagePack: the engine thread's
     share, one C-level call (~6 us at 64 requests). Taken before the runner runs, so the block-id
     lists it later adopts and extends as request state are still those the scheduler handed over."""
     cached = so.scheduled_cached_reqs
     copies = getattr(so, "kv_cache_block_copies", None) or ()
-    return _ENCODER.encode(
+    return pack(
         (
             [
                 (r.req_id, r.block_ids, r.num_computed_tokens, len(r.prompt_token_ids or ()))
@@ -170,8 +159,8 @@ def scheduler_payload(so: Any) -> bytes:
 def step_input_record(payload, index) -> dict:
     """The StepInput record of a `scheduler_payload` (the recorder's share); `index` gives the
     requests their dense indices, in the order the step names them."""
-    new, req_ids, resumed_ids, new_block_ids, computed, num_scheduled, finished, preempted, zero, copies = (
-        _DECODER.decode(payload)
+    new, req_ids, resumed_ids, new_block_ids, computed, num_scheduled, finished, preempted, zero, copies = unpack(
+        payload
     )
     new_reqs = [
         records.new_request(index(req_id), req_id, blocks, num_computed, prompt, num_scheduled.get(req_id, 0))

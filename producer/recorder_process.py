@@ -19,12 +19,12 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import msgspec
 
-from kvledger.producer import records
-from kvledger.producer.capture import RequestIndex, SnapshotCapture, StepCapture
+from kvledger.producer.capture import HealthCapture, RequestIndex, SnapshotCapture, StepCapture
 from kvledger.producer.config import TraceAction
 from kvledger.producer.frames import FrameKind, body_of, read_frame
 from kvledger.producer.recorder import RankRecorder
@@ -39,15 +39,9 @@ POLL_S = 0.01  # between looks at the ring while frames arrive
 # The rank counts as idle (its sink flushed, its end confirmed) once its newest record is this old:
 # longer than in an engine's own thread, as records reach the recorder up to a poll and a drain late.
 RANK_IDLE_S = 0.1
-IDLE_POLL_S = 0.05  # once nothing arrived for IDLE_AFTER_S
-IDLE_AFTER_S = 1.0
+IDLE_POLL_S = 0.05  # once nothing arrived for SLOW_POLL_AFTER_S
+SLOW_POLL_AFTER_S = 1.0
 CLOSE_S = 30.0  # for the sink to deliver what it holds at the end
-_HEALTH = msgspec.msgpack.Decoder().decode
-
-
-def describe(v) -> str:
-    """Where a violation is, as every action reports it."""
-    return f"{v.kind} at step {v.step}, req {v.req_id}, group {v.group}"
 
 
 class ViolationLogger:
@@ -62,7 +56,7 @@ class ViolationLogger:
         for v in self.ledger.apply_many(events):
             log.warning(
                 "kv_trace: %s on %s dp%d/tp%d/pp%d: %s",
-                describe(v),
+                v.where(),
                 v.engine_id,
                 v.dp_rank,
                 v.tp_rank,
@@ -87,10 +81,8 @@ class FrameReader:
         if kind is FrameKind.SNAPSHOT:
             return SnapshotCapture.from_parts(parts).record(self.index)
         if kind is FrameKind.HEALTH:
-            step, captured, probe_ns, closing = _HEALTH(parts[0])
             r = self.recorder
-            dropped = self.ring.dropped + r.dropped
-            return records.health(step, captured, dropped, probe_ns, r.capacity, r.high_water, closing=closing)
+            return HealthCapture.from_parts(parts).record(self.ring.dropped + r.dropped, r.capacity, r.high_water)
         return body_of(parts[0])
 
     def read(self, limit: int) -> int:
@@ -102,15 +94,14 @@ class FrameReader:
             data = bytes(record)  # the ring's bytes are released when the next record is asked for
             record.release()
             frame = read_frame(data)
+            n += 1
             try:
                 body = self.body(frame.kind, frame.parts)
             except Exception:  # a frame we cannot build is lost (its seq shows it), not the recorder
                 log.exception("kv_trace: could not build a record from a %s frame", frame.kind.name)
                 self.recorder.sink_failed += 1
-                n += 1
-                continue
-            self.recorder.capture(body, seq=frame.seq, at_us=frame.emitted_at_us)
-            n += 1
+            else:
+                self.recorder.capture(body, seq=frame.seq, at_us=frame.emitted_at_us)
         return n
 
 
@@ -119,10 +110,7 @@ def identity_of(meta: RecorderMeta) -> RankIdentity:
     predecessor held, and the request indices it gave, went with it: the ledger resyncs)."""
     if meta.generation == 0:
         return meta.identity
-    incarnation = (time.time_ns() ^ os.getpid()) & ((1 << 63) - 1)
-    return RankIdentity(
-        meta.identity.engine_id, meta.identity.dp_rank, meta.identity.tp_rank, meta.identity.pp_rank, incarnation
-    )
+    return replace(meta.identity, incarnation=(time.time_ns() ^ os.getpid()) & ((1 << 63) - 1))
 
 
 def detach(ring: Ring) -> None:
@@ -160,7 +148,7 @@ def run(ring_path: Path) -> int:
             last_frame = now
         elif done and ring.pending == 0:
             break
-        time.sleep(POLL_S if now - last_frame < IDLE_AFTER_S else IDLE_POLL_S)
+        time.sleep(POLL_S if now - last_frame < SLOW_POLL_AFTER_S else IDLE_POLL_S)
     recorder.finish(CLOSE_S)
     closed = ring.producer_closed
     ring.close(unlink=True)

@@ -14,8 +14,9 @@ the recorder and never raises for it:
   (what the old one held is gone, and its request indices with it), and the
   probe re-announces the rank and snapshots at once, so the ledger resyncs;
 * an engine that dies leaves the recorder to drain the ring and close the
-  ledger on its own: it runs in its own session, so a signal to the engine's
-  process group does not reach it, and it sees its parent go.
+  ledger on its own: it runs outside the engine's process tree and session
+  (so neither vLLM's kill of that tree nor a signal to its group reaches
+  it) and watches the rank's process through a pidfd.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvledger.producer.capture import SnapshotCapture, StepCapture
+from kvledger.producer.capture import HealthCapture, SnapshotCapture, StepCapture
 from kvledger.producer.config import TraceConfig
 from kvledger.producer.frames import FrameKind, body_part, write_frame
 from kvledger.producer.records import RankIdentity
@@ -43,7 +44,7 @@ from kvledger.producer.ring import Ring, RingError, ring_dir
 log = logging.getLogger("kvledger.producer")
 _RINGS = itertools.count()
 
-SUPERVISE_EVERY = 64  # steps between checks that the recorder is alive (a waitpid each)
+SUPERVISE_EVERY = 64  # steps between checks that the recorder is alive (a pidfd poll each)
 RESPAWN_AFTER_S = 1.0  # a recorder that dies sooner after its start waits this long for the next
 MIN_RING_BYTES = 1 << 20
 START_TIMEOUT_S = 60.0  # a recorder not attached by then is taken for dead
@@ -57,9 +58,6 @@ ENGINE_ONLY_ENV = ("LD_PRELOAD", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 def recorder_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ENGINE_ONLY_ENV}
     return {**env, **RECORDER_ENV}
-
-
-_HEALTH = msgspec.msgpack.Encoder().encode
 
 
 @dataclass(frozen=True)
@@ -293,9 +291,12 @@ class RingRecorder:
     def snapshot(self, capture: SnapshotCapture) -> int:
         return self._frame(FrameKind.SNAPSHOT, capture.to_parts())
 
-    def health(self, step: int, closing: bool = False) -> int:
-        """A Health record; the recorder adds what it lost and the ring dropped."""
-        return self._frame(FrameKind.HEALTH, [_HEALTH((step, self.captured, self.probe_ns, closing))])
+    def health(self, step: int, closing: bool = False) -> HealthCapture:
+        """A Health record; the recorder adds what it lost and the ring dropped. Returns the
+        rank's counts as sent (`captured` is also the frame's seq: every earlier frame took one)."""
+        capture = HealthCapture(step, self.captured, self.probe_ns, closing)
+        self._frame(FrameKind.HEALTH, capture.to_parts())
+        return capture
 
     @property
     def dropped(self) -> int:
@@ -317,13 +318,13 @@ class RingRecorder:
         deadline = time.monotonic() + timeout
         self.health(step, closing=True)
         self.ring.close_producer()
-        state = self.recorder_state()
-        if state is False and self._generation >= 0:  # it died unseen: one to drain
-            self._spawn()
-        while self._generation >= 0 and self.recorder_state() is not False and time.monotonic() < deadline:
-            time.sleep(0.005)
-        if self._generation >= 0 and self.recorder_state() is not False:
-            log.warning("kv_trace: %s: the recorder is still draining; it finishes on its own", self.identity)
+        if self._generation >= 0:  # a recorder of ours reads the ring
+            if self.recorder_state() is False:  # it died unseen: one to drain
+                self._spawn()
+            while self.recorder_state() is not False and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if self.recorder_state() is not False:
+                log.warning("kv_trace: %s: the recorder is still draining; it finishes on its own", self.identity)
         if self.dropped:
             log.warning("kv_trace: %s: the ring dropped %d of %d frame(s)", self.identity, self.dropped, self.captured)
         self._forget_recorder()

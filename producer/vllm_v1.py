@@ -39,7 +39,6 @@ from kvledger.producer import records
 from kvledger.producer.capture import DraftPassCapture, PlanCapture, RequestIndex, SnapshotCapture, StepCapture
 from kvledger.producer.config import TraceAction, TraceConfig, resolve_engine_id
 from kvledger.producer.frames import scheduler_payload
-from kvledger.producer.recorder_process import describe
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring_recorder import SUPERVISE_EVERY, RingRecorder
 from kvledger.producer.staging import Staged, StagingFull, StagingPool
@@ -68,7 +67,7 @@ class KVTraceViolation(RuntimeError):
 
     def __init__(self, violations: list):
         self.violations = violations
-        lines = [f"{describe(v)}: {v.detail}" for v in violations[:5]]
+        lines = [f"{v.where()}: {v.detail}" for v in violations[:5]]
         super().__init__(
             "kv_trace: " + "; ".join(lines) + (f" (+{len(violations) - 5} more)" if len(violations) > 5 else "")
         )
@@ -333,10 +332,10 @@ class V1RunnerProbe:
 
     def _record_health(self, step: int) -> None:
         """A Health record, its counts completed by the recorder (the checker sees the rank's own)."""
-        seq = self.recorder.health(step)
+        sent = self.recorder.health(step)
         if self._checker is not None:
-            body = records.health(step, seq, self.recorder.dropped, self.recorder.probe_ns, 0, 0)
-            self._checker.apply(records.envelope(self.recorder.identity, seq, 0, *body))
+            body = sent.record(self.recorder.dropped, 0, 0)
+            self._checker.apply(records.envelope(self.recorder.identity, sent.captured, 0, *body))
 
     def _record(self, body) -> None:
         """A built record (or a function building one: a connector's event, built now)."""

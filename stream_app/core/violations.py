@@ -73,6 +73,10 @@ class Violation:
     def at(cls, kind: str, rank: RankKey, step: int | None, detail: str, *, req_id=None, group=None):
         return cls(kind, rank.engine_id, rank.dp, rank.tp, rank.pp, step, req_id, group, detail)
 
+    def where(self) -> str:
+        """Where it is, as a rank's `log` and `raise` actions report it."""
+        return f"{self.kind} at step {self.step}, req {self.req_id}, group {self.group}"
+
     def to_record(self) -> dict:
         """As the Avro `kvledger.Violation` record (and the JSON line, minus 'type')."""
         return asdict(self)

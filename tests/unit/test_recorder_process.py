@@ -25,7 +25,7 @@ from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
 from kvledger.producer.frames import scheduler_payload
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
-from kvledger.producer.ring_recorder import RingRecorder, meta_path, sweep_stale_rings
+from kvledger.producer.ring_recorder import ProcessWatch, RingRecorder, meta_path, sweep_stale_rings
 from kvledger.producer.staging import Staged
 from kvledger.producer.synthetic import SimConfig, simulate
 from kvledger.stream_app.replay import iter_ledger, replay
@@ -47,19 +47,11 @@ def ledger_events(root: Path) -> list[dict]:
     return found
 
 
-def alive(pid: int) -> bool:
-    """Running (a zombie, ended and not yet reaped by its parent, is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def wait_gone(pid: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while alive(pid) and time.monotonic() < deadline:
+    watch, deadline = ProcessWatch(pid), time.monotonic() + timeout  # a zombie counts as gone
+    while watch.alive() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not alive(pid)
+    assert not watch.alive()
 
 
 def started(recorder: RingRecorder, timeout: float = 60.0) -> int:
@@ -142,7 +134,7 @@ from pathlib import Path
 from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
-from kvledger.producer.ring_recorder import RingRecorder, meta_path, sweep_stale_rings
+from kvledger.producer.ring_recorder import ProcessWatch, RingRecorder, meta_path, sweep_stale_rings
 from kvledger.producer.synthetic import SimConfig, simulate
 
 sim = [e["body"] for e in simulate(SimConfig(seed=2, steps=300, snapshot_interval=0)).events if e["tp_rank"] == 0]
