@@ -1,9 +1,10 @@
 """What the probes capture of a step, and the one place it becomes a ledger record.
 
 The engine thread fills a `StepCapture` (the scheduler's fields as one
-MessagePack blob, the plan's arrays as copied) and hands it to the ring as a
-frame (`to_parts`); the recorder process reads it back (`from_parts`) and
-builds the Step record (`record`). `raise` mode builds the same record on the
+MessagePack blob, the plan's arrays where the runner keeps them) and hands it
+to the ring as a frame (`to_parts`): each array is copied once, from the
+runner's buffer into the ring. The recorder process reads it back
+(`from_parts`) and builds the Step record (`record`). `raise` mode builds the same record on the
 engine thread from the same capture, so both paths share every rule here. The
 same for snapshots and Health.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from kvledger.producer import records
@@ -19,6 +21,8 @@ from kvledger.producer.frames import pack, step_input_record, unpack
 from kvledger.producer.staging import Staged
 
 _EMPTY = np.zeros(0, np.int64)
+_NIL = msgspec.msgpack.encode(None)
+_unpack_step = msgspec.msgpack.Decoder(tuple[int, str, msgspec.Raw, object]).decode  # the blob left encoded
 
 
 class RequestIndex:
@@ -73,7 +77,11 @@ class DraftPassCapture:
 
 @dataclass
 class PlanCapture:
-    """What the hot path copied of one step's plan."""
+    """What the hot path holds of one step's plan.
+
+    On a CPU engine the arrays are views of the runner's persistent buffers, which it rewrites
+    only when it prepares the next step: the step's frame copies them at its end (or `record`
+    reads them then, in raise mode). From a device they are staged copies (`staging`)."""
 
     req_ids: list[str]
     query_start_loc: np.ndarray
@@ -148,7 +156,7 @@ class StepCapture:
 
     step: int
     kind: str  # REAL, DUMMY, PROFILE, WARMUP
-    scheduler: bytes | None  # a `frames.scheduler_payload` (REAL steps)
+    scheduler: bytes | None  # a `frames.scheduler_payload` (REAL steps), as encoded
     plan: PlanCapture | None
 
     def record(self, index: RequestIndex, full_rows: bool) -> tuple[str, dict]:
@@ -159,14 +167,16 @@ class StepCapture:
 
     def to_parts(self) -> list:
         plan_header, arrays = self.plan.to_parts() if self.plan is not None else (None, [])
-        header = pack((self.step, self.kind, self.scheduler is not None, plan_header))
-        return [header, self.scheduler or b"", *arrays]
+        # The scheduler's blob goes in as it was encoded: one header, no second encoding.
+        scheduler = msgspec.Raw(self.scheduler) if self.scheduler is not None else None
+        return [pack((self.step, self.kind, scheduler, plan_header)), *arrays]
 
     @classmethod
     def from_parts(cls, parts: list[np.ndarray]) -> StepCapture:
-        step, kind, has_input, plan_header = unpack(parts[0])
-        plan = PlanCapture.from_parts(plan_header, parts[2:]) if plan_header is not None else None
-        return cls(step, kind, parts[1].tobytes() if has_input else None, plan)
+        step, kind, raw, plan_header = _unpack_step(parts[0])
+        plan = PlanCapture.from_parts(plan_header, parts[1:]) if plan_header is not None else None
+        scheduler = bytes(raw)
+        return cls(step, kind, scheduler if scheduler != _NIL else None, plan)
 
 
 @dataclass
