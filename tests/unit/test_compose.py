@@ -35,6 +35,7 @@ INFRA = ROOT / "infra"
 COMPOSE_FILE = INFRA / "docker-compose.yml"
 DASHBOARD = INFRA / "compose" / "grafana" / "dashboards" / "kvledger.json"
 PROMETHEUS_CONFIG = INFRA / "compose" / "prometheus" / "prometheus.yml"
+PROMETHEUS_RULES = INFRA / "compose" / "prometheus" / "alerts.yml"
 GRAFANA_PROVISIONING = INFRA / "compose" / "grafana" / "provisioning"
 
 TOPICS = {"kvledger.events", "kvledger.violations", "kvledger.deadletter"}
@@ -275,6 +276,11 @@ def test_two_workers_run_kvledger_stream_from_the_project_image(stack):
 def test_prometheus_scrapes_every_workers_metrics(stack):
     prometheus = stack["services"]["prometheus"]
     assert _mount(prometheus, PROMETHEUS_CONFIG) == "/etc/prometheus/prometheus.yml"
+    # The rules are loaded from beside the configuration, as promtool tests them.
+    assert _mount(prometheus, PROMETHEUS_RULES) == f"/etc/prometheus/{PROMETHEUS_RULES.name}"
+    assert re.findall(r"^rule_files:\n((?:\s+- .+\n)+)", PROMETHEUS_CONFIG.read_text(), re.M) == [
+        f"  - {PROMETHEUS_RULES.name}\n"
+    ]
     assert _yaml_values(PROMETHEUS_CONFIG, "metrics_path") == ["/metrics"]
     targets = [t for v in _yaml_values(PROMETHEUS_CONFIG, "targets") for t in json.loads(v)]
     web_port = WORKER_COMMAND[WORKER_COMMAND.index("--web-port") + 1]
