@@ -1,10 +1,9 @@
 """What the probes capture of a step, and the one place it becomes a ledger record.
 
 The engine thread fills a `StepCapture` (the scheduler's fields as one
-MessagePack blob, the plan's arrays where the runner keeps them) and hands it
-to the ring as a frame (`to_parts`): each array is copied once, from the
-runner's buffer into the ring. The recorder process reads it back
-(`from_parts`) and builds the Step record (`record`). `raise` mode builds the same record on the
+MessagePack blob, the plan's arrays as copied) and hands it to the ring as a
+frame (`to_parts`); the recorder process reads it back (`from_parts`) and
+builds the Step record (`record`). `raise` mode builds the same record on the
 engine thread from the same capture, so both paths share every rule here. The
 same for snapshots and Health.
 """
@@ -77,11 +76,8 @@ class DraftPassCapture:
 
 @dataclass
 class PlanCapture:
-    """What the hot path holds of one step's plan.
-
-    On a CPU engine the arrays are views of the runner's persistent buffers, which it rewrites
-    only when it prepares the next step: the step's frame copies them at its end (or `record`
-    reads them then, in raise mode). From a device they are staged copies (`staging`)."""
+    """What the hot path copied of one step's plan, when attention was about to read it (a view
+    copied at the step's end would miss a row rewritten in between)."""
 
     req_ids: list[str]
     query_start_loc: np.ndarray

@@ -70,10 +70,8 @@ class Frame:
 
 
 def write_frame(ring: Ring, kind: FrameKind, seq: int, emitted_at_us: int, parts: Sequence[Any]) -> bool:
-    """Copy `parts` (bytes or numpy arrays: a runner's buffer as it holds it) into the ring as one
-    frame; False when it has no room (the ring counts it). A contiguous part is copied once,
-    straight into the ring; a 2-D slice of a wider table once more before (cheaper than a numpy
-    view of the ring per part, at a step's sizes)."""
+    """Copy `parts` (bytes or contiguous numpy arrays) into the ring as one frame; False when it
+    has no room (the ring counts it). Each part is copied once, straight into the ring."""
     words = [kind | len(parts) << 8, seq, emitted_at_us]
     views = []
     size = 8 * (3 + len(parts))

@@ -39,11 +39,11 @@ class Staged:
 
     @classmethod
     def host(cls, array: np.ndarray) -> Staged:
-        """An array on the host (a copy, or a view of a buffer held until the step ends)."""
+        """An array already copied to the host (CPU engines): nothing to wait for."""
         return cls(array, array.shape)
 
     def numpy(self) -> np.ndarray:
-        """Wait for the copy and return the array (a staged one owned, its buffer freed)."""
+        """Wait for the copy, return an owned array, free the buffer."""
         if self.pool is None:
             return self.buffer
         if self.event is not None:
@@ -63,11 +63,6 @@ class StagingPool:
         self._free: dict[Any, list] = defaultdict(list)
         self._in_flight = 0
         self._lock = threading.Lock()  # a pool may be shared by threads
-
-    def hold(self, tensor) -> Staged:
-        """A tensor its owner leaves untouched until the step ends: on the host a view (the
-        step's frame copies it then), from a device a staged copy."""
-        return Staged.host(tensor.numpy()) if tensor.is_cpu else self.stage(tensor)
 
     def stage(self, tensor) -> Staged:
         """Start copying `tensor` to the host; never synchronises a device stream."""

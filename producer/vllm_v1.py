@@ -17,8 +17,8 @@ leaves in `_slot_mapping_buffer`); the runner's `sample_tokens`, where the
 drafter runs, closes the step. Without them the capability
 `drafter_kv_writes` is recorded unavailable and the rest still records.
 
-On the hot path the probes hold views of the runner's buffers and, at the
-step's end, copy them once into the rank's ring as one frame; building, packing and encoding happen in the rank's
+On the hot path the probes copy a few arrays and write the step as one frame
+into the rank's ring; building, packing and encoding happen in the rank's
 recorder process (`ring_recorder`). A probe never raises into the engine: a
 failure is logged once and the probe stops recording.
 """
@@ -347,40 +347,41 @@ class V1RunnerProbe:
                 self._violations += found
 
     def _capture_plan(self, kwargs: dict) -> None:
-        """Hold what attention reads and writes this step, for the step's frame to copy at its end
-        (the runner rewrites these buffers only when it prepares the next step)."""
+        """Copy what attention reads and writes this step (the buffers are reused next step)."""
         slot_mappings = kwargs.get("slot_mappings")
         num_reqs, num_tokens = kwargs.get("num_reqs"), kwargs.get("num_tokens")
         if self.paused or not slot_mappings or num_reqs is None or num_tokens is None:
             return
-        runner, hold = self.runner, self.staging.hold
+        runner, stage = self.runner, self.staging.stage
         batch = runner.input_batch
         if self._dummy_kind is not None:  # the batch's rows belong to real requests, not to this run
-            self._plan = PlanCapture.of_dummy_run([(gid, hold(slot_mappings[gid])) for gid in sorted(slot_mappings)])
+            self._plan = PlanCapture.of_dummy_run([(gid, stage(slot_mappings[gid])) for gid in sorted(slot_mappings)])
             return
         groups = []
         for gid in sorted(slot_mappings):
             table = batch.block_table[gid]
-            lens = table.num_blocks_per_row[:num_reqs]
+            lens = table.num_blocks_per_row[:num_reqs].copy()
             width = int(lens.max()) if num_reqs else 0  # rows are far shorter than the table
-            groups.append((gid, hold(slot_mappings[gid]), self._hold_rows(table, num_reqs, width), lens))
+            rows = self._stage_rows(table, num_reqs, width)
+            groups.append((gid, stage(slot_mappings[gid]), rows, lens))
+        positions = self._stage_positions(num_tokens)
         self._plan = PlanCapture(
             req_ids=batch.req_ids[:num_reqs],
-            query_start_loc=runner.query_start_loc.np[: num_reqs + 1],
-            positions=self._hold_positions(num_tokens),
+            query_start_loc=runner.query_start_loc.np[: num_reqs + 1].copy(),
+            positions=positions,
             num_tokens=num_tokens,
             groups=groups,
         )
 
-    def _hold_positions(self, num_tokens: int) -> Staged:
+    def _stage_positions(self, num_tokens: int) -> Staged:
         positions = self.runner.positions
         if positions.is_cpu:  # a persistent buffer: keep a numpy view of it
             if self._positions_np is None:
                 self._positions_np = positions.numpy()
-            return Staged.host(self._positions_np[:num_tokens])
+            return Staged.host(self._positions_np[:num_tokens].copy())
         return self.staging.stage(positions[:num_tokens])
 
-    def _hold_rows(self, table: Any, num_reqs: int, width: int) -> Staged:
+    def _stage_rows(self, table: Any, num_reqs: int, width: int) -> Staged:
         """The rows attention reads: the block table's device tensor, committed from the CPU
         mirror before this step's slot mappings were built (a mirror that drifted misleads)."""
         kept = self._rows_np.get(id(table))
@@ -389,7 +390,7 @@ class V1RunnerProbe:
             kept = self._rows_np[id(table)] = (table, whole.numpy() if whole.is_cpu else None)
         if kept[1] is None:  # on a device: copied without a stream synchronisation
             return self.staging.stage(table.get_device_tensor(num_reqs)[:, :width])
-        return Staged.host(kept[1][:num_reqs, :width])
+        return Staged.host(kept[1][:num_reqs, :width].copy())
 
     # -- the drafter's KV writes -------------------------------------------------------------
     def drafter_attach_points(self, drafter: Any) -> list[tuple[Any, AttachPoint, Callable]]:
