@@ -39,6 +39,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from checkouts import env_importing  # bench/, beside this script
 from fastavro import schemaless_writer
 
 from kvledger.producer.config import TraceAction, TraceConfig
@@ -137,12 +138,27 @@ def decode_steps(runner: SimpleNamespace, num_reqs: int, steps: int):
         computed += 1
 
 
-def measure(num_reqs: int, steps: int) -> tuple[float, float, float, float]:
-    """(engine thread median, p99, recorder median, log check median) in us per step."""
+def bench_probe(num_reqs: int) -> tuple[SimpleNamespace, V1RunnerProbe]:
+    """A runner of `num_reqs` requests and its V1 probe, writing to a ring nobody reads for it."""
     runner = fake_runner(num_reqs)
     config = TraceConfig(enabled=True, action=TraceAction.RECORD, snapshot_interval=0, ring_bytes=1 << 24)
     probe = V1RunnerProbe(runner, config)
     probe.recorder = RingRecorder(RankIdentity("bench", 0, 0, 0, 1), config, spawn=False)
+    return runner, probe
+
+
+def drive_step(probe: V1RunnerProbe, so, kwargs: dict) -> int:
+    """One step through the probes as the runner calls them; the engine thread's ns."""
+    started = time.perf_counter_ns()
+    probe._guard(probe._before_step, so)
+    probe._guard(probe._capture_plan, kwargs)
+    probe._guard(probe._after_step)
+    return time.perf_counter_ns() - started
+
+
+def measure(num_reqs: int, steps: int) -> tuple[float, float, float, float]:
+    """(engine thread median, p99, recorder median, log check median) in us per step."""
+    runner, probe = bench_probe(num_reqs)
     # The recorder's side, in this process: a null sink, its drain thread never woken.
     delivery = RankRecorder(probe.recorder.identity, _NullSink(), capacity=1 << 20, drain_interval=3600)
     reader = FrameReader(probe.recorder.ring, delivery, full_rows=False)
@@ -150,11 +166,7 @@ def measure(num_reqs: int, steps: int) -> tuple[float, float, float, float]:
     hot, recorder, check = [], [], []
     try:
         for so, kwargs in decode_steps(runner, num_reqs, steps):
-            started = time.perf_counter_ns()
-            probe._guard(probe._before_step, so)
-            probe._guard(probe._capture_plan, kwargs)
-            probe._guard(probe._after_step)
-            hot.append(time.perf_counter_ns() - started)
+            hot.append(drive_step(probe, so, kwargs))
             started = time.perf_counter_ns()
             assert reader.read(1) == 1, "the ring was empty"
             seq, at_us, body = delivery._buffer.popleft()
@@ -183,18 +195,11 @@ def serve(num_reqs: int, steps: int) -> None:
     """One side of --baseline: a step each time a line arrives on stdin, its time in us back."""
     if hasattr(os, "sched_setaffinity"):  # both sides on one core: the same caches and clock
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    runner = fake_runner(num_reqs)
-    config = TraceConfig(enabled=True, action=TraceAction.RECORD, snapshot_interval=0, ring_bytes=1 << 24)
-    probe = V1RunnerProbe(runner, config)
-    probe.recorder = RingRecorder(RankIdentity("bench", 0, 0, 0, 1), config, spawn=False)
+    runner, probe = bench_probe(num_reqs)
     try:
         for so, kwargs in decode_steps(runner, num_reqs, steps):
             sys.stdin.readline()
-            started = time.perf_counter_ns()
-            probe._guard(probe._before_step, so)
-            probe._guard(probe._capture_plan, kwargs)
-            probe._guard(probe._after_step)
-            took = time.perf_counter_ns() - started
+            took = drive_step(probe, so, kwargs)
             for record in probe.recorder.ring.records():  # the recorder's reading, untimed
                 record.release()
             print(took / 1000, flush=True)
@@ -203,18 +208,14 @@ def serve(num_reqs: int, steps: int) -> None:
         probe.recorder.ring.close(unlink=True)
 
 
-def _side(checkout: Path, root: str, num_reqs: int, steps: int) -> subprocess.Popen:
-    """A process serving steps with this file's driver and the probes of `checkout` (its kvledger,
-    through a package made in `root`)."""
-    package = Path(root) / checkout.name / "kvledger"
-    package.mkdir(parents=True)
-    (package / "__init__.py").touch()
-    for room in ("schemas", "producer", "stream_app"):  # the package's folders (pyproject's package-dir)
-        (package / room).symlink_to(checkout.resolve() / room)
-    cmd = [sys.executable, __file__, "--serve", str(num_reqs)]
-    env = {**os.environ, "PYTHONPATH": str(package.parent)}  # before the editable install's finder
+def _side(checkout: Path, root: Path, num_reqs: int, steps: int) -> subprocess.Popen:
+    """A process serving steps with this file's driver and the probes of `checkout`."""
     return subprocess.Popen(
-        [*cmd, "--steps", str(steps)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, __file__, "--serve", str(num_reqs), "--steps", str(steps)],
+        env=env_importing(checkout, root),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -224,7 +225,11 @@ def compare(baseline: Path, steps: int) -> None:
     print(f"{'requests':>8} {'base median us':>15} {'this median us':>15} {'per-step difference, median':>28}")
     for num_reqs in (1, 16, 64, 256):
         with tempfile.TemporaryDirectory() as root:
-            sides = {"base": _side(baseline, root, num_reqs, steps), "this": _side(here, root, num_reqs, steps)}
+            root = Path(root)
+            sides = {
+                "base": _side(baseline, root / "base", num_reqs, steps),
+                "this": _side(here, root / "this", num_reqs, steps),
+            }
             times: dict[str, list[float]] = {"base": [], "this": []}
             for step in range(steps):
                 for label in ("base", "this") if step % 2 == 0 else ("this", "base"):

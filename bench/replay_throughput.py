@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from checkouts import env_importing  # bench/, beside this script
+
 from kvledger.producer.sinks import FileSink
 from kvledger.producer.synthetic import SimConfig, simulate
 from kvledger.schemas import unpack_i32
@@ -123,20 +125,14 @@ def measure(name: str, steps: int, repeat: int) -> dict:
 
 
 _FIGURES = ("check", "decode", "core", "stepwise")
-_ROOMS = ("schemas", "producer", "stream_app")  # the package's folders (pyproject's package-dir)
 
 
 def _measure_in(checkout: Path, steps: int, repeat: int) -> dict:
     """The measurements of one process importing kvledger from `checkout`."""
     with tempfile.TemporaryDirectory() as root:
-        package = Path(root) / "kvledger"
-        package.mkdir()
-        (package / "__init__.py").touch()
-        for room in _ROOMS:
-            (package / room).symlink_to(checkout.resolve() / room)
         cmd = [sys.executable, str(checkout / "bench" / "replay_throughput.py"), "--json"]
         cmd += ["--steps", str(steps), "--repeat", str(repeat)]
-        env = {**os.environ, "PYTHONPATH": root}  # before the editable install's finder
+        env = env_importing(checkout, Path(root))
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise SystemExit(f"{checkout}: the benchmark failed:\n{done.stderr[-2000:]}")
