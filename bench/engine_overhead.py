@@ -8,7 +8,8 @@
   of it (the engine thread), and the CPU the rank's recorder process spends per step (outside
   the engine process, on the same host), per action (`log`, `record`) at 64 and 256 requests:
   one engine per configuration, its probes paused and resumed in turn between runs
-  (`kvledger.producer.plugin.pause_tracing` over collective_rpc), so both arms share the
+  (`collective_rpc("kvledger_pause_tracing")` through
+  `kvledger.producer.plugin.TracingExtension`), so both arms share the
   process, its memory and its core placement; paused probes still wrap the runner (a
   counter and a flag per step).
 
@@ -65,8 +66,7 @@ def run(
         [python, str(ENGINE), json.dumps(spec)],
         capture_output=True,
         text=True,
-        # collective_rpc with a function (pause/resume) needs vLLM's pickle fallback.
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
         timeout=900,
     )
     if proc.returncode != 0 or not re.search(r"^TIMING ", proc.stdout, re.M):

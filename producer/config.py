@@ -3,32 +3,21 @@
     vllm serve MODEL --additional-config '{"kv_trace": {"enabled": true, "action": "log",
                                                          "sink": "kafka://127.0.0.1:9092"}}'
 
-A bad value fails at engine start with the key it is about, never later.
+A bad value fails at engine start with the key it is about, never later: the object is
+validated by a pydantic model (`TraceOptions`), as vLLM validates its own configs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
+
 DEFAULT_TOPIC = "kvledger.events"
-_FILE_KEYS = {"segment_bytes", "retain_bytes", "retain_hours"}  # file sinks only
-_KEYS = {
-    "enabled",
-    "action",
-    "sink",
-    "kafka",
-    "buffer_events",
-    "ring_bytes",
-    "snapshot_interval",
-    "full_rows",
-    "transfer_digests",
-    "engine_id",
-    *_FILE_KEYS,
-}
 DEFAULT_SEGMENT_BYTES = 64 << 20
 DEFAULT_RING_BYTES = 16 << 20  # ~1,600 steps of 64 requests; ~80 of 8k-token prefills over 2 groups
 
@@ -83,42 +72,109 @@ class TraceConfig:
             return cls()
         if not isinstance(raw, dict):
             raise TraceConfigError(f"kv_trace: expected an object, got {type(raw).__name__}")
-        unknown = sorted(set(raw) - _KEYS)
-        if unknown:
-            raise TraceConfigError(f"kv_trace.{unknown[0]}: unknown key (known: {', '.join(sorted(_KEYS))})")
-        sink = _file_options(raw, parse_sink(raw["sink"]) if "sink" in raw else cls().sink)
-        action = _choice(raw, "action", tuple(TraceAction), TraceAction.default_for(sink))
-        config = cls(
-            enabled=_typed(raw, "enabled", bool, False),
-            action=TraceAction(action),
-            sink=sink,
-            kafka=_typed(raw, "kafka", dict, {}),
-            buffer_events=_positive(raw, "buffer_events", 4096),
-            ring_bytes=_ring_bytes(raw),
-            snapshot_interval=_typed(raw, "snapshot_interval", int, 256, minimum=0),
-            full_rows=_typed(raw, "full_rows", bool, False),
-            transfer_digests=_fraction(raw, "transfer_digests"),
-            engine_id=_engine_id(raw),
-        )
-        if (config.sink.retain_bytes or config.sink.retain_hours) and not config.snapshot_interval:
+        try:
+            options = TraceOptions.model_validate(raw)
+        except ValidationError as exc:
+            raise TraceConfigError(_first_error(exc)) from None
+        return options.config()
+
+
+class TraceOptions(BaseModel):
+    """The `kv_trace` object as written: strict types (no `true` for a number, no "5" for 5),
+    no unknown keys. `config()` turns it into the `TraceConfig` the probes use."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+    enabled: bool = False
+    action: Annotated[TraceAction, Strict(False)] | None = None  # None: TraceAction.default_for(sink)
+    sink: str | None = None
+    kafka: dict[str, Any] = {}
+    buffer_events: int = Field(4096, ge=1)
+    ring_bytes: int = Field(DEFAULT_RING_BYTES, ge=1 << 20, multiple_of=8)
+    snapshot_interval: int = Field(256, ge=0)
+    full_rows: bool = False
+    transfer_digests: float = Field(0.0, ge=0.0, le=1.0)
+    engine_id: str | None = None
+    # File sinks only.
+    segment_bytes: int | None = Field(None, ge=1)
+    retain_bytes: int | None = Field(None, ge=0)
+    retain_hours: float | None = Field(None, ge=0.0)
+
+    @field_validator("engine_id")
+    @classmethod
+    def _named(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError(f"expected a non-empty name, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TraceOptions:
+        sink = self.sink_spec()  # a bad URL fails here, under its key
+        given = [k for k in ("segment_bytes", "retain_bytes", "retain_hours") if getattr(self, k) is not None]
+        if given and sink.kind != "file":
+            raise _KeyError(given[0], f"applies to file sinks only (got a {sink.kind} sink)")
+        if 0 < sink.retain_bytes < sink.segment_bytes:
+            raise _KeyError(
+                "retain_bytes", f"must be at least segment_bytes ({sink.segment_bytes}), got {sink.retain_bytes}"
+            )
+        if (sink.retain_bytes or sink.retain_hours) and not self.snapshot_interval:
             # The oldest segment kept is replayable only from a snapshot.
-            key = "retain_bytes" if config.sink.retain_bytes else "retain_hours"
-            raise TraceConfigError(f"kv_trace.{key}: retention needs snapshots (snapshot_interval > 0)")
-        return config
+            raise _KeyError(
+                "retain_bytes" if sink.retain_bytes else "retain_hours",
+                "retention needs snapshots (snapshot_interval > 0)",
+            )
+        return self
+
+    def sink_spec(self) -> SinkSpec:
+        base = parse_sink(self.sink) if self.sink is not None else TraceConfig().sink
+        return SinkSpec(
+            base.kind,
+            path=base.path,
+            bootstrap=base.bootstrap,
+            topic=base.topic,
+            segment_bytes=self.segment_bytes or DEFAULT_SEGMENT_BYTES,
+            retain_bytes=self.retain_bytes or 0,
+            retain_hours=float(self.retain_hours or 0.0),
+        )
+
+    def config(self) -> TraceConfig:
+        sink = self.sink_spec()
+        return TraceConfig(
+            enabled=self.enabled,
+            action=self.action or TraceAction.default_for(sink),
+            sink=sink,
+            kafka=dict(self.kafka),
+            buffer_events=self.buffer_events,
+            ring_bytes=self.ring_bytes,
+            snapshot_interval=self.snapshot_interval,
+            full_rows=self.full_rows,
+            transfer_digests=float(self.transfer_digests),
+            engine_id=self.engine_id,
+        )
 
 
-def _ring_bytes(raw: dict) -> int:
-    value = _typed(raw, "ring_bytes", int, DEFAULT_RING_BYTES, minimum=1 << 20)
-    if value % 8:
-        raise TraceConfigError(f"kv_trace.ring_bytes: must be a multiple of 8, got {value}")
-    return value
+class _KeyError(ValueError):
+    """A rule across keys, reported under the key the user should change."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
 
 
-def _engine_id(raw: dict) -> str | None:
-    value = raw.get("engine_id")
-    if value is not None and (not isinstance(value, str) or not value.strip()):
-        raise TraceConfigError(f"kv_trace.engine_id: expected a non-empty string, got {value!r}")
-    return value
+def _first_error(exc: ValidationError) -> str:
+    """`kv_trace.KEY: what is wrong, got VALUE`: the first error, under the key it is about."""
+    error = exc.errors(include_url=False)[0]
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, TraceConfigError):  # parse_sink's, already under its key
+        return str(cause)
+    if isinstance(cause, _KeyError):
+        return f"kv_trace.{cause.key}: {cause}"
+    key = ".".join(str(part) for part in error["loc"])
+    if cause is not None:  # a field validator's own words
+        return f"kv_trace.{key}: {cause}"
+    if error["type"] == "extra_forbidden":
+        return f"kv_trace.{key}: unknown key (known: {', '.join(sorted(TraceOptions.model_fields))})"
+    return f"kv_trace.{key}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}"
 
 
 def resolve_engine_id(configured: str | None, connector_engine_id: str | None, instance_id: str) -> str:
@@ -131,21 +187,6 @@ def resolve_engine_id(configured: str | None, connector_engine_id: str | None, i
             f"{connector_engine_id!r}; a PD engine is known by its connector's id (leave it unset, or equal)"
         )
     return configured or connector_engine_id or f"vllm-{instance_id}"
-
-
-def _file_options(raw: dict, sink: SinkSpec) -> SinkSpec:
-    """The file sink's rotation and retention keys, which mean nothing to another sink."""
-    given = sorted(_FILE_KEYS & set(raw))
-    if given and sink.kind != "file":
-        raise TraceConfigError(f"kv_trace.{given[0]}: applies to file sinks only (got a {sink.kind} sink)")
-    segment_bytes = _positive(raw, "segment_bytes", DEFAULT_SEGMENT_BYTES)
-    retain_bytes = _typed(raw, "retain_bytes", int, 0, minimum=0)
-    if 0 < retain_bytes < segment_bytes:
-        raise TraceConfigError(
-            f"kv_trace.retain_bytes: must be at least segment_bytes ({segment_bytes}), got {retain_bytes}"
-        )
-    retain_hours = _number(raw, "retain_hours", 0.0, minimum=0.0)
-    return replace(sink, segment_bytes=segment_bytes, retain_bytes=retain_bytes, retain_hours=retain_hours)
 
 
 def parse_sink(value: Any) -> SinkSpec:
@@ -164,40 +205,3 @@ def parse_sink(value: Any) -> SinkSpec:
     raise TraceConfigError(
         f"kv_trace.sink: unsupported scheme {url.scheme!r} (use file:///abs/dir or kafka://HOST:PORT)"
     )
-
-
-def _typed(raw: dict, key: str, kind: type, default: Any, *, minimum: int | None = None) -> Any:
-    value = raw.get(key, default)
-    # bool is an int in Python: do not let `true` pass as a number or 1 as a flag.
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise TraceConfigError(f"kv_trace.{key}: expected {kind.__name__}, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise TraceConfigError(f"kv_trace.{key}: must be >= {minimum}, got {value}")
-    return value
-
-
-def _number(raw: dict, key: str, default: float, *, minimum: float) -> float:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TraceConfigError(f"kv_trace.{key}: expected a number, got {value!r}")
-    if not value >= minimum:  # NaN fails too
-        raise TraceConfigError(f"kv_trace.{key}: must be >= {minimum}, got {value}")
-    return float(value)
-
-
-def _positive(raw: dict, key: str, default: int) -> int:
-    return _typed(raw, key, int, default, minimum=1)
-
-
-def _choice(raw: dict, key: str, choices: tuple[str, ...], default: str) -> str:
-    value = raw.get(key, default)
-    if value not in choices:
-        raise TraceConfigError(f"kv_trace.{key}: expected one of {', '.join(choices)}, got {value!r}")
-    return value
-
-
-def _fraction(raw: dict, key: str) -> float:
-    value = raw.get(key, 0.0)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
-        raise TraceConfigError(f"kv_trace.{key}: expected a fraction between 0.0 and 1.0, got {value!r}")
-    return float(value)

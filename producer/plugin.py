@@ -112,29 +112,24 @@ def attach(runner, config: TraceConfig):
     return probe
 
 
-def pause_tracing(worker: Any = None) -> int:
-    """Stop recording in this process's probes (steps still counted); returns how many.
-
-    From a driver: `llm.collective_rpc(pause_tracing)` reaches every worker (vLLM sends a
-    function only with VLLM_ALLOW_INSECURE_SERIALIZATION=1).
-    """
+def pause_tracing() -> int:
+    """Stop recording in this process's probes (steps still counted); returns how many."""
     for probe in _probes:
         probe.paused = True
     return len(_probes)
 
 
-def resume_tracing(worker: Any = None) -> int:
+def resume_tracing() -> int:
     """Record again; each rank's ledger resyncs at its next snapshot."""
     for probe in _probes:
         probe.paused = False
     return len(_probes)
 
 
-def process_counters(worker: Any = None) -> tuple[float, int, float, float]:
-    """What tracing costs, read from the driver with `llm.collective_rpc(process_counters)`
-    between runs, once the recorders read what the probes wrote: (CPU seconds of this whole
-    process, all its threads; steps its probes counted; seconds the probes spent on the engine
-    thread; CPU seconds of the recorder processes)."""
+def process_counters() -> tuple[float, int, float, float]:
+    """What tracing costs, once the recorders read what the probes wrote: (CPU seconds of this
+    whole process, all its threads; steps its probes counted; seconds the probes spent on the
+    engine thread; CPU seconds of the recorder processes)."""
     flush_all(timeout=2.0)
     steps, probes, recorders = 0, 0.0, 0.0
     for probe in _probes:
@@ -143,6 +138,25 @@ def process_counters(worker: Any = None) -> tuple[float, int, float, float]:
             probes += probe.recorder.probe_ns / 1e9
             recorders += probe.recorder.recorder_cpu_s()
     return time.process_time(), steps, probes, recorders
+
+
+class TracingExtension:
+    """Worker methods for the driver, the way vLLM lets a plugin add them.
+
+    Start the engine with `worker_extension_cls="kvledger.producer.plugin.TracingExtension"`
+    (vLLM mixes it into every worker's class), then call the methods by name:
+    `llm.collective_rpc("kvledger_pause_tracing")` returns one count of probes per worker.
+    An engine with its own extension class derives it from this one too.
+    """
+
+    def kvledger_pause_tracing(self) -> int:
+        return pause_tracing()
+
+    def kvledger_resume_tracing(self) -> int:
+        return resume_tracing()
+
+    def kvledger_process_counters(self) -> tuple[float, int, float, float]:
+        return process_counters()
 
 
 def close_probe(probe: Any, timeout: float = 5.0) -> None:

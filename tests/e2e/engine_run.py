@@ -50,6 +50,8 @@ def main() -> None:
     extra = {"additional_config": {"kv_trace": spec["kv_trace"]}} if spec.get("kv_trace") else {}
     if spec.get("kv_events"):  # vLLM's own KV events publisher (ZMQ), for comparison
         extra["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": spec["kv_events"]}
+    if spec.get("ab_rounds"):  # the driver pauses and resumes tracing through the workers' extension
+        extra["worker_extension_cls"] = "kvledger.producer.plugin.TracingExtension"
     if spec.get("num_blocks"):
         extra["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("speculative_config"):  # with stats on: the METRICS line reports vLLM's own spec counters
@@ -100,17 +102,17 @@ def main() -> None:
 
 def ab_rounds(llm, prompts, params, rounds: int) -> None:
     """Print `AB arm=off|on generate_s=S tokens=N cpu_s=C steps=K probes_s=P recorder_s=R` per
-    run, alternating which arm goes first; C, K, P and R (see plugin.process_counters), summed
-    over the workers: the worker processes' CPU seconds (all threads), steps, the probes' time
-    on the engine thread, the recorder processes' CPU seconds."""
-    from kvledger.producer.plugin import pause_tracing, process_counters, resume_tracing
+    run, alternating which arm goes first, through the workers' `plugin.TracingExtension`; C, K,
+    P and R (see plugin.process_counters), summed over the workers: the worker processes' CPU
+    seconds (all threads), steps, the probes' time on the engine thread, the recorder
+    processes' CPU seconds."""
 
     def counters() -> list[float]:
-        return [sum(column) for column in zip(*llm.collective_rpc(process_counters), strict=True)]
+        return [sum(column) for column in zip(*llm.collective_rpc("kvledger_process_counters"), strict=True)]
 
     for r in range(rounds):
         for arm in ("off", "on") if r % 2 == 0 else ("on", "off"):
-            assert all(llm.collective_rpc(pause_tracing if arm == "off" else resume_tracing)), "no probes"
+            assert all(llm.collective_rpc(f"kvledger_{'pause' if arm == 'off' else 'resume'}_tracing")), "no probes"
             before = counters()
             started = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -122,7 +124,7 @@ def ab_rounds(llm, prompts, params, rounds: int) -> None:
                 f"probes_s={probes:.6f} recorder_s={recorder:.6f}",
                 flush=True,
             )
-    llm.collective_rpc(resume_tracing)
+    llm.collective_rpc("kvledger_resume_tracing")
 
 
 def rounds_until_stopped(llm, prompts, params, spec: dict) -> list:

@@ -59,7 +59,8 @@ def test_the_action_defaults_to_record_with_kafka_and_to_log_with_a_file_ledger(
     assert action() is TraceAction.LOG  # the default sink is a file ledger
     assert action(sink="kafka://127.0.0.1:9092", action="log") is TraceAction.LOG
     assert action(sink="file:///var/lib/kvledger", action="record") is TraceAction.RECORD
-    with pytest.raises(TraceConfigError, match=r"^kv_trace\.action: expected one of record, log, raise, got 'panic'"):
+    expected = r"^kv_trace\.action: input should be 'record', 'log' or 'raise', got 'panic'$"
+    with pytest.raises(TraceConfigError, match=expected):
         action(action="panic")
 
 
@@ -107,6 +108,11 @@ def test_sinks():
         ({"transfer_digest": 0.5}, "transfer_digest"),
         ({"engine_id": ""}, "engine_id"),
         ({"engine_id": 7}, "engine_id"),
+        ({"engine_id": "  "}, "engine_id"),
+        ({"ring_bytes": (1 << 20) + 4}, "ring_bytes"),
+        ({"ring_bytes": 4096}, "ring_bytes"),
+        ({"snapshot_interval": "256"}, "snapshot_interval"),
+        ({"transfer_digests": float("nan")}, "transfer_digests"),
     ],
 )
 def test_bad_settings_name_their_key(raw, key):
