@@ -223,6 +223,14 @@ def test_raise_mode_fails_the_step_naming_the_violation(tmp_path, engine):
     assert f"kv_trace: write_target_mismatch at step {injected['step']}, req {injected['req']}, group 0" in run.log
 
 
+def test_bad_option_fails_the_engine_start_naming_its_key(tmp_path, engine):
+    spec = traced(tmp_path, max_tokens=4, num_blocks=64)
+    spec["kv_trace"]["ring_bytes"] = 4096
+    run = engine(spec, expect_failure=True)
+    assert "kv_trace.ring_bytes: input should be greater than or equal to 1048576, got 4096" in run.log
+    assert not (tmp_path / "ledger").exists()  # nothing started recording
+
+
 def test_pause_and_resume_tracing(tmp_path, engine):
     """Paused probes record nothing but keep step numbers; after resume the ledger resyncs, silent."""
     # Runs traced (warm-up), paused, traced, traced.
