@@ -608,8 +608,6 @@ class Ledger:
         rank, n = (key.tp, key.pp), step.step
         last = group.last_step.get(rank, -1)
         group.last_step[rank] = n
-        if rank in group.missing_since and n > last:
-            del group.missing_since[rank]
         if n <= group.settled_through and n not in group.pending:
             self.coverage.unchecked["rank_late_after_settle"] += 1
             return
@@ -638,10 +636,17 @@ class Ledger:
         gkey = (key.engine_id, key.dp)
         if len(entry) == len(group.expected):
             self._settle(gkey, group, n, out)
-        # Steps this rank skipped, and steps a lagging rank is now too far behind on.
+        # Steps this rank skipped, and steps a lagging rank is now too far behind on: settled for
+        # good (a record arriving for one later is late, not the start of a new comparison).
         horizon = n - self.rank_window
-        for t in [t for t in group.pending if (last < t < n and rank not in group.pending[t]) or t < horizon]:
+        for t in sorted(t for t in group.pending if (last < t < n and rank not in group.pending[t]) or t < horizon):
             self._settle(gkey, group, t, out)
+            if t < horizon:
+                group.settled_through = max(group.settled_through, t)
+        # The rank reported again: a run of steps it missed ends here (the skipped ones, settled
+        # above, belong to it).
+        if rank in group.missing_since and n > last:
+            del group.missing_since[rank]
 
     def _fingerprints(self, key: RankKey, step: Step, like: LeadStep | None = None) -> tuple[bytes, bytes]:
         """Fingerprints of a rank's step input and plan; `like`'s where the step equals its lead's
