@@ -383,7 +383,7 @@ class StreamWorker:
         for health in outcome.health:
             m.producer_dropped.labels(health.engine_id, health.rank).set(health.events_dropped)
         for engine_id, n in outcome.events.items():
-            m.events.labels(engine_id).inc(n)
+            m.engine_events(engine_id, n)
         for reason, n in outcome.unchecked.items():
             m.unchecked.labels(reason).inc(n)
 

@@ -109,7 +109,11 @@ def prometheus(tmp_path) -> Iterator[Callable[[int], Prometheus]]:
 
 
 def engine_events(engine_id: str, faults: tuple[FaultSpec, ...]) -> list[dict]:
-    config = SimConfig(seed=7, engine_id=engine_id, steps=STEPS, tp_size=2, snapshot_interval=40, faults=faults)
+    # Closed at the end, like an engine that stops (or crashes) right after its fault: the worker
+    # retires it within a second, and its series must outlive that for the alert to fire.
+    config = SimConfig(
+        seed=7, engine_id=engine_id, steps=STEPS, tp_size=2, snapshot_interval=40, faults=faults, close_at_end=True
+    )
     return simulate(config).events
 
 
@@ -145,6 +149,8 @@ def test_violation_alert_fires_for_the_faulty_engine_only(kafka_bootstrap, tmp_p
             }
 
         wait_until("one violation alert per kind on the faulty engine", fired, server)
+        retired = {e["engine_id"] for e in json.loads(worker.get("/engines")) if e["state"] == "retired"}
+        assert retired == {"eng-clean", "eng-faulty"}, retired
         [alert] = [a for a in server.api("alerts")["alerts"] if a["labels"].get("kind") == "write_target_mismatch"]
         assert alert["annotations"]["summary"] == "kvledger: write_target_mismatch on engine eng-faulty"
         assert server.alerts("KVLedgerWorkerDown", "pending") == [] and server.alerts("KVLedgerWorkerDown") == []
