@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup vllm demo demo-synthetic test lint bench clean
+.PHONY: setup vllm demo demo-cluster demo-synthetic test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ vllm: $(VLLM_STAMP)
 # file ledger and checked, once clean and once with a fault injected below the runner.
 demo: setup vllm
 	infra/demo $(abspath $(VLLM_VENV))/bin/python $(abspath $(BIN))/kvledger demo-ledger
+
+# Cluster mode on this machine: the dev stack (infra/dev-stack: Kafka, the Schema Registry, two
+# stream workers, Prometheus with the alert rules; no Docker) and a real engine with a fault traced
+# through it, the finding shown by `kvledger violations`, a status page and a firing alert.
+demo-cluster: setup vllm
+	infra/install-prometheus
+	infra/demo-cluster $(abspath $(VLLM_VENV))/bin/python $(abspath $(BIN))/kvledger
 
 # No vLLM needed: a synthetic two-rank trace with every known fault injected, checked.
 demo-synthetic: setup

@@ -37,6 +37,8 @@ DASHBOARD = INFRA / "compose" / "grafana" / "dashboards" / "kvledger.json"
 PROMETHEUS_CONFIG = INFRA / "compose" / "prometheus" / "prometheus.yml"
 PROMETHEUS_RULES = INFRA / "compose" / "prometheus" / "alerts.yml"
 GRAFANA_PROVISIONING = INFRA / "compose" / "grafana" / "provisioning"
+# The one description both the compose file and infra/dev-stack follow.
+DESCRIPTION = tomllib.loads((INFRA / "stack.toml").read_text())
 
 TOPICS = {"kvledger.events", "kvledger.violations", "kvledger.deadletter"}
 WORKER_COMMAND = ["kvledger", "stream", "--bootstrap", "kafka:9092", "--web-port", "6066"]
@@ -285,6 +287,24 @@ def test_prometheus_scrapes_every_workers_metrics(stack):
     targets = [t for v in _yaml_values(PROMETHEUS_CONFIG, "targets") for t in json.loads(v)]
     web_port = WORKER_COMMAND[WORKER_COMMAND.index("--web-port") + 1]
     assert sorted(targets) == sorted(f"{name}:{web_port}" for name in _workers(stack))
+
+
+def test_the_compose_file_follows_the_dev_stack_description(stack):
+    """infra/dev-stack runs infra/stack.toml as processes; the compose file must be that same stack."""
+    services = stack["services"]
+    kafka, registry, prometheus = (DESCRIPTION[k] for k in ("kafka", "schema_registry", "prometheus"))
+    assert _published(services[kafka["service"]], 9094) == kafka["port"]
+    assert _published(services[registry["service"]], 8081) == registry["port"]
+    assert _published(services[prometheus["service"]], 9090) == prometheus["port"]
+    workers = DESCRIPTION["workers"]
+    assert set(_workers(stack)) == set(workers["ports"])
+    assert [*workers["command"], "--bootstrap", "kafka:9092", "--web-port", "6066"] == WORKER_COMMAND
+    for name, port in workers["ports"].items():
+        assert _published(services[name], 6066) == port
+    assert _yaml_values(PROMETHEUS_CONFIG, "job_name") == [prometheus["job"]]
+    assert _yaml_values(PROMETHEUS_CONFIG, "scrape_interval") == [prometheus["scrape_interval"]]
+    assert _yaml_values(PROMETHEUS_CONFIG, "evaluation_interval") == [prometheus["evaluation_interval"]]
+    assert INFRA / prometheus["rules"] == PROMETHEUS_RULES
 
 
 def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard(stack):
