@@ -161,11 +161,31 @@ class KafkaSink:
         self._accepted = 0  # events in them
         self._unsent = 0
         self._pending: dict[bytes, _Pending] = {}  # engine id -> its next message
-        self._producer = Producer({**KAFKA_DEFAULTS, "bootstrap.servers": bootstrap, **(settings or {})})
+        self._errors_seen: set[int] = set()
+        config = {**KAFKA_DEFAULTS, "bootstrap.servers": bootstrap, **(settings or {}), "error_cb": self._on_error}
+        self._producer = Producer(config)
 
     @property
     def lost(self) -> int:
         return self.failed + self._unsent
+
+    def _on_error(self, err) -> None:
+        """The client's own errors (the broker unreachable, credentials refused): said once per kind,
+        in words an operator can act on; the events they cost are counted as their deliveries fail."""
+        from confluent_kafka import KafkaError
+
+        causes = {KafkaError._AUTHENTICATION, KafkaError._SSL}
+        if err.code() in self._errors_seen or (
+            err.code() == KafkaError._ALL_BROKERS_DOWN and causes & self._errors_seen
+        ):
+            return  # said already, or the consequence of what was
+        self._errors_seen.add(err.code())
+        hint = {
+            KafkaError._AUTHENTICATION: "authentication failed: check kv_trace.kafka's sasl.* settings",
+            KafkaError._SSL: "TLS failed: check kv_trace.kafka's ssl.* settings (ssl.ca.location)",
+            KafkaError._ALL_BROKERS_DOWN: "no broker reachable",
+        }.get(err.code(), "client error")
+        log.error("kv_trace: Kafka sink: %s (%s); events count as lost until it recovers", hint, err.str())
 
     def _on_delivery(self, events: int, err) -> None:
         if err is None:

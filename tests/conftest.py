@@ -5,6 +5,7 @@ readiness); here it only gets a private state dir and free ports, so tests
 never collide with a developer's broker on 9092 or with a parallel session.
 """
 
+import json
 import os
 import re
 import socket
@@ -41,12 +42,13 @@ def _tail(path: Path, lines: int = 40) -> str:
 @pytest.fixture(scope="session")
 def local_kafka(tmp_path_factory) -> Callable[..., subprocess.CompletedProcess]:
     """Run `infra/local-kafka CMD` against this session's private broker."""
-    port, controller_port = _free_ports(2)
+    port, controller_port, sasl_port = _free_ports(3)
     env = {
         **os.environ,
         "KVLEDGER_KAFKA_DIR": str(tmp_path_factory.mktemp("kafka")),
         "KVLEDGER_KAFKA_PORT": str(port),
         "KVLEDGER_KAFKA_CONTROLLER_PORT": str(controller_port),
+        "KVLEDGER_KAFKA_SASL_PORT": str(sasl_port),  # SASL_SSL beside PLAINTEXT: one broker for both
     }
 
     def run(cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -71,6 +73,18 @@ def kafka_bootstrap(local_kafka) -> Iterator[str]:
             message += f"\n--- tail of {m[1]} ---\n{_tail(Path(m[1]))}"
         pytest.fail(message, pytrace=False)
     try:
-        yield up.stdout.strip().removeprefix("bootstrap=")
+        yield _up_lines(up.stdout)["bootstrap"]
     finally:
         local_kafka("down")
+
+
+def _up_lines(stdout: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in stdout.split())
+
+
+@pytest.fixture(scope="session")
+def kafka_sasl(kafka_bootstrap, local_kafka) -> dict[str, str]:
+    """Client settings (librdkafka's names) of the session broker's SASL_SSL listener: SCRAM-SHA-512
+    over TLS with the test CA infra/local-kafka made."""
+    up = local_kafka("up")  # already running: prints the same lines again
+    return json.loads(Path(_up_lines(up.stdout)["sasl_config"]).read_text())

@@ -1,0 +1,75 @@
+"""The Kafka sink over SASL_SSL (SCRAM-SHA-512, TLS with a test CA) against the real broker.
+
+The session broker of infra/local-kafka listens with SASL_SSL beside PLAINTEXT; `kafka_sasl`
+holds the client settings the script wrote. Right credentials deliver every event; wrong ones
+lose them, counted, with an error that names the cause, and never an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import pytest
+from confluent_kafka import Consumer
+
+from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.records import RankIdentity
+from kvledger.producer.sinks import KafkaSink
+from kvledger.producer.synthetic import SimConfig, simulate
+from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
+
+pytestmark = pytest.mark.integration
+
+
+def sink_settings(sasl: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """(bootstrap, the rest): what a user writes as the sink URL and as `kv_trace.kafka`."""
+    settings = dict(sasl)
+    return settings.pop("bootstrap.servers"), settings
+
+
+def record(bootstrap: str, topic: str, settings: dict) -> RankRecorder:
+    events = simulate(SimConfig(seed=3, steps=40, snapshot_interval=20)).events
+    recorder = RankRecorder(RankIdentity("sasl-engine", 0, 0, 0, 1), KafkaSink(bootstrap, topic, settings))
+    for event in events:
+        recorder.capture(event["body"])
+    recorder.close(step=39, timeout=20)
+    return recorder
+
+
+def test_events_reach_the_broker_over_sasl_ssl(kafka_sasl):
+    bootstrap, settings = sink_settings(kafka_sasl)
+    topic = f"kvledger.events.{uuid.uuid4().hex[:8]}"
+    recorder = record(bootstrap, topic, settings)
+    assert recorder.sink.delivered == recorder.captured > 40 and recorder.sink.lost == 0
+    codec = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH)
+    group = f"t-{uuid.uuid4().hex[:6]}"
+    consumer = Consumer({**kafka_sasl, "group.id": group, "auto.offset.reset": "earliest"})
+    consumer.subscribe([topic])
+    received: list[dict] = []
+    try:
+        while len(received) < recorder.captured:
+            message = consumer.poll(15)
+            assert message is not None and message.error() is None, message and message.error()
+            received += codec.decode(message.value())
+    finally:
+        consumer.close()
+    assert [e["seq"] for e in received] == list(range(recorder.captured))
+
+
+def test_the_plaintext_settings_do_not_reach_the_sasl_listener(kafka_sasl, caplog):
+    bootstrap, _ = sink_settings(kafka_sasl)
+    with caplog.at_level(logging.ERROR, logger="kvledger.producer"):
+        recorder = record(bootstrap, f"kvledger.events.{uuid.uuid4().hex[:8]}", {"message.timeout.ms": 3000})
+    assert recorder.sink.delivered == 0 and recorder.sink.lost == recorder.captured
+
+
+def test_wrong_credentials_lose_events_counted_and_say_why(kafka_sasl, caplog):
+    bootstrap, settings = sink_settings(kafka_sasl)
+    wrong = {**settings, "sasl.password": "not-the-password", "message.timeout.ms": 3000}
+    with caplog.at_level(logging.ERROR, logger="kvledger.producer"):
+        recorder = record(bootstrap, f"kvledger.events.{uuid.uuid4().hex[:8]}", wrong)
+    assert recorder.sink.delivered == 0 and recorder.sink.lost == recorder.captured > 40
+    said = [r.getMessage() for r in caplog.records if "Kafka sink" in r.getMessage()]
+    assert len(said) == 1 and "authentication failed: check kv_trace.kafka's sasl.* settings" in said[0], said
+    assert "invalid credentials" in said[0]
