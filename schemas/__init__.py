@@ -8,6 +8,7 @@ from kvledger.schemas.codec import (
     BatchCodec,
     ConfluentCodec,
     DecodeError,
+    EitherFraming,
     SingleObjectCodec,
     UnknownSchemaError,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "VIOLATION",
     "ConfluentCodec",
     "DecodeError",
+    "EitherFraming",
     "SingleObjectCodec",
     "UnknownSchemaError",
     "load_schema",

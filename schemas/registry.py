@@ -25,11 +25,11 @@ def raw_schema(name: str) -> dict[str, Any]:
     return json.loads(text)
 
 
-def _batch_schema() -> Schema:
-    """`ledger_event_batch.avsc` with LedgerEvent's definition in place of its name."""
+def batch_raw() -> dict[str, Any]:
+    """`ledger_event_batch.avsc` with LedgerEvent's definition in place of its name (as registered)."""
     batch = raw_schema("ledger_event_batch")
     batch["fields"][0]["type"]["items"] = raw_schema("ledger_event")
-    return fastavro.parse_schema(batch)
+    return batch
 
 
 def _named(record: dict[str, Any]) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def checkpoint_raw() -> dict[str, Any]:
 
 
 LEDGER_EVENT = load_schema("ledger_event")
-LEDGER_EVENT_BATCH = _batch_schema()
+LEDGER_EVENT_BATCH = fastavro.parse_schema(batch_raw())
 VIOLATION = load_schema("violation")
 CHECKPOINT = fastavro.parse_schema(checkpoint_raw())
 

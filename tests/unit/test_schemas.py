@@ -32,6 +32,7 @@ from kvledger.schemas import (
     BatchCodec,
     ConfluentCodec,
     DecodeError,
+    EitherFraming,
     SingleObjectCodec,
     UnknownSchemaError,
     pack_i32,
@@ -450,6 +451,33 @@ def test_old_reader_reads_new_writer(events):
     # same through the Confluent framing, the writer schema found by id
     confluent_old = ConfluentCodec(V1, 1, lookup={2: ledger_v2_raw()}.__getitem__, reader=V1)
     assert confluent_old.decode(ConfluentCodec(V2, 2).encode(as_v2(step))) == step
+
+
+def test_confluent_batches_and_a_newer_writer_by_registry_id(events):
+    batch_v2 = {**batch_schema_inlined(), "fields": [{**batch_schema_inlined()["fields"][0]}]}
+    batch_v2["fields"][0]["type"] = {"type": "array", "items": ledger_v2_raw()}
+    registry = {1: batch_schema_inlined(), 2: batch_v2, 3: ledger_v2_raw(), 4: raw_schema("violation")}
+    reader = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH, lookup=registry.__getitem__)
+    writer = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH, schema_id=1)
+    data = writer.encode(events[:30])
+    assert data[:5] == b"\x00" + struct.pack(">I", 1)
+    assert data[5:] == avro_body(LEDGER_EVENT_BATCH, {"events": events[:30]})  # what Confluent's serializer writes
+    assert reader.decode(data) == writer.decode(data) == events[:30]
+    newer = [as_v2(e) for e in events[:30]]
+    assert reader.decode(BatchCodec(V2, fastavro.parse_schema(batch_v2), schema_id=2).encode(newer)) == events[:30]
+    assert reader.decode(ConfluentCodec(V2, 3).encode(newer[0])) == [events[0]]  # one item alone
+    assert reader.decode(BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH).encode(events[:3])) == events[:3]  # both framings
+    for schema_id, error in ((4, UnknownSchemaError), (5, UnknownSchemaError)):  # a Violation; no such id
+        with pytest.raises(error):
+            reader.decode(b"\x00" + struct.pack(">I", schema_id) + data[5:])
+    # Without a registry a Confluent header is as undecodable as before.
+    with pytest.raises(DecodeError) as info:
+        BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH).decode(data)
+    assert not isinstance(info.value, UnknownSchemaError)
+    either = EitherFraming(VIOLATION, known=[VIOLATION_V2], lookup={7: violation_v2_raw()}.__getitem__)
+    v2 = {**violation(), "severity": "warning"}
+    assert either.decode(ConfluentCodec(VIOLATION_V2, 7).encode(v2)) == violation()
+    assert either.decode(SingleObjectCodec(VIOLATION_V2).encode(v2)) == violation()
 
 
 def test_new_reader_reads_old_writer(events):
