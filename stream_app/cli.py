@@ -172,6 +172,18 @@ def query_cmd(path: str, engine_id: str, req_id: str, step: int | None, fmt: str
 # The worker's modules import Faust and the Kafka clients: loaded only by these commands.
 
 
+def _kafka(path: Path | None, bootstrap: str | None):
+    """The clients' security settings (--kafka-config) and the bootstrap servers, or exit 2 saying why."""
+    from kvledger.stream_app.kafka_security import KafkaConfigError, KafkaSecurity
+
+    try:
+        security = KafkaSecurity.load(path)
+        security.faust_credentials()  # a CA or key that cannot be read fails here, not in the worker
+        return security, security.bootstrap(bootstrap)
+    except KafkaConfigError as exc:
+        _fail(str(exc))
+
+
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -182,7 +194,13 @@ def _port_free(port: int) -> bool:
 
 
 @main.command()
-@click.option("--bootstrap", required=True, metavar="HOST:PORT", help="Kafka bootstrap server(s).")
+@click.option("--bootstrap", metavar="HOST:PORT", help="Kafka bootstrap server(s) (else --kafka-config's).")
+@click.option(
+    "--kafka-config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="JSON object of client settings in librdkafka's names (security.protocol, sasl.*, ssl.*), "
+    "as an engine's kv_trace.kafka.",
+)
 @click.option("--partitions", type=click.IntRange(1), default=4, show_default=True, help="Of the events topic, if new.")
 @click.option(
     "--state-dir",
@@ -228,7 +246,8 @@ def _port_free(port: int) -> bool:
 )
 @click.option("--loglevel", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
 def stream(
-    bootstrap: str,
+    bootstrap: str | None,
+    kafka_config: Path | None,
     partitions: int,
     state_dir: Path,
     web_port: int,
@@ -246,10 +265,11 @@ def stream(
     from kvledger.stream_app.worker.app import WorkerSettings, run_worker
     from kvledger.stream_app.worker.topics import BrokerUnavailable, Topics, ensure_topics
 
+    security, bootstrap = _kafka(kafka_config, bootstrap)
     if not _port_free(web_port):
         _fail(f"web port 127.0.0.1:{web_port} is in use (another worker?); pick one with --web-port")
     try:
-        partitions = ensure_topics(bootstrap, Topics(topic_prefix), partitions, replication)
+        partitions = ensure_topics(bootstrap, Topics(topic_prefix), partitions, replication, security)
     except BrokerUnavailable as exc:
         _fail(str(exc))
     settings = WorkerSettings(
@@ -265,6 +285,7 @@ def stream(
         retire_after=retire_after,
         session_timeout=session_timeout,
         rocksdb_memory_mb=rocksdb_memory,
+        kafka=security,
     )
     click.echo(
         f"kvledger: worker of group {group} on {bootstrap} ({partitions} partitions), http://127.0.0.1:{web_port}/",
@@ -274,7 +295,13 @@ def stream(
 
 
 @main.command()
-@click.option("--bootstrap", required=True, metavar="HOST:PORT", help="Kafka bootstrap server(s).")
+@click.option("--bootstrap", metavar="HOST:PORT", help="Kafka bootstrap server(s) (else --kafka-config's).")
+@click.option(
+    "--kafka-config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="JSON object of client settings in librdkafka's names (security.protocol, sasl.*, ssl.*), "
+    "as an engine's kv_trace.kafka.",
+)
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--from-beginning", is_flag=True, help="Read the whole topic, not only what comes next.")
 @click.option(
@@ -285,11 +312,19 @@ def stream(
     help="Exit after this many seconds without a new record.",
 )
 @click.option("--topic-prefix", default="kvledger", show_default=True)
-def violations(bootstrap: str, fmt: str, from_beginning: bool, idle_timeout: float, topic_prefix: str) -> None:
+def violations(
+    bootstrap: str | None,
+    kafka_config: Path | None,
+    fmt: str,
+    from_beginning: bool,
+    idle_timeout: float,
+    topic_prefix: str,
+) -> None:
     """Print the violations topic (each violation once), then a summary, and exit when idle."""
     from kvledger.stream_app.worker.reader import ViolationsRead, read_violations
     from kvledger.stream_app.worker.topics import BrokerUnavailable, Topics
 
+    security, bootstrap = _kafka(kafka_config, bootstrap)
     out = Console(highlight=False)
     stats = ViolationsRead()
     try:
@@ -299,6 +334,7 @@ def violations(bootstrap: str, fmt: str, from_beginning: bool, idle_timeout: flo
             from_beginning=from_beginning,
             idle_timeout=idle_timeout,
             stats=stats,
+            security=security,
         ):
             if fmt == "json":
                 click.echo(_violation_json(v))

@@ -124,3 +124,6 @@ class KafkaSecurity:
         if s.get("ssl.endpoint.identification.algorithm", "https") == "none":
             context.check_hostname = False  # librdkafka's meaning: the broker's name is not checked
         return context
+
+
+PLAINTEXT = KafkaSecurity()  # no settings: what a client gets when no --kafka-config is given

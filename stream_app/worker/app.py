@@ -23,7 +23,7 @@ import logging
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from faust.events import Event
 from faust.types import TP, Message
 
 from kvledger.schemas import LEDGER_EVENT, VIOLATION, SingleObjectCodec
+from kvledger.stream_app.kafka_security import KafkaSecurity
 from kvledger.stream_app.worker.faust_fixes import close_faust_holes
 from kvledger.stream_app.worker.join import JoinProjection
 from kvledger.stream_app.worker.metrics import WorkerMetrics
@@ -73,6 +74,7 @@ class WorkerSettings:
     batch_size: int = 2048
     session_timeout: float = 10.0  # how soon the group notices a dead worker
     rocksdb_memory_mb: int = 64  # per table and partition: RocksDB's block cache and write buffers
+    kafka: KafkaSecurity = field(default_factory=KafkaSecurity)  # how every client authenticates (--kafka-config)
 
     def rocksdb_options(self) -> dict[str, int]:
         """Bounded RocksDB memory (Faust's defaults allow 2.7 GB per table and partition): half for
@@ -133,6 +135,7 @@ class StreamWorker:
         app = faust.App(
             s.group,
             broker=f"kafka://{s.bootstrap}",
+            broker_credentials=s.kafka.faust_credentials(),
             store=store,
             datadir=str(s.state_dir),
             web_enabled=True,

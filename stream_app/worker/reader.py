@@ -15,6 +15,7 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, 
 
 from kvledger.schemas import VIOLATION, DecodeError, SingleObjectCodec
 from kvledger.stream_app.core import Violation
+from kvledger.stream_app.kafka_security import PLAINTEXT, KafkaSecurity
 from kvledger.stream_app.worker.topics import QUIET, BrokerUnavailable, admin, partitions_of
 
 
@@ -40,22 +41,30 @@ class ViolationsRead:
 
 
 def read_violations(
-    bootstrap: str, topic: str, *, from_beginning: bool, idle_timeout: float, stats: ViolationsRead
+    bootstrap: str,
+    topic: str,
+    *,
+    from_beginning: bool,
+    idle_timeout: float,
+    stats: ViolationsRead,
+    security: KafkaSecurity = PLAINTEXT,
 ) -> Iterator[tuple[str, Violation]]:
     """(id, violation) from `topic`, each id once, until nothing new came for `idle_timeout` seconds."""
-    client = admin(bootstrap)
+    client = admin(bootstrap, security=security)
     partitions = partitions_of(client, topic)
     if partitions is None:
         raise BrokerUnavailable(f"topic {topic} does not exist (is a worker running against {bootstrap}?)")
     codec = SingleObjectCodec(VIOLATION)
     consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": "kvledger-violations-reader",  # assigned, never subscribed: no offsets committed
-            "enable.auto.commit": False,
-            "enable.partition.eof": False,
-            "logger": QUIET,
-        }
+        security.client(
+            **{
+                "bootstrap.servers": bootstrap,
+                "group.id": "kvledger-violations-reader",  # assigned, never subscribed: no offsets committed
+                "enable.auto.commit": False,
+                "enable.partition.eof": False,
+                "logger": QUIET,
+            }
+        )
     )
     start = OFFSET_BEGINNING if from_beginning else OFFSET_END
     consumer.assign([TopicPartition(topic, p, start) for p in range(partitions)])

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from kvledger.stream_app.kafka_security import PLAINTEXT, KafkaSecurity
+
 # librdkafka logs every failed connection attempt; the one-line error says it all.
 QUIET = logging.getLogger("kvledger.kafka-client")
 QUIET.addHandler(logging.NullHandler())
@@ -46,12 +48,24 @@ class Topics:
         return f"{self.prefix}.transfers"
 
 
-def admin(bootstrap: str, timeout: float = 5.0) -> AdminClient:
+def admin(bootstrap: str, timeout: float = 5.0, security: KafkaSecurity = PLAINTEXT) -> AdminClient:
     """An admin client, after checking the broker answers (else BrokerUnavailable)."""
-    client = AdminClient({"bootstrap.servers": bootstrap, "logger": QUIET})
+    refused: list[KafkaError] = []  # the client's own errors: a refusal is only seen there
+
+    def on_error(err: KafkaError) -> None:
+        if err.code() in (KafkaError._AUTHENTICATION, KafkaError._SSL):
+            refused.append(err)
+
+    client = AdminClient(security.client(**{"bootstrap.servers": bootstrap, "logger": QUIET, "error_cb": on_error}))
     try:
         client.list_topics(timeout=timeout)
     except KafkaException as exc:
+        client.poll(0)  # deliver the errors that explain it
+        if refused:
+            what = "credentials" if refused[0].code() == KafkaError._AUTHENTICATION else "TLS handshake"
+            raise BrokerUnavailable(
+                f"the broker at {bootstrap} refused the {what} (see --kafka-config): {refused[0].str()}"
+            ) from None
         raise BrokerUnavailable(f"no Kafka broker answers at {bootstrap} ({exc.args[0].str()})") from None
     return client
 
@@ -64,7 +78,9 @@ def partitions_of(client: AdminClient, topic: str, timeout: float = 10.0) -> int
     return len(meta.partitions)
 
 
-def ensure_topics(bootstrap: str, topics: Topics, partitions: int, replication: int = 1) -> int:
+def ensure_topics(
+    bootstrap: str, topics: Topics, partitions: int, replication: int = 1, security: KafkaSecurity = PLAINTEXT
+) -> int:
     """Create missing topics; return the events topic's partition count (an existing topic keeps its own).
 
     Violations are keyed by their id on a compacted topic, so re-sent
@@ -73,7 +89,7 @@ def ensure_topics(bootstrap: str, topics: Topics, partitions: int, replication: 
     joined where the events of partition p are projected (Faust assigns
     co-partitioned topics together).
     """
-    client = admin(bootstrap)
+    client = admin(bootstrap, security=security)
     existing = partitions_of(client, topics.events)
     events_partitions = existing or partitions
     wanted = {

@@ -16,6 +16,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.stream_app.core import Ledger
+from kvledger.stream_app.kafka_security import PLAINTEXT, KafkaSecurity
 from kvledger.stream_app.replay import RequestTrace, RequestView
 from kvledger.stream_app.worker.projection import EngineProjection, Waypoint
 from kvledger.stream_app.worker.topics import QUIET
@@ -32,17 +33,25 @@ class Journey:
 
 
 def partition_events(
-    bootstrap: str, topic: str, partition: int, engine_id: str, start: int, end: int
+    bootstrap: str,
+    topic: str,
+    partition: int,
+    engine_id: str,
+    start: int,
+    end: int,
+    security: KafkaSecurity = PLAINTEXT,
 ) -> Iterator[dict]:
     """The engine's events of one partition, offsets [start, end), decoded (batches unpacked)."""
     codec, key = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH), engine_id.encode()
     consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": "kvledger-time-travel",  # assigned, never subscribed: no offsets committed
-            "enable.auto.commit": False,
-            "logger": QUIET,
-        }
+        security.client(
+            **{
+                "bootstrap.servers": bootstrap,
+                "group.id": "kvledger-time-travel",  # assigned, never subscribed: no offsets committed
+                "enable.auto.commit": False,
+                "logger": QUIET,
+            }
+        )
     )
     try:
         low, _ = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
@@ -78,6 +87,7 @@ def travel(
     step: int,
     waypoints: list[Waypoint],
     end: int,
+    security: KafkaSecurity = PLAINTEXT,
 ) -> Journey:
     """`req_id`'s rows on every rank of the engine at `step`."""
     base = max((w for w in waypoints if w.step <= step), key=lambda w: w.step, default=None)
@@ -85,7 +95,7 @@ def travel(
     start = base.next_offset if base is not None else 0
     trace = RequestTrace(engine_id, req_id, ledger)
     past: set[tuple[int, int, int]] = set()  # ranks whose stream went beyond `step`: the rest of it too
-    for event in partition_events(bootstrap, topic, partition, engine_id, start, end):
+    for event in partition_events(bootstrap, topic, partition, engine_id, start, end, security):
         rank = (event["dp_rank"], event["tp_rank"], event["pp_rank"])
         at = event["body"][1].get("step")
         if rank in past or (at is not None and at > step):

@@ -2,12 +2,16 @@
 
 The session broker of infra/local-kafka listens with SASL_SSL beside PLAINTEXT; `kafka_sasl`
 holds the client settings the script wrote. Right credentials deliver every event; wrong ones
-lose them, counted, with an error that names the cause, and never an exception.
+lose them, counted, with an error that names the cause, and never an exception. The stream
+worker and `kvledger violations` take the same settings (`--kafka-config`); refused ones are
+one line and exit 2.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
 import uuid
 
 import pytest
@@ -16,8 +20,9 @@ from confluent_kafka import Consumer
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KafkaSink
-from kvledger.producer.synthetic import SimConfig, simulate
+from kvledger.producer.synthetic import FaultSpec, SimConfig, simulate
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
+from tests.stream_harness import KVLEDGER, events_done, free_port, kvledger, start_worker, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -73,3 +78,44 @@ def test_wrong_credentials_lose_events_counted_and_say_why(kafka_sasl, caplog):
     said = [r.getMessage() for r in caplog.records if "Kafka sink" in r.getMessage()]
     assert len(said) == 1 and "authentication failed: check kv_trace.kafka's sasl.* settings" in said[0], said
     assert "invalid credentials" in said[0]
+
+
+def test_the_worker_and_the_violations_reader_over_sasl_ssl(kafka_sasl, tmp_path):
+    config = tmp_path / "kafka.json"
+    config.write_text(json.dumps(kafka_sasl))
+    bootstrap, settings = sink_settings(kafka_sasl)
+    prefix = f"sasl{uuid.uuid4().hex[:8]}"
+    worker = start_worker(bootstrap, prefix, tmp_path / "state", tmp_path / "worker.log", "--kafka-config", str(config))
+    try:
+        faulty = SimConfig(
+            seed=3, engine_id="sasl-eng", steps=40, snapshot_interval=20, faults=(FaultSpec("slot_shift", 10),)
+        )
+        events = simulate(faulty).events
+        sink = KafkaSink(bootstrap, f"{prefix}.events", settings)
+        sink.write(events)
+        sink.close(20)
+        assert sink.delivered == len(events)
+        wait_for("the worker to apply the events", events_done([worker], {"sasl-eng": len(events)}), [worker])
+    finally:
+        worker.stop()
+    proc = kvledger(
+        "violations", "--kafka-config", str(config), "--topic-prefix", prefix, "--from-beginning",
+        "--idle-timeout", "3", "--format", "json",
+    )  # fmt: skip
+    *found, summary = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(v["kind"], v["step"]) for v in found] == [("write_target_mismatch", 10)], proc.stderr
+    assert summary["violations"] == {"write_target_mismatch": 1}
+
+
+@pytest.mark.parametrize("command", ["stream", "violations"])
+def test_refused_credentials_are_one_line_and_exit_2(kafka_sasl, tmp_path, command):
+    config = tmp_path / "kafka.json"
+    config.write_text(json.dumps({**kafka_sasl, "sasl.password": "not-the-password"}))
+    extra = ["--web-port", str(free_port()), "--state-dir", str(tmp_path / "s")] if command == "stream" else []
+    proc = subprocess.run(
+        [KVLEDGER, command, "--kafka-config", str(config), *extra], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("kvledger: error:")]
+    assert f"the broker at {kafka_sasl['bootstrap.servers']} refused the credentials (see --kafka-config)" in line
+    assert "Traceback" not in proc.stderr
