@@ -172,6 +172,19 @@ def query_cmd(path: str, engine_id: str, req_id: str, step: int | None, fmt: str
 # The worker's modules import Faust and the Kafka clients: loaded only by these commands.
 
 
+def kafka_options(command):
+    """--bootstrap and --kafka-config, for every command that talks to Kafka."""
+    command = click.option(
+        "--kafka-config",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="JSON object of client settings in librdkafka's names (security.protocol, sasl.*, ssl.*), "
+        "as an engine's kv_trace.kafka.",
+    )(command)
+    return click.option("--bootstrap", metavar="HOST:PORT", help="Kafka bootstrap server(s) (else --kafka-config's).")(
+        command
+    )
+
+
 def _kafka(path: Path | None, bootstrap: str | None):
     """The clients' security settings (--kafka-config) and the bootstrap servers, or exit 2 saying why."""
     from kvledger.stream_app.kafka_security import KafkaConfigError, KafkaSecurity
@@ -194,13 +207,7 @@ def _port_free(port: int) -> bool:
 
 
 @main.command()
-@click.option("--bootstrap", metavar="HOST:PORT", help="Kafka bootstrap server(s) (else --kafka-config's).")
-@click.option(
-    "--kafka-config",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="JSON object of client settings in librdkafka's names (security.protocol, sasl.*, ssl.*), "
-    "as an engine's kv_trace.kafka.",
-)
+@kafka_options
 @click.option("--partitions", type=click.IntRange(1), default=4, show_default=True, help="Of the events topic, if new.")
 @click.option(
     "--state-dir",
@@ -295,13 +302,7 @@ def stream(
 
 
 @main.command()
-@click.option("--bootstrap", metavar="HOST:PORT", help="Kafka bootstrap server(s) (else --kafka-config's).")
-@click.option(
-    "--kafka-config",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="JSON object of client settings in librdkafka's names (security.protocol, sasl.*, ssl.*), "
-    "as an engine's kv_trace.kafka.",
-)
+@kafka_options
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--from-beginning", is_flag=True, help="Read the whole topic, not only what comes next.")
 @click.option(
