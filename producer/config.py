@@ -52,11 +52,21 @@ class SinkSpec:
 
 
 @dataclass(frozen=True)
+class RegistrySpec:
+    """A Confluent-compatible Schema Registry the Kafka sink registers its schema with (then it frames
+    messages in the Confluent wire format)."""
+
+    url: str  # the Confluent API base, e.g. http://HOST:8081 (Apicurio: .../apis/ccompat/v7)
+    settings: dict[str, Any] = field(default_factory=dict)  # passed to SchemaRegistryClient as is
+
+
+@dataclass(frozen=True)
 class TraceConfig:
     enabled: bool = False
     action: TraceAction = TraceAction.LOG  # the default follows the sink: TraceAction.default_for
     sink: SinkSpec = field(default_factory=lambda: SinkSpec("file", Path("kvledger-ledger").absolute()))
     kafka: dict[str, Any] = field(default_factory=dict)  # passed to the Kafka client as is
+    schema_registry: RegistrySpec | None = None  # kafka sinks: Confluent framing, schema registered
     buffer_events: int = 4096  # records the recorder holds for its sink
     ring_bytes: int = DEFAULT_RING_BYTES  # the shared-memory ring between a rank and its recorder
     snapshot_interval: int = 256  # steps between snapshots (0: none)
@@ -89,6 +99,9 @@ class TraceOptions(BaseModel):
     action: Annotated[TraceAction, Strict(False)] | None = None  # None: TraceAction.default_for(sink)
     sink: str | None = None
     kafka: dict[str, Any] = {}
+    # Kafka sinks only.
+    schema_registry: str | None = None
+    schema_registry_config: dict[str, Any] | None = None
     buffer_events: int = Field(4096, ge=1)
     ring_bytes: int = Field(DEFAULT_RING_BYTES, ge=1 << 20, multiple_of=8)
     snapshot_interval: int = Field(256, ge=0)
@@ -107,9 +120,29 @@ class TraceOptions(BaseModel):
             raise ValueError(f"expected a non-empty name, got {value!r}")
         return value
 
+    @field_validator("schema_registry")
+    @classmethod
+    def _registry_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            url = urlsplit(value)
+            if url.scheme not in ("http", "https") or not url.netloc:
+                raise ValueError(f"expected the registry's http:// or https:// URL, got {value!r}")
+        return value
+
+    @field_validator("schema_registry_config")
+    @classmethod
+    def _registry_settings(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and "url" in value:
+            raise ValueError("the URL goes in kv_trace.schema_registry, not here")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> TraceOptions:
         sink = self.sink_spec()  # a bad URL fails here, under its key
+        if self.schema_registry is not None and sink.kind != "kafka":
+            raise _KeyError("schema_registry", f"applies to kafka sinks only (got a {sink.kind} sink)")
+        if self.schema_registry_config is not None and self.schema_registry is None:
+            raise _KeyError("schema_registry_config", "needs kv_trace.schema_registry (the registry's URL)")
         given = [k for k in ("segment_bytes", "retain_bytes", "retain_hours") if getattr(self, k) is not None]
         if given and sink.kind != "file":
             raise _KeyError(given[0], f"applies to file sinks only (got a {sink.kind} sink)")
@@ -144,6 +177,11 @@ class TraceOptions(BaseModel):
             action=self.action or TraceAction.default_for(sink),
             sink=sink,
             kafka=dict(self.kafka),
+            schema_registry=(
+                RegistrySpec(self.schema_registry, dict(self.schema_registry_config or {}))
+                if self.schema_registry is not None
+                else None
+            ),
             buffer_events=self.buffer_events,
             ring_bytes=self.ring_bytes,
             snapshot_interval=self.snapshot_interval,

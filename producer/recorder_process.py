@@ -129,7 +129,7 @@ def run(ring_path: Path) -> int:
     detach(ring)
     config = meta.config
     observer = ViolationLogger() if config.action is TraceAction.LOG else None
-    sink = open_sink(config.sink, config.kafka)
+    sink = open_sink(config.sink, config.kafka, config.schema_registry)
     recorder = RankRecorder(
         identity_of(meta), sink, capacity=config.buffer_events, observer=observer, idle_after=RANK_IDLE_S
     )

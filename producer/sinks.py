@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvledger.producer.config import SinkSpec
+from kvledger.producer.config import RegistrySpec, SinkSpec
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.schemas.files import Retention, SegmentWriter
+from kvledger.schemas.registry import batch_raw
 
 log = logging.getLogger("kvledger.producer")
 
@@ -118,6 +119,9 @@ KAFKA_DEFAULTS: dict[str, Any] = {
     # Java's key hashing, so consumers in any language agree on the partition of an engine.
     "partitioner": "murmur2_random",
 }
+# A sink whose registry did not answer asks again this often (on the drain thread); meanwhile
+# every event counts as lost.
+REGISTRY_RETRY_S = 30.0
 
 
 @dataclass
@@ -138,6 +142,12 @@ class KafkaSink:
     step is one event. Idempotent and compressed; `settings` (security
     protocol, SASL, TLS, ...) pass through to the client and win over the
     defaults.
+
+    With a `registry`, the batch schema is registered under `<topic>-value`
+    as the sink starts and messages are in the Confluent wire format. A
+    registry that cannot be reached or refuses the schema is said once, in
+    the log; the sink then sends nothing and counts every event lost, asking
+    an unreachable registry again every REGISTRY_RETRY_S.
     """
 
     def __init__(
@@ -149,11 +159,15 @@ class KafkaSink:
         batch_events: int = 128,
         batch_bytes: int = 512 << 10,
         linger: float = 0.1,
+        registry: RegistrySpec | None = None,
     ):
         from confluent_kafka import Producer  # only engines that trace to Kafka need the client
 
         self.topic = topic
-        self.codec = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH)
+        self.registry = registry
+        self.schema_id: int | None = None  # the batch schema's registry id, once registered
+        self._registry_retry_at: float | None = None  # when to ask an unreachable registry again
+        self.codec: BatchCodec | None = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH) if registry is None else None
         self.batch_events, self.batch_bytes, self.linger = batch_events, batch_bytes, linger
         self.delivered = 0  # events, not messages
         self.failed = 0
@@ -164,6 +178,27 @@ class KafkaSink:
         self._errors_seen: set[int] = set()
         config = {**KAFKA_DEFAULTS, "bootstrap.servers": bootstrap, **(settings or {}), "error_cb": self._on_error}
         self._producer = Producer(config)
+        if registry is not None:
+            self._register()
+
+    def _register(self) -> None:
+        """Register the batch schema; the codec frames with its id. A failure is said once."""
+        from kvledger.schemas.confluent import RegistryError, RegistryUnreachable, SchemaRegistry, value_subject
+
+        retrying = self._registry_retry_at is not None
+        self._registry_retry_at = None
+        subject = value_subject(self.topic)
+        try:
+            self.schema_id = SchemaRegistry(self.registry.url, self.registry.settings).register(subject, batch_raw())
+        except RegistryError as exc:
+            if not retrying:
+                log.error("kv_trace: Kafka sink: %s; no event is sent, every one counts as lost", exc)
+            if isinstance(exc, RegistryUnreachable):  # a refusal stays a refusal
+                self._registry_retry_at = time.monotonic() + REGISTRY_RETRY_S
+            return
+        self.codec = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH, schema_id=self.schema_id)
+        if retrying:
+            log.warning("kv_trace: Kafka sink: the Schema Registry answered; events are sent again")
 
     @property
     def lost(self) -> int:
@@ -196,6 +231,10 @@ class KafkaSink:
             self.failed += events
 
     def write(self, events: list[dict]) -> None:
+        if self.codec is None:  # no registry id to frame them with
+            self.failed += len(events)
+            self.tick()
+            return
         now = time.monotonic()
         for event in events:
             key = event["engine_id"].encode()
@@ -213,6 +252,8 @@ class KafkaSink:
     def tick(self) -> None:
         """Send what has waited `linger` seconds; called by the drain thread even when idle."""
         now = time.monotonic()
+        if self._registry_retry_at is not None and now >= self._registry_retry_at:
+            self._register()
         for key in [k for k, p in self._pending.items() if now - p.since >= self.linger]:
             self._send(key)
         self._producer.poll(0)
@@ -248,10 +289,10 @@ class KafkaSink:
             self._unsent = self._accepted - self.delivered - self.failed
 
 
-def open_sink(spec: SinkSpec, kafka_settings: dict[str, Any] | None = None):
+def open_sink(spec: SinkSpec, kafka_settings: dict[str, Any] | None = None, registry: RegistrySpec | None = None):
     if spec.kind == "file":
         retention = None
         if spec.retain_bytes or spec.retain_hours:
             retention = Retention(max_bytes=spec.retain_bytes, max_age_s=spec.retain_hours * 3600)
         return FileSink(spec.path, max_segment_bytes=spec.segment_bytes, retention=retention)
-    return KafkaSink(spec.bootstrap, spec.topic, kafka_settings)
+    return KafkaSink(spec.bootstrap, spec.topic, kafka_settings, registry=registry)

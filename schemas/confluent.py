@@ -34,6 +34,10 @@ class RegistryError(Exception):
     """The registry could not be reached, or refused what was asked (one line: where and why)."""
 
 
+class RegistryUnreachable(RegistryError):
+    """No answer (refused connection, timeout, TLS): asking again later may succeed; a refusal will not."""
+
+
 class SchemaRegistry:
     """A Schema Registry at `url` (the Confluent API base); `settings` go to the client as is
     (e.g. `basic.auth.user.info`, `ssl.ca.location`)."""
@@ -73,7 +77,8 @@ class SchemaRegistry:
                 f"HTTP {exc.http_status_code} {exc.error_message}"
             ) from None
         except Exception as exc:  # the client's HTTP stack raises its own types (refused, timed out, TLS)
-            raise RegistryError(f"no Schema Registry answers at {self.url} ({type(exc).__name__}: {exc})") from None
+            why = f"no Schema Registry answers at {self.url} ({type(exc).__name__}: {exc})"
+            raise RegistryUnreachable(why) from None
 
     def _compatibility(self, subject: str) -> str | None:
         from confluent_kafka.schema_registry.error import SchemaRegistryError

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.producer.config import DEFAULT_TOPIC, TraceAction, TraceConfig, TraceConfigError, parse_sink
+from kvledger.producer.config import (
+    DEFAULT_TOPIC,
+    RegistrySpec,
+    TraceAction,
+    TraceConfig,
+    TraceConfigError,
+    parse_sink,
+)
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import FileSink
@@ -48,6 +55,20 @@ def test_full_config():
     )
     assert config.kafka == {"security.protocol": "SASL_SSL"}
     assert (config.buffer_events, config.snapshot_interval, config.transfer_digests) == (64, 0, 0.25)
+
+
+def test_a_schema_registry_for_a_kafka_sink():
+    raw = {"sink": "kafka://b:9092", "schema_registry": "https://registry:8081"}
+    assert TraceConfig.from_additional_config({"kv_trace": raw}).schema_registry == RegistrySpec(
+        "https://registry:8081"
+    )
+    auth = {**raw, "schema_registry_config": {"basic.auth.user.info": "u:p"}}
+    spec = TraceConfig.from_additional_config({"kv_trace": auth}).schema_registry
+    assert spec.settings == {"basic.auth.user.info": "u:p"}
+    assert TraceConfig.from_additional_config({"kv_trace": {"sink": "kafka://b:9092"}}).schema_registry is None
+    message = r"^kv_trace\.schema_registry: applies to kafka sinks only \(got a file sink\)$"
+    with pytest.raises(TraceConfigError, match=message):
+        TraceConfig.from_additional_config({"kv_trace": {"sink": "file:///kv", "schema_registry": "http://r"}})
 
 
 def test_the_action_defaults_to_record_with_kafka_and_to_log_with_a_file_ledger():
@@ -113,6 +134,20 @@ def test_sinks():
         ({"ring_bytes": 4096}, "ring_bytes"),
         ({"snapshot_interval": "256"}, "snapshot_interval"),
         ({"transfer_digests": float("nan")}, "transfer_digests"),
+        ({"sink": "kafka://b:9092", "schema_registry": "b:8081"}, "schema_registry"),
+        ({"sink": "kafka://b:9092", "schema_registry": "ftp://b:8081"}, "schema_registry"),
+        ({"sink": "kafka://b:9092", "schema_registry": "http://"}, "schema_registry"),
+        ({"sink": "file:///var/kv", "schema_registry": "http://b:8081"}, "schema_registry"),
+        ({"schema_registry": "http://b:8081"}, "schema_registry"),  # the default sink is a file ledger
+        ({"sink": "kafka://b:9092", "schema_registry_config": {"timeout": 5}}, "schema_registry_config"),
+        (
+            {"sink": "kafka://b:9092", "schema_registry": "http://b", "schema_registry_config": {"url": "x"}},
+            "schema_registry_config",
+        ),
+        (
+            {"sink": "kafka://b:9092", "schema_registry": "http://b", "schema_registry_config": "a:b"},
+            "schema_registry_config",
+        ),
     ],
 )
 def test_bad_settings_name_their_key(raw, key):
