@@ -14,8 +14,23 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from kvledger.schemas.files import LedgerPathError, RankStream, ReadProblem, discover, read_stream
+from kvledger.schemas.packing import expand_slot_runs, unpack_digests, unpack_i32, wire_digests
+from kvledger.schemas.registry import STEP
 from kvledger.stream_app.core import Ledger, RankKey, Violation
+from kvledger.stream_app.core.checks import (
+    GroupFacts,
+    RequestFacts,
+    position_failures,
+    read_failures,
+    slot_targets,
+    token_positions,
+    write_failures,
+)
+from kvledger.stream_app.core.events import StepPlan
+from kvledger.stream_app.core.rank import _UNCHECKED_KINDS, RankState
 
 # Events handed to the core at once (its fast path checks runs of steps together).
 _CHUNK = 512
@@ -170,6 +185,107 @@ def replay(
 
 
 @dataclass
+class GroupWrites:
+    """One KV cache group's part of a step plan for one request, beside what the ledger's row gives.
+    Every list is per token the plan writes for the request, in slot-mapping order."""
+
+    group_id: int  # the KV cache group
+    block_size: int  # tokens per block: slot // block_size is a slot's block
+    positions: list[int]  # the token positions the plan writes
+    written: list[int]  # the slot the plan wrote each position to
+    expected: list[int]  # the slot the ledger's row gives each position (checks.slot_targets)
+    in_row: list[bool]  # the position lies inside the ledger's row (else `expected` names no slot)
+    wrong: list[bool]  # the write rule fails for the token (checks.write_failures)
+    read_len: int | None  # blocks of the row attention read, as the plan says; None: not recorded
+    ledger_len: int  # blocks of the ledger's row
+    read_digest: int | None  # the plan's digest of the row it read, as the wire carries it
+    ledger_digest: int  # the digest of the ledger's row, cut to what the wire carries
+    read_row: list[int] | None  # the row attention read, when the plan carries full rows
+    read_wrong: bool  # the read rule fails for the request (checks.read_failures)
+
+
+@dataclass
+class PlanWrites:
+    """What the runner's plan of one step did for one request, beside what the ledger expected."""
+
+    step: int  # the step of the plan
+    first_position: int  # the plan: the first position it writes
+    num_tokens: int  # the plan: how many tokens it writes
+    computed: int  # the ledger: num_computed_tokens the scheduler handed
+    scheduled: int  # the ledger: tokens the scheduler handed
+    position_wrong: bool  # the position rule fails (checks.position_failures)
+    groups: list[GroupWrites]  # per KV cache group with token -> slot addressing
+
+
+def plan_writes(state: RankState, req_id: str, step: int, plan: StepPlan) -> PlanWrites | None:
+    """`plan` for `req_id` beside `state`'s tables (as they stood when the plan was checked), by the
+    core's own rules and slot formula; None when the request is not live or not in the plan."""
+    index = state.index_of.get(req_id)
+    indices = unpack_i32(plan.req_indices)
+    at = np.flatnonzero(indices == index) if index is not None else np.empty(0, np.int64)
+    num_tokens, first_positions = unpack_i32(plan.num_tokens), unpack_i32(plan.first_positions)
+    if not at.size or num_tokens.size != indices.size or first_positions.size != indices.size:
+        return None
+    i = int(at[0])
+    row = np.array([int(state.row_of[index])])
+    first, ntok = first_positions[i : i + 1].astype(np.int64), num_tokens[i : i + 1].astype(np.int64)
+    requests = RequestFacts(first, ntok, state.computed[row], state.scheduled[row])
+    _, pos = token_positions(first, ntok)
+    start = int(num_tokens[:i].sum())  # the request's first entry in the slot mapping
+    groups = []
+    for gp in plan.groups:
+        if gp.group_id >= len(state.groups) or state.groups[gp.group_id].kind in _UNCHECKED_KINDS:
+            continue  # no token -> slot addressing to draw (the core leaves it unchecked too)
+        g = state.groups[gp.group_id]
+        slots = expand_slot_runs(gp.slot_runs)
+        if slots.size != gp.num_real + gp.num_padding:
+            continue  # malformed: unchecked by the core
+        n = max(0, min(gp.num_real - start, pos.size))  # the request's tokens that got a slot
+        tok_rows = np.repeat(row, n)
+        expected, in_row, block = slot_targets(g.table, g.lens[tok_rows], tok_rows, pos[:n], g.block_size)
+        facts = GroupFacts(
+            gp.group_id, g.block_size, real=slots[start : start + n], expected=expected, in_row=in_row, block=block
+        )
+        facts.pos = pos[:n]
+        read_len = read_digest = read_row = None
+        lens, digests = unpack_i32(gp.row_lens), unpack_digests(gp.row_digests)
+        if lens.size == indices.size and digests.size == indices.size:
+            facts.plan_lens, facts.plan_digests = lens[i : i + 1], digests[i : i + 1]
+            facts.ledger_lens, facts.ledger_digests = g.lens[row], g.digests[row]
+            read_len, read_digest = int(lens[i]), int(digests[i])
+            if gp.rows is not None:
+                offset = int(lens[:i].sum())
+                read_row = unpack_i32(gp.rows)[offset : offset + read_len].tolist()
+        wrong, read_bad = write_failures(facts), read_failures(facts)
+        groups.append(
+            GroupWrites(
+                gp.group_id,
+                g.block_size,
+                positions=facts.pos.tolist(),
+                written=facts.real.tolist(),
+                expected=expected.tolist(),
+                in_row=in_row.tolist(),
+                wrong=wrong.tolist(),
+                read_len=read_len,
+                ledger_len=int(g.lens[row[0]]),
+                read_digest=read_digest,
+                ledger_digest=int(wire_digests(g.digests[row])[0]),
+                read_row=read_row,
+                read_wrong=bool(read_bad[0]) if read_bad is not None else False,
+            )
+        )
+    return PlanWrites(
+        step,
+        int(first[0]),
+        int(ntok[0]),
+        int(requests.computed[0]),
+        int(requests.scheduled[0]),
+        bool(position_failures(requests)[0]),
+        groups,
+    )
+
+
+@dataclass
 class RequestView:
     """A request's block table on one rank at one step (time travel)."""
 
@@ -181,6 +297,9 @@ class RequestView:
     rows: list[list[int]] | None  # per KV cache group; None when not live on the rank
     first_seen: int | None
     last_seen: int | None
+    # What the rank's plan of `step` wrote and read for the request, beside the row; None when the
+    # request was not in that plan (or the plan is not in what was replayed).
+    plan: PlanWrites | None = None
 
 
 class RequestTrace:
@@ -190,10 +309,15 @@ class RequestTrace:
         self.engine_id, self.req_id = engine_id, req_id
         self.ledger = ledger if ledger is not None else Ledger()
         self.seen: dict[RankKey, tuple[int, int]] = {}  # rank -> first and last step the request was live
+        # rank -> its latest step plan and that step: drawn if the tables still stand at that step
+        self.plans: dict[RankKey, tuple[int, StepPlan]] = {}
 
     def apply(self, at: int, event: dict) -> None:
         self.ledger.apply(event)
         key = RankKey(self.engine_id, event["dp_rank"], event["tp_rank"], event["pp_rank"])
+        name, body = event["body"]
+        if name == STEP and body.get("plan") is not None:
+            self.plans[key] = (body["step"], StepPlan.of(body["plan"]))
         state = self.ledger.tables_of(key)
         if state is not None and self.req_id in state.index_of:
             self.seen[key] = (self.seen.get(key, (at, at))[0], at)
@@ -204,7 +328,14 @@ class RequestTrace:
             state = self.ledger.tables_of(key)
             rows = state.request_rows(self.req_id) if state is not None else None
             first, last = self.seen.get(key, (None, None))
-            views.append(RequestView(self.engine_id, key.dp, key.tp, key.pp, slot.last_step, rows, first, last))
+            plan = None
+            planned = self.plans.get(key)
+            # A plan is checked against the tables after its own step's input, which checking leaves
+            # as they are: drawn only while the rank's last step is that plan's.
+            if state is not None and planned is not None and planned[0] == slot.last_step:
+                plan = plan_writes(state, self.req_id, *planned)
+            view = RequestView(self.engine_id, key.dp, key.tp, key.pp, slot.last_step, rows, first, last, plan)
+            views.append(view)
         return views
 
 
