@@ -11,6 +11,7 @@ import socket
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 from rich.console import Console
@@ -185,6 +186,20 @@ def kafka_options(command):
     )
 
 
+def _registry_url(ctx, param, value: str | None) -> str | None:
+    if value is not None:
+        url = urlsplit(value)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise click.BadParameter(f"expected the registry's http:// or https:// URL, got {value!r}")
+    return value
+
+
+def registry_option(what: str):
+    return click.option(
+        "--schema-registry", metavar="URL", callback=_registry_url, help=f"Schema Registry (Confluent API URL): {what}"
+    )
+
+
 def _kafka(path: Path | None, bootstrap: str | None):
     """The clients' security settings (--kafka-config) and the bootstrap servers, or exit 2 saying why."""
     from kvledger.stream_app.kafka_security import KafkaConfigError, KafkaSecurity
@@ -194,6 +209,18 @@ def _kafka(path: Path | None, bootstrap: str | None):
         security.faust_credentials()  # a CA or key that cannot be read fails here, not in the worker
         return security, security.bootstrap(bootstrap)
     except KafkaConfigError as exc:
+        _fail(str(exc))
+
+
+def _registry(url: str | None):
+    """The Schema Registry client for --schema-registry, or exit 2 saying why."""
+    if url is None:
+        return None
+    from kvledger.schemas.confluent import RegistryError, SchemaRegistry
+
+    try:
+        return SchemaRegistry(url)
+    except RegistryError as exc:
         _fail(str(exc))
 
 
@@ -251,6 +278,7 @@ def _port_free(port: int) -> bool:
     metavar="MB",
     help="RocksDB's cache and write buffers, per table and partition (--store rocksdb).",
 )
+@registry_option("read Confluent-framed events, publish violations so (subject PREFIX.violations-value).")
 @click.option("--loglevel", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
 def stream(
     bootstrap: str | None,
@@ -266,9 +294,11 @@ def stream(
     retire_after: float,
     session_timeout: float,
     rocksdb_memory: int,
+    schema_registry: str | None,
     loglevel: str,
 ) -> None:
     """Run a stream worker: project kvledger.events, publish violations (runs until stopped)."""
+    from kvledger.schemas.confluent import RegistryError
     from kvledger.stream_app.worker.app import WorkerSettings, run_worker
     from kvledger.stream_app.worker.topics import BrokerUnavailable, Topics, ensure_topics
 
@@ -293,12 +323,16 @@ def stream(
         session_timeout=session_timeout,
         rocksdb_memory_mb=rocksdb_memory,
         kafka=security,
+        schema_registry=schema_registry,
     )
     click.echo(
         f"kvledger: worker of group {group} on {bootstrap} ({partitions} partitions), http://127.0.0.1:{web_port}/",
         err=True,
     )
-    run_worker(settings, loglevel=loglevel)
+    try:
+        run_worker(settings, loglevel=loglevel)
+    except RegistryError as exc:  # raised before the app starts: registering the Violation schema
+        _fail(str(exc))
 
 
 @main.command()
@@ -313,6 +347,7 @@ def stream(
     help="Exit after this many seconds without a new record.",
 )
 @click.option("--topic-prefix", default="kvledger", show_default=True)
+@registry_option("read Confluent-framed violations too (writer schemas by id).")
 def violations(
     bootstrap: str | None,
     kafka_config: Path | None,
@@ -320,12 +355,14 @@ def violations(
     from_beginning: bool,
     idle_timeout: float,
     topic_prefix: str,
+    schema_registry: str | None,
 ) -> None:
     """Print the violations topic (each violation once), then a summary, and exit when idle."""
     from kvledger.stream_app.worker.reader import ViolationsRead, read_violations
     from kvledger.stream_app.worker.topics import BrokerUnavailable, Topics
 
     security, bootstrap = _kafka(kafka_config, bootstrap)
+    registry = _registry(schema_registry)
     out = Console(highlight=False)
     stats = ViolationsRead()
     try:
@@ -336,6 +373,7 @@ def violations(
             idle_timeout=idle_timeout,
             stats=stats,
             security=security,
+            registry=registry,
         ):
             if fmt == "json":
                 click.echo(_violation_json(v))

@@ -1,8 +1,10 @@
-"""A real single-node Kafka broker for the integration tests, one per session.
+"""A real single-node Kafka broker and a real Schema Registry for the integration and end-to-end
+tests, one of each per session.
 
-`infra/local-kafka` does the work (jar fetch on first use, format, start,
-readiness); here it only gets a private state dir and free ports, so tests
-never collide with a developer's broker on 9092 or with a parallel session.
+`infra/local-kafka` and `infra/schema-registry` do the work (fetch on first
+use, start, readiness); here they only get private state dirs and free ports,
+so tests never collide with a developer's broker on 9092, registry on 8081,
+or a parallel session.
 """
 
 import json
@@ -16,7 +18,8 @@ from pathlib import Path
 import pytest
 
 LOCAL_KAFKA = Path(__file__).resolve().parents[1] / "infra" / "local-kafka"
-# A cold first `up` downloads ~45 MB of jars through Maven.
+SCHEMA_REGISTRY = Path(__file__).resolve().parents[1] / "infra" / "schema-registry"
+# A cold first `up` downloads ~45 MB of jars (the broker), ~160 MB (the registry) through Maven.
 UP_TIMEOUT = 900
 
 
@@ -88,3 +91,32 @@ def kafka_sasl(kafka_bootstrap, local_kafka) -> dict[str, str]:
     over TLS with the test CA infra/local-kafka made."""
     up = local_kafka("up")  # already running: prints the same lines again
     return json.loads(Path(_up_lines(up.stdout)["sasl_config"]).read_text())
+
+
+@pytest.fixture(scope="session")
+def schema_registry(tmp_path_factory) -> Iterator[str]:
+    """Confluent API URL of a running registry (Apicurio, in memory); fails (never skips) if it can't start."""
+    env = {
+        **os.environ,
+        "KVLEDGER_REGISTRY_DIR": str(tmp_path_factory.mktemp("schema-registry")),
+        "KVLEDGER_REGISTRY_PORT": str(_free_ports(1)[0]),
+    }
+
+    def run(cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([str(SCHEMA_REGISTRY), cmd], env=env, capture_output=True, text=True, timeout=timeout)
+
+    try:
+        up = run("up", timeout=UP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        run("down")
+        pytest.fail(f"infra/schema-registry up took longer than {UP_TIMEOUT}s", pytrace=False)
+    if up.returncode != 0:
+        run("down")
+        message = f"schema registry did not start:\n{up.stderr.strip()}"
+        if m := re.search(r"see (\S+)$", up.stderr.strip()):
+            message += f"\n--- tail of {m[1]} ---\n{_tail(Path(m[1]))}"
+        pytest.fail(message, pytrace=False)
+    try:
+        yield up.stdout.strip().removeprefix("url=")
+    finally:
+        run("down")

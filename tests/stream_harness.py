@@ -189,11 +189,11 @@ def kvledger(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([KVLEDGER, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
-def online_violations(bootstrap: str, prefix: str) -> tuple[list[dict], dict]:
+def online_violations(bootstrap: str, prefix: str, *options: str) -> tuple[list[dict], dict]:
     """`kvledger violations` over the topic from its start: the violations, and the summary line."""
     proc = kvledger(
         "violations", "--bootstrap", bootstrap, "--topic-prefix", prefix, "--from-beginning",
-        "--idle-timeout", "3", "--format", "json",
+        "--idle-timeout", "3", "--format", "json", *options,
     )  # fmt: skip
     assert "Traceback" not in proc.stderr, proc.stderr
     *violations, summary = [json.loads(line) for line in proc.stdout.splitlines()]

@@ -32,7 +32,9 @@ from faust import streams as faust_streams
 from faust.events import Event
 from faust.types import TP, Message
 
-from kvledger.schemas import LEDGER_EVENT, VIOLATION, SingleObjectCodec
+from kvledger.schemas import LEDGER_EVENT, VIOLATION, ConfluentCodec, SingleObjectCodec
+from kvledger.schemas.confluent import SchemaRegistry, value_subject
+from kvledger.schemas.registry import raw_schema
 from kvledger.stream_app.kafka_security import KafkaSecurity
 from kvledger.stream_app.worker.faust_fixes import close_faust_holes
 from kvledger.stream_app.worker.join import JoinProjection
@@ -75,6 +77,8 @@ class WorkerSettings:
     session_timeout: float = 10.0  # how soon the group notices a dead worker
     rocksdb_memory_mb: int = 64  # per table and partition: RocksDB's block cache and write buffers
     kafka: KafkaSecurity = field(default_factory=KafkaSecurity)  # how every client authenticates (--kafka-config)
+    # A Schema Registry (its Confluent API URL): Confluent-framed events are read, violations published so.
+    schema_registry: str | None = None
 
     def rocksdb_options(self) -> dict[str, int]:
         """Bounded RocksDB memory (Faust's defaults allow 2.7 GB per table and partition): half for
@@ -107,8 +111,10 @@ class StreamWorker:
         self.settings = s = settings
         self.topics = Topics(s.topic_prefix)
         self.metrics = WorkerMetrics()
-        self.decoder = Decoder()
-        self.violation_codec = SingleObjectCodec(VIOLATION)
+        # RegistryError, before the app starts, if the registry does not answer or refuses the schema.
+        self.registry = SchemaRegistry(s.schema_registry) if s.schema_registry else None
+        self.decoder = Decoder(self.registry.writer_schema if self.registry else None)
+        self.violation_codec = self._violation_codec()
         self.event_codec = SingleObjectCodec(LEDGER_EVENT)
         self.engines: dict[str, EngineProjection] = {}
         self.anchors: dict[str, faust.EventT] = {}  # engine -> its latest event (names its partition)
@@ -127,6 +133,14 @@ class StreamWorker:
         self.checkpoint_cost = 0.0  # seconds the last checkpoint took
         self.lock = asyncio.Lock()
         self.app = self._make_app()
+
+    def _violation_codec(self) -> SingleObjectCodec | ConfluentCodec:
+        """Violations go out single-object encoded, or with a registry in the Confluent wire format,
+        their schema registered under `<prefix>.violations-value`."""
+        if self.registry is None:
+            return SingleObjectCodec(VIOLATION)
+        subject = value_subject(self.topics.violations)
+        return ConfluentCodec(VIOLATION, self.registry.register(subject, raw_schema("violation")))
 
     # -- the app ---------------------------------------------------------------------------
     def _make_app(self) -> faust.App:

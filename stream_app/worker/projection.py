@@ -23,6 +23,7 @@ from kvledger.schemas import (
     SingleObjectCodec,
     UnknownSchemaError,
 )
+from kvledger.schemas.codec import Lookup
 from kvledger.schemas.registry import CHECKPOINT, CONNECTOR_EVENT, ENGINE_CHECKPOINT, HEALTH, STEP
 from kvledger.stream_app.core import Ledger, Violation
 from kvledger.stream_app.core.events import PdRole
@@ -388,10 +389,15 @@ class EngineProjection:
 
 
 class Decoder:
-    """Raw records -> (record, event) per engine, or dead letters. A record holds one event or a batch."""
+    """Raw records -> (record, event) per engine, or dead letters. A record holds one event or a batch.
 
-    def __init__(self) -> None:
-        self.codec = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH)
+    With a `lookup` (a Schema Registry's, by id) Confluent-framed records are read too, beside
+    single-object ones: an id the registry does not know, or cannot be asked about, is an
+    `unknown_schema` dead letter, as an unknown fingerprint is.
+    """
+
+    def __init__(self, lookup: Lookup | None = None) -> None:
+        self.codec = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH, lookup=lookup)
 
     def decode(self, record: Record) -> list[dict] | DeadLetter:
         if record.value is None:

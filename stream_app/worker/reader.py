@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, KafkaException, TopicPartition
 
-from kvledger.schemas import VIOLATION, DecodeError, SingleObjectCodec
+from kvledger.schemas import VIOLATION, DecodeError, EitherFraming, SingleObjectCodec
+from kvledger.schemas.confluent import SchemaRegistry
 from kvledger.stream_app.core import Violation
 from kvledger.stream_app.kafka_security import PLAINTEXT, KafkaSecurity
 from kvledger.stream_app.worker.topics import QUIET, BrokerUnavailable, admin, partitions_of
@@ -48,13 +49,15 @@ def read_violations(
     idle_timeout: float,
     stats: ViolationsRead,
     security: KafkaSecurity = PLAINTEXT,
+    registry: SchemaRegistry | None = None,
 ) -> Iterator[tuple[str, Violation]]:
-    """(id, violation) from `topic`, each id once, until nothing new came for `idle_timeout` seconds."""
+    """(id, violation) from `topic`, each id once, until nothing new came for `idle_timeout` seconds.
+    With a `registry`, Confluent-framed violations are read too (writer schemas by id)."""
     client = admin(bootstrap, security=security)
     partitions = partitions_of(client, topic)
     if partitions is None:
         raise BrokerUnavailable(f"topic {topic} does not exist (is a worker running against {bootstrap}?)")
-    codec = SingleObjectCodec(VIOLATION)
+    codec = EitherFraming(VIOLATION, lookup=registry.writer_schema) if registry else SingleObjectCodec(VIOLATION)
     consumer = Consumer(
         security.client(
             **{

@@ -40,9 +40,11 @@ def partition_events(
     start: int,
     end: int,
     security: KafkaSecurity = PLAINTEXT,
+    codec: BatchCodec | None = None,
 ) -> Iterator[dict]:
-    """The engine's events of one partition, offsets [start, end), decoded (batches unpacked)."""
-    codec, key = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH), engine_id.encode()
+    """The engine's events of one partition, offsets [start, end), decoded (batches unpacked) with
+    `codec` (the worker's, which reads Confluent-framed records through its registry)."""
+    codec, key = codec or BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH), engine_id.encode()
     consumer = Consumer(
         security.client(
             **{
@@ -88,6 +90,7 @@ def travel(
     waypoints: list[Waypoint],
     end: int,
     security: KafkaSecurity = PLAINTEXT,
+    codec: BatchCodec | None = None,
 ) -> Journey:
     """`req_id`'s rows on every rank of the engine at `step`."""
     base = max((w for w in waypoints if w.step <= step), key=lambda w: w.step, default=None)
@@ -95,7 +98,7 @@ def travel(
     start = base.next_offset if base is not None else 0
     trace = RequestTrace(engine_id, req_id, ledger)
     past: set[tuple[int, int, int]] = set()  # ranks whose stream went beyond `step`: the rest of it too
-    for event in partition_events(bootstrap, topic, partition, engine_id, start, end, security):
+    for event in partition_events(bootstrap, topic, partition, engine_id, start, end, security, codec):
         rank = (event["dp_rank"], event["tp_rank"], event["pp_rank"])
         at = event["body"][1].get("step")
         if rank in past or (at is not None and at > step):
