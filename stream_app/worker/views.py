@@ -7,7 +7,8 @@
 /block-table   ?engine=E&req=R[&step=S]: a request's block table per rank, at each rank's current
                step, or at step S (time travel: rebuilt from a kept checkpoint and the events topic)
 /transfers     the transfer joins of this worker's partitions: offsets covered, transfers open
-/              a small HTML status page over the three JSON views
+/history       the last 30 minutes of events/s, lag, producer drops and violations (history.py)
+/              the status page: plots of /history, the tables, each violation's block table drawn
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import faust
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvledger.stream_app.worker.history import History, read_registry
 from kvledger.stream_app.worker.travel import travel
 
 if TYPE_CHECKING:
@@ -106,7 +108,8 @@ async def travel_view(worker: StreamWorker, engine_id: str, req_id: str, step: i
         engine_id,
         req_id,
         step,
-        list(projection.waypoints),
+        # Strictly before the step: a waypoint at it holds its tables, not the plan checked against them.
+        [w for w in projection.waypoints if w.step < step],
         worker.positions.get(tp, projection.next_offset),
     )
     ranks = [{"rank": f"dp{v.dp_rank}-tp{v.tp_rank}-pp{v.pp_rank}", **asdict(v)} for v in journey.views]
@@ -115,6 +118,15 @@ async def travel_view(worker: StreamWorker, engine_id: str, req_id: str, step: i
 
 def register_views(app: faust.App, worker: StreamWorker) -> None:
     status_page = resources.files("kvledger.stream_app.worker").joinpath("status.html").read_text()
+    history = History()
+
+    @app.timer(interval=history.interval_s)
+    async def sample_history() -> None:
+        history.record(read_registry(worker.metrics.registry))
+
+    @app.page("/history")
+    async def history_view(web, request):
+        return web.json(history.view())
 
     @app.page("/metrics")
     async def metrics(web, request):
