@@ -114,30 +114,36 @@ def faulty_engine(engine_id: str, seed: int, steps: int = 80) -> list[dict]:
     return simulate(config).events
 
 
-@pytest.fixture(scope="module")
-def published(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A topic prefix whose violations topic a real worker filled, then stopped (so the topic stays as
-    it is), plus a re-send of one violation (as a restarted worker does) and two undecodable records."""
+def publish(bootstrap: str, work: Path, *worker_options: str) -> str:
+    """A topic prefix whose violations topic a real worker filled, then stopped (so the topic stays as it is)."""
     prefix = f"j{uuid.uuid4().hex[:8]}"
     topic = f"{prefix}.violations"
-    work = tmp_path_factory.mktemp("java-consumer")
     per_engine = {e: faulty_engine(e, seed) for seed, e in enumerate(["java-a", "java-b"], start=40)}
     worker = start_worker(
-        kafka_bootstrap, prefix, work / "state", work / "worker.log",
-        "--partitions", "2", "--settle-after", "1", "--session-timeout", "6",
+        bootstrap, prefix, work / "state", work / "worker.log",
+        "--partitions", "2", "--settle-after", "1", "--session-timeout", "6", *worker_options,
     )  # fmt: skip
     try:
         for events in per_engine.values():
-            produce_batched(kafka_bootstrap, f"{prefix}.events", events)
+            produce_batched(bootstrap, f"{prefix}.events", events)
         expected = {e: len(events) for e, events in per_engine.items()}
         wait_for("all events", events_done([worker], expected), [worker])
 
         def all_on_topic() -> bool:  # stopped only then: nothing it published is left in flight
-            return len(read_all(kafka_bootstrap, topic)) == worker.total("kvledger_violations_total")
+            return len(read_all(bootstrap, topic)) == worker.total("kvledger_violations_total")
 
         wait_for("its violations on the topic", all_on_topic, [worker])
     finally:
         worker.stop()
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def published(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Violations a worker published, plus a re-send of one (as a restarted worker does) and two
+    undecodable records."""
+    prefix = publish(kafka_bootstrap, tmp_path_factory.mktemp("java-consumer"))
+    topic = f"{prefix}.violations"
     first = read_all(kafka_bootstrap, topic)[0]
     resent = (first.key(), first.value())
     produce(kafka_bootstrap, topic, [], [resent, (b"id-unknown", UNKNOWN_FINGERPRINT), (b"id-bad", b"not avro")])
@@ -182,3 +188,21 @@ def test_java_consumer_errors_are_one_line_and_exit_2(kafka_bootstrap: str, java
     for message, proc in running.items():
         rc, out, err = finish(proc)
         assert (rc, out, err.splitlines()) == (2, "", [f"kvledger-violations: error: {message}"])
+
+
+def test_java_consumer_reads_the_registry_framing(
+    kafka_bootstrap: str, schema_registry: str, java_consumer: Path, tmp_path: Path
+) -> None:
+    """A worker with --schema-registry publishes violations under registry ids; the Java program
+    fetches the writer schema by id and prints what `kvledger violations --schema-registry` prints."""
+    prefix = publish(kafka_bootstrap, tmp_path, "--schema-registry", schema_registry)
+    messages = read_all(kafka_bootstrap, f"{prefix}.violations")
+    assert messages and all(m.value()[:1] == b"\x00" for m in messages), "the Confluent framing: 00 + id"
+    args = ("--bootstrap", kafka_bootstrap, "--topic-prefix", prefix, "--idle-timeout", IDLE_TIMEOUT)
+    proc = java(java_consumer, *args, "--registry", schema_registry)
+    expected, expected_summary = online_violations(kafka_bootstrap, prefix, "--schema-registry", schema_registry)
+    rc, out, err = finish(proc)
+    *violations, summary = [json.loads(line) for line in out.splitlines()]
+    assert rc == 1, err
+    assert len(violations) == len(messages) and as_multiset(violations) == as_multiset(expected)
+    assert summary == expected_summary and summary["undecodable"] == 0
