@@ -46,6 +46,7 @@ from kvledger.stream_app.worker.projection import (
     EngineProjection,
     Outcome,
     Record,
+    Waypoint,
     chunk_count,
     join_chunks,
     split_checkpoint,
@@ -55,6 +56,7 @@ from kvledger.stream_app.worker.views import register_views
 
 RECENT_VIOLATIONS = 200
 RETIRED_KEPT = 256  # retired engines listed in /engines
+RETIRED_TRAVEL = 16  # retired engines whose time travel stays possible (a crashed engine's findings too)
 log = logging.getLogger("kvledger.worker")
 
 
@@ -126,6 +128,8 @@ class StreamWorker:
         self.pieces: dict[bytes, int] = {}  # table key -> entries its checkpoint spans
         self.retiring: dict[str, str] = {}  # engine -> why: dropped at the next checkpoint
         self.retired: deque[dict] = deque(maxlen=RETIRED_KEPT)
+        # engine -> (its events partition, the offset after its last record, its waypoints), newest last
+        self.retired_travel: dict[str, tuple[int, int, list[Waypoint]]] = {}
         self.unacked: list[tuple[faust.StreamT, faust.EventT]] = []
         self.positions: dict[Any, int] = {}  # events tp -> next offset to process
         self.recent: deque = deque(maxlen=RECENT_VIOLATIONS)
@@ -460,6 +464,11 @@ class StreamWorker:
         self.dirty.discard(engine_id)
         ledger = projection.ledger
         self.retired.append({"engine_id": engine_id, "reason": reason, "events": ledger.events, "steps": ledger.steps})
+        if projection.partition is not None:
+            self.retired_travel.pop(engine_id, None)
+            self.retired_travel[engine_id] = (projection.partition, projection.next_offset, list(projection.waypoints))
+            while len(self.retired_travel) > RETIRED_TRAVEL:
+                del self.retired_travel[next(iter(self.retired_travel))]
         self.metrics.retired.labels(reason).inc()
         self.metrics.forget_engine(engine_id, [f"dp{k.dp}-tp{k.tp}-pp{k.pp}" for k in ledger.ranks])
         log.info("engine %s: retired (%s) after %d events", engine_id, reason, ledger.events)

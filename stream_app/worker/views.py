@@ -97,20 +97,26 @@ def block_table_view(worker: StreamWorker, engine_id: str, req_id: str) -> list[
 async def travel_view(worker: StreamWorker, engine_id: str, req_id: str, step: int) -> dict | None:
     projection = worker.engines.get(engine_id)
     anchor = worker.anchors.get(engine_id)
-    if projection is None or anchor is None:
+    if projection is not None and anchor is not None:
+        tp = anchor.message.tp
+        partition, waypoints, end = tp.partition, projection.waypoints, worker.positions.get(tp, projection.next_offset)
+    elif engine_id in worker.retired_travel:  # retired (closed, crashed, silent): from what it left
+        partition, end, waypoints = worker.retired_travel[engine_id]
+    else:
         return None
-    tp = anchor.message.tp
     journey = await asyncio.to_thread(
         travel,
         worker.settings.bootstrap,
-        tp.topic,
-        tp.partition,
+        worker.topics.events,
+        partition,
         engine_id,
         req_id,
         step,
         # Strictly before the step: a waypoint at it holds its tables, not the plan checked against them.
-        [w for w in projection.waypoints if w.step < step],
-        worker.positions.get(tp, projection.next_offset),
+        [w for w in waypoints if w.step < step],
+        end,
+        worker.settings.kafka,
+        worker.decoder.codec,  # the worker's own framings: registry ids too
     )
     ranks = [{"rank": f"dp{v.dp_rank}-tp{v.tp_rank}-pp{v.pp_rank}", **asdict(v)} for v in journey.views]
     return {"start_offset": journey.start_offset, "from_waypoint": journey.from_waypoint, "ranks": ranks}

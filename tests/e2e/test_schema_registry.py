@@ -9,6 +9,8 @@ carry the id the registry gave the schema of its subject.
 
 from __future__ import annotations
 
+import json
+import urllib.parse
 import uuid
 from collections import Counter
 
@@ -61,9 +63,23 @@ def test_an_engine_traces_through_the_registry_to_the_violations_topic(
         ]
         assert summary["violations"] == {"write_target_mismatch": 1} and summary["undecodable"] == 0
 
+        # Time travel reads the registry framing too, and outlives the engine (closed, so retired: its
+        # state is gone): the step's plan, the wrong slot where the detail says.
+        [v] = violations
+        wait_for("the closed engine retired", lambda: _retired(worker, v["engine_id"]), [worker])
+        query = urllib.parse.urlencode({"engine": v["engine_id"], "req": v["req_id"], "step": v["step"]})
+        travelled = json.loads(worker.get(f"/block-table?{query}", timeout=60))
+        [group] = travelled["ranks"][0]["plan"]["groups"]
+        wrong = [(e, w) for e, w, bad in zip(group["expected"], group["written"], group["wrong"], strict=True) if bad]
+        assert f"expected slot {wrong[0][0]}, actual slot {wrong[0][1]}" in v["detail"], (wrong, v["detail"])
+
         # ... and published the same way, under <prefix>.violations-value.
         violation_id = client.get_latest_version(f"{prefix}.violations-value").schema_id
         [published] = read_all(kafka_bootstrap, f"{prefix}.violations")
         assert published.value()[:5] == confluent_header(violation_id) and violation_id != batch_id
     finally:
         worker.stop()
+
+
+def _retired(worker, engine_id: str) -> bool:
+    return any(e["engine_id"] == engine_id and e["state"] == "retired" for e in json.loads(worker.get("/engines")))
