@@ -9,6 +9,7 @@ validated by a pydantic model (`TraceOptions`), as vLLM validates its own config
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -99,6 +100,9 @@ class TraceOptions(BaseModel):
     action: Annotated[TraceAction, Strict(False)] | None = None  # None: TraceAction.default_for(sink)
     sink: str | None = None
     kafka: dict[str, Any] = {}
+    # A JSON file of client settings under `kafka` (the one a worker's --kafka-config takes): keeps
+    # a password off the engine's command line and out of its logged arguments.
+    kafka_config: str | None = None
     # Kafka sinks only.
     schema_registry: str | None = None
     schema_registry_config: dict[str, Any] | None = None
@@ -119,6 +123,25 @@ class TraceOptions(BaseModel):
         if value is not None and not value.strip():
             raise ValueError(f"expected a non-empty name, got {value!r}")
         return value
+
+    @field_validator("kafka_config")
+    @classmethod
+    def _kafka_file(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                settings = json.loads(Path(value).read_text())
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"cannot read {value!r}: {exc}") from None
+            if not isinstance(settings, dict):
+                raise ValueError(f"{value!r}: expected a JSON object of client settings")
+        return value
+
+    def kafka_settings(self) -> dict[str, Any]:
+        """The client's settings: the file's (its bootstrap.servers aside: the sink URL names the
+        broker), then `kafka`'s, which win."""
+        settings = json.loads(Path(self.kafka_config).read_text()) if self.kafka_config else {}
+        settings.pop("bootstrap.servers", None)
+        return {**settings, **self.kafka}
 
     @field_validator("schema_registry")
     @classmethod
@@ -141,6 +164,8 @@ class TraceOptions(BaseModel):
         sink = self.sink_spec()  # a bad URL fails here, under its key
         if self.schema_registry is not None and sink.kind != "kafka":
             raise _KeyError("schema_registry", f"applies to kafka sinks only (got a {sink.kind} sink)")
+        if self.kafka_config is not None and sink.kind != "kafka":
+            raise _KeyError("kafka_config", f"applies to kafka sinks only (got a {sink.kind} sink)")
         if self.schema_registry_config is not None and self.schema_registry is None:
             raise _KeyError("schema_registry_config", "needs kv_trace.schema_registry (the registry's URL)")
         given = [k for k in ("segment_bytes", "retain_bytes", "retain_hours") if getattr(self, k) is not None]
@@ -176,7 +201,7 @@ class TraceOptions(BaseModel):
             enabled=self.enabled,
             action=self.action or TraceAction.default_for(sink),
             sink=sink,
-            kafka=dict(self.kafka),
+            kafka=self.kafka_settings(),
             schema_registry=(
                 RegistrySpec(self.schema_registry, dict(self.schema_registry_config or {}))
                 if self.schema_registry is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -243,3 +244,35 @@ def test_file_sink_end_to_end(tmp_path):
     assert result.violations == []
     assert result.ledger.events == len(sim.events) + 2
     assert result.ledger.coverage.checks["write"] > 0 and not result.unchecked
+
+
+def test_kafka_settings_from_a_file_keep_secrets_off_the_command_line(tmp_path):
+    path = tmp_path / "kafka.json"
+    path.write_text(json.dumps({"bootstrap.servers": "elsewhere:1", "sasl.password": "s", "linger.ms": 5}))
+    raw = {"sink": "kafka://broker:9092", "kafka_config": str(path), "kafka": {"linger.ms": 50}}
+    config = TraceConfig.from_additional_config({"kv_trace": raw})
+    assert config.kafka == {"sasl.password": "s", "linger.ms": 50}  # the sink URL names the broker; inline wins
+    assert config.sink.bootstrap == "broker:9092"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, r"^kv_trace\.kafka_config: cannot read '.*kafka\.json'"),
+        ("{oops", r"^kv_trace\.kafka_config: cannot read"),
+        ("[1]", r"^kv_trace\.kafka_config: '.*': expected a JSON object"),
+    ],
+)
+def test_an_unusable_kafka_config_file_is_named(tmp_path, content, message):
+    path = tmp_path / "kafka.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(TraceConfigError, match=message):
+        TraceConfig.from_additional_config({"kv_trace": {"sink": "kafka://b:9092", "kafka_config": str(path)}})
+
+
+def test_a_kafka_config_file_needs_a_kafka_sink(tmp_path):
+    path = tmp_path / "kafka.json"
+    path.write_text("{}")
+    with pytest.raises(TraceConfigError, match=r"^kv_trace\.kafka_config: applies to kafka sinks only"):
+        TraceConfig.from_additional_config({"kv_trace": {"sink": "file:///tmp/l", "kafka_config": str(path)}})
