@@ -63,22 +63,28 @@ def local_kafka(tmp_path_factory) -> Callable[..., subprocess.CompletedProcess]:
 @pytest.fixture(scope="session")
 def kafka_bootstrap(local_kafka) -> Iterator[str]:
     """`127.0.0.1:PORT` of a running broker; fails (never skips) if it can't start."""
-    try:
-        up = local_kafka("up", timeout=UP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        local_kafka("down")
-        pytest.fail(f"infra/local-kafka up took longer than {UP_TIMEOUT}s", pytrace=False)
-    if up.returncode != 0:
-        local_kafka("down")
-        message = f"local Kafka broker did not start:\n{up.stderr.strip()}"
-        # The script's error ends with "see <log>": show that log's tail too.
-        if m := re.search(r"see (\S+)$", up.stderr.strip()):
-            message += f"\n--- tail of {m[1]} ---\n{_tail(Path(m[1]))}"
-        pytest.fail(message, pytrace=False)
+    up = _started(local_kafka, "infra/local-kafka", "local Kafka broker")
     try:
         yield _up_lines(up.stdout)["bootstrap"]
     finally:
         local_kafka("down")
+
+
+def _started(run: Callable[..., subprocess.CompletedProcess], script: str, what: str) -> subprocess.CompletedProcess:
+    """`run("up")`, or stop it and fail (never skip) with the script's error and its log's tail."""
+    try:
+        up = run("up", timeout=UP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        run("down")
+        pytest.fail(f"{script} up took longer than {UP_TIMEOUT}s", pytrace=False)
+    if up.returncode != 0:
+        run("down")
+        message = f"{what} did not start:\n{up.stderr.strip()}"
+        # The script's error ends with "see <log>": show that log's tail too.
+        if m := re.search(r"see (\S+)$", up.stderr.strip()):
+            message += f"\n--- tail of {m[1]} ---\n{_tail(Path(m[1]))}"
+        pytest.fail(message, pytrace=False)
+    return up
 
 
 def _up_lines(stdout: str) -> dict[str, str]:
@@ -105,17 +111,7 @@ def schema_registry(tmp_path_factory) -> Iterator[str]:
     def run(cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run([str(SCHEMA_REGISTRY), cmd], env=env, capture_output=True, text=True, timeout=timeout)
 
-    try:
-        up = run("up", timeout=UP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        run("down")
-        pytest.fail(f"infra/schema-registry up took longer than {UP_TIMEOUT}s", pytrace=False)
-    if up.returncode != 0:
-        run("down")
-        message = f"schema registry did not start:\n{up.stderr.strip()}"
-        if m := re.search(r"see (\S+)$", up.stderr.strip()):
-            message += f"\n--- tail of {m[1]} ---\n{_tail(Path(m[1]))}"
-        pytest.fail(message, pytrace=False)
+    up = _started(run, "infra/schema-registry", "schema registry")
     try:
         yield up.stdout.strip().removeprefix("url=")
     finally:
