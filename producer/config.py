@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
+from kvledger.schemas.confluent import url_problem
+
 DEFAULT_TOPIC = "kvledger.events"
 DEFAULT_SEGMENT_BYTES = 64 << 20
 DEFAULT_RING_BYTES = 16 << 20  # ~1,600 steps of 64 requests; ~80 of 8k-token prefills over 2 groups
@@ -128,28 +130,21 @@ class TraceOptions(BaseModel):
     @classmethod
     def _kafka_file(cls, value: str | None) -> str | None:
         if value is not None:
-            try:
-                settings = json.loads(Path(value).read_text())
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"cannot read {value!r}: {exc}") from None
-            if not isinstance(settings, dict):
-                raise ValueError(f"{value!r}: expected a JSON object of client settings")
+            _client_settings(value)  # unreadable: fails here, under its key
         return value
 
     def kafka_settings(self) -> dict[str, Any]:
         """The client's settings: the file's (its bootstrap.servers aside: the sink URL names the
         broker), then `kafka`'s, which win."""
-        settings = json.loads(Path(self.kafka_config).read_text()) if self.kafka_config else {}
+        settings = _client_settings(self.kafka_config) if self.kafka_config else {}
         settings.pop("bootstrap.servers", None)
         return {**settings, **self.kafka}
 
     @field_validator("schema_registry")
     @classmethod
     def _registry_url(cls, value: str | None) -> str | None:
-        if value is not None:
-            url = urlsplit(value)
-            if url.scheme not in ("http", "https") or not url.netloc:
-                raise ValueError(f"expected the registry's http:// or https:// URL, got {value!r}")
+        if value is not None and (problem := url_problem(value)):
+            raise ValueError(problem)
         return value
 
     @field_validator("schema_registry_config")
@@ -214,6 +209,17 @@ class TraceOptions(BaseModel):
             transfer_digests=float(self.transfer_digests),
             engine_id=self.engine_id,
         )
+
+
+def _client_settings(path: str) -> dict[str, Any]:
+    """A JSON object of Kafka client settings (librdkafka's names), or ValueError saying why not."""
+    try:
+        settings = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path!r}: {exc}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path!r}: expected a JSON object of client settings")
+    return settings
 
 
 class _KeyError(ValueError):

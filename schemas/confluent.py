@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 # The rule every allowed change of the evolution rules passes (readers-first changes included);
 # FORWARD and FULL refuse a new union branch or a wider type.
@@ -23,6 +24,14 @@ AT_LEAST_BACKWARD = {"BACKWARD", "BACKWARD_TRANSITIVE", "FULL", "FULL_TRANSITIVE
 LOOKUP_RETRY_S = 10.0
 # Without these the client waits up to ~25 s on a registry that does not answer.
 CLIENT_DEFAULTS: dict[str, Any] = {"timeout": 5, "max.retries": 1}
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with a registry URL given by a user, or None: it must be http(s)://HOST..."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return f"expected the registry's http:// or https:// URL, got {url!r}"
+    return None
 
 
 def value_subject(topic: str) -> str:

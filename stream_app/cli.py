@@ -11,7 +11,6 @@ import socket
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import click
 from rich.console import Console
@@ -187,10 +186,10 @@ def kafka_options(command):
 
 
 def _registry_url(ctx, param, value: str | None) -> str | None:
-    if value is not None:
-        url = urlsplit(value)
-        if url.scheme not in ("http", "https") or not url.netloc:
-            raise click.BadParameter(f"expected the registry's http:// or https:// URL, got {value!r}")
+    from kvledger.schemas.confluent import url_problem
+
+    if value is not None and (problem := url_problem(value)):
+        raise click.BadParameter(problem)
     return value
 
 

@@ -30,7 +30,7 @@ from kvledger.stream_app.core.checks import (
     write_failures,
 )
 from kvledger.stream_app.core.events import StepPlan
-from kvledger.stream_app.core.rank import _UNCHECKED_KINDS, RankState
+from kvledger.stream_app.core.rank import RankState
 
 # Events handed to the core at once (its fast path checks runs of steps together).
 _CHUNK = 512
@@ -234,7 +234,7 @@ def plan_writes(state: RankState, req_id: str, step: int, plan: StepPlan) -> Pla
     start = int(num_tokens[:i].sum())  # the request's first entry in the slot mapping
     groups = []
     for gp in plan.groups:
-        if gp.group_id >= len(state.groups) or state.groups[gp.group_id].kind in _UNCHECKED_KINDS:
+        if gp.group_id >= len(state.groups) or not state.groups[gp.group_id].kind.addresses_slots:
             continue  # no token -> slot addressing to draw (the core leaves it unchecked too)
         g = state.groups[gp.group_id]
         slots = expand_slot_runs(gp.slot_runs)

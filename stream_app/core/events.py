@@ -48,6 +48,12 @@ class KvGroupKind(StrEnum):
     MLA = "MLA"
     OTHER = "OTHER"
 
+    @property
+    def addresses_slots(self) -> bool:
+        """Its layers write tokens through slot = block * block_size + offset (the write checks apply);
+        Mamba state and unknown kinds do not."""
+        return self not in (KvGroupKind.MAMBA, KvGroupKind.OTHER)
+
 
 class StepKind(StrEnum):
     """Why the model runner ran."""

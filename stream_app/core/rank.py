@@ -48,8 +48,6 @@ from kvledger.stream_app.core.violations import (
     Violation,
 )
 
-_UNCHECKED_KINDS = (KvGroupKind.MAMBA, KvGroupKind.OTHER)  # groups without token -> slot addressing
-
 
 class RankState:
     def __init__(self, key: RankKey, info: RankInfo):
@@ -325,7 +323,7 @@ class RankState:
                 continue
             g = self.groups[gid]
             facts = GroupFacts(gid, g.block_size)
-            if g.kind in _UNCHECKED_KINDS:
+            if not g.kind.addresses_slots:
                 cov.unchecked[f"{g.kind.lower()}_group"] += 1
                 if g.kind != KvGroupKind.MAMBA:
                     continue
@@ -504,7 +502,7 @@ class RankState:
         """A drafter pass writes the drafter's own KV through the target group's rows: the same
         slot formula, at positions the scheduler reserved (its lookahead included)."""
         gid = dp.group_id
-        if gid >= len(self.groups) or self.groups[gid].kind in _UNCHECKED_KINDS:
+        if gid >= len(self.groups) or not self.groups[gid].kind.addresses_slots:
             cov.unchecked["draft_unknown_group" if gid >= len(self.groups) else "draft_unchecked_group"] += 1
             return
         g = self.groups[gid]

@@ -11,13 +11,13 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, KafkaError, KafkaException, TopicPartition
 
 from kvledger.schemas import VIOLATION, DecodeError, EitherFraming, SingleObjectCodec
 from kvledger.schemas.confluent import SchemaRegistry
 from kvledger.stream_app.core import Violation
 from kvledger.stream_app.kafka_security import PLAINTEXT, KafkaSecurity
-from kvledger.stream_app.worker.topics import QUIET, BrokerUnavailable, admin, partitions_of
+from kvledger.stream_app.worker.topics import BrokerUnavailable, admin, assigned_consumer, partitions_of
 
 
 @dataclass
@@ -58,17 +58,7 @@ def read_violations(
     if partitions is None:
         raise BrokerUnavailable(f"topic {topic} does not exist (is a worker running against {bootstrap}?)")
     codec = EitherFraming(VIOLATION, lookup=registry.writer_schema) if registry else SingleObjectCodec(VIOLATION)
-    consumer = Consumer(
-        security.client(
-            **{
-                "bootstrap.servers": bootstrap,
-                "group.id": "kvledger-violations-reader",  # assigned, never subscribed: no offsets committed
-                "enable.auto.commit": False,
-                "enable.partition.eof": False,
-                "logger": QUIET,
-            }
-        )
-    )
+    consumer = assigned_consumer(bootstrap, "kvledger-violations-reader", security, **{"enable.partition.eof": False})
     start = OFFSET_BEGINNING if from_beginning else OFFSET_END
     consumer.assign([TopicPartition(topic, p, start) for p in range(partitions)])
     seen: set[bytes] = set()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import Consumer, KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from kvledger.stream_app.kafka_security import PLAINTEXT, KafkaSecurity
@@ -68,6 +68,12 @@ def admin(bootstrap: str, timeout: float = 5.0, security: KafkaSecurity = PLAINT
             ) from None
         raise BrokerUnavailable(f"no Kafka broker answers at {bootstrap} ({exc.args[0].str()})") from None
     return client
+
+
+def assigned_consumer(bootstrap: str, group: str, security: KafkaSecurity = PLAINTEXT, **settings) -> Consumer:
+    """A consumer for partitions assigned by hand, never subscribed: `group` names it, no offsets committed."""
+    base = {"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False, "logger": QUIET}
+    return Consumer(security.client(**base, **settings))
 
 
 def partitions_of(client: AdminClient, topic: str, timeout: float = 10.0) -> int | None:

@@ -12,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import TopicPartition
 
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.kafka_security import PLAINTEXT, KafkaSecurity
 from kvledger.stream_app.replay import RequestTrace, RequestView
 from kvledger.stream_app.worker.projection import EngineProjection, Waypoint
-from kvledger.stream_app.worker.topics import QUIET
+from kvledger.stream_app.worker.topics import assigned_consumer
 
 POLL_BATCH = 1024
 READ_TIMEOUT = 30.0  # seconds without a record before a replay gives up
@@ -45,16 +45,7 @@ def partition_events(
     """The engine's events of one partition, offsets [start, end), decoded (batches unpacked) with
     `codec` (the worker's, which reads Confluent-framed records through its registry)."""
     codec, key = codec or BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH), engine_id.encode()
-    consumer = Consumer(
-        security.client(
-            **{
-                "bootstrap.servers": bootstrap,
-                "group.id": "kvledger-time-travel",  # assigned, never subscribed: no offsets committed
-                "enable.auto.commit": False,
-                "logger": QUIET,
-            }
-        )
-    )
+    consumer = assigned_consumer(bootstrap, "kvledger-time-travel", security)
     try:
         low, _ = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
         offset = max(start, low)

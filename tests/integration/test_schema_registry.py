@@ -10,6 +10,7 @@ import json
 import logging
 import uuid
 from collections import Counter
+from pathlib import Path
 
 import fastavro
 import pytest
@@ -31,6 +32,7 @@ from kvledger.schemas.registry import batch_raw, checkpoint_raw, raw_schema
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.worker.topics import Topics, ensure_topics
 from tests.stream_harness import (
+    Worker,
     as_multiset,
     events_done,
     free_port,
@@ -60,6 +62,14 @@ def _avro(schema: dict) -> Schema:
 
 def _canonical(schema_str: str) -> str:
     return fastavro.schema.to_parsing_canonical_form(fastavro.parse_schema(json.loads(schema_str)))
+
+
+def registry_worker(bootstrap: str, prefix: str, tmp_path: Path, registry: str) -> Worker:
+    """A worker that reads and publishes through the registry."""
+    return start_worker(
+        bootstrap, prefix, tmp_path / "state", tmp_path / "worker.log",
+        "--store", "memory", "--settle-after", "1", "--schema-registry", registry,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -174,10 +184,7 @@ def test_a_fleet_mid_migration_through_the_worker_and_the_reader(
         (b"sr-framed", confluent_header(987654)),
     }, heads
 
-    worker = start_worker(
-        kafka_bootstrap, prefix, tmp_path / "state", tmp_path / "worker.log",
-        "--store", "memory", "--settle-after", "1", "--schema-registry", schema_registry,
-    )  # fmt: skip
+    worker = registry_worker(kafka_bootstrap, prefix, tmp_path, schema_registry)
     try:
         wait_for("every event", events_done([worker], {"sr-framed": len(framed), "sr-plain": len(plain)}), [worker])
         violations, summary = online_violations(kafka_bootstrap, prefix, "--schema-registry", schema_registry)
@@ -251,10 +258,7 @@ def test_a_newer_writer_schema_is_read_by_the_current_worker_and_an_incompatible
     assert client.get_versions(subject) == [1, 2]
 
     # The current worker reads both versions through the registry, with its own (older) schema.
-    worker = start_worker(
-        kafka_bootstrap, prefix, tmp_path / "state", tmp_path / "worker.log",
-        "--store", "memory", "--settle-after", "1", "--schema-registry", schema_registry,
-    )  # fmt: skip
+    worker = registry_worker(kafka_bootstrap, prefix, tmp_path, schema_registry)
     try:
         wait_for("every event", events_done([worker], {"sr-current": len(current), "sr-newer": len(newer)}), [worker])
         violations, _ = online_violations(kafka_bootstrap, prefix, "--schema-registry", schema_registry)
