@@ -21,7 +21,7 @@ from kvledger.producer.staging import Staged
 
 _EMPTY = np.zeros(0, np.int64)
 _NIL = msgspec.msgpack.encode(None)
-_unpack_step = msgspec.msgpack.Decoder(tuple[int, str, msgspec.Raw, object]).decode  # the blob left encoded
+_unpack_step = msgspec.msgpack.Decoder(tuple[int, str, msgspec.Raw, object, object]).decode  # the blob left encoded
 
 
 class RequestIndex:
@@ -147,6 +147,19 @@ class PlanCapture:
 
 
 @dataclass
+class ContentCapture:
+    """The step's digests of sealed blocks (producer/content.py), taken before its forward pass."""
+
+    groups: np.ndarray  # int32, one per digest
+    blocks: np.ndarray  # int32, aligned
+    digests: Staged  # int64 (the uint64 digests' bits), aligned; on a device, still being copied
+    reasons: list[str]  # DigestReason symbols, aligned
+
+    def record(self) -> dict:
+        return records.block_digests(self.groups, self.blocks, self.digests.numpy(), self.reasons)
+
+
+@dataclass
 class StepCapture:
     """One step as the engine thread leaves it: built into a Step record by `record`."""
 
@@ -154,25 +167,36 @@ class StepCapture:
     kind: str  # REAL, DUMMY, PROFILE, WARMUP
     scheduler: bytes | None  # a `frames.scheduler_payload` (REAL steps), as encoded
     plan: PlanCapture | None
+    content: ContentCapture | None = None
 
     def record(self, index: RequestIndex, full_rows: bool) -> tuple[str, dict]:
         # The input first: it gives this step's new requests their indices, which the plan names.
         inp = step_input_record(self.scheduler, index) if self.scheduler is not None else None
         plan = self.plan.record(index, full_rows) if self.plan is not None else None
-        return records.step(self.step, self.kind, inp, plan)
+        content = self.content.record() if self.content is not None else None
+        return records.step(self.step, self.kind, inp, plan, content)
 
     def to_parts(self) -> list:
         plan_header, arrays = self.plan.to_parts() if self.plan is not None else (None, [])
         # The scheduler's blob goes in as it was encoded: one header, no second encoding.
         scheduler = msgspec.Raw(self.scheduler) if self.scheduler is not None else None
-        return [pack((self.step, self.kind, scheduler, plan_header)), *arrays]
+        reasons = None
+        if self.content is not None:  # its arrays go last, after the plan's
+            c = self.content
+            reasons = c.reasons
+            arrays = [*arrays, c.groups, c.blocks, c.digests.numpy()]
+        return [pack((self.step, self.kind, scheduler, plan_header, reasons)), *arrays]
 
     @classmethod
     def from_parts(cls, parts: list[np.ndarray]) -> StepCapture:
-        step, kind, raw, plan_header = _unpack_step(parts[0])
-        plan = PlanCapture.from_parts(plan_header, parts[1:]) if plan_header is not None else None
+        step, kind, raw, plan_header, reasons = _unpack_step(parts[0])
+        arrays, content = parts[1:], None
+        if reasons is not None:
+            arrays, (groups, blocks, digests) = arrays[:-3], arrays[-3:]
+            content = ContentCapture(groups, blocks, Staged.host(digests), reasons)
+        plan = PlanCapture.from_parts(plan_header, arrays) if plan_header is not None else None
         scheduler = bytes(raw)
-        return cls(step, kind, scheduler if scheduler != _NIL else None, plan)
+        return cls(step, kind, scheduler if scheduler != _NIL else None, plan, content)
 
 
 @dataclass

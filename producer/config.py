@@ -75,6 +75,8 @@ class TraceConfig:
     snapshot_interval: int = 256  # steps between snapshots (0: none)
     full_rows: bool = False
     transfer_digests: float = 0.0
+    content_digests: float = 0.0  # share of sealed blocks whose bytes are digested (producer/content.py)
+    content_sweep: int = 4  # sealed blocks the background sweep digests per step
     # The ledger's name for this engine, kept across restarts (else a new one at every start).
     engine_id: str | None = None
 
@@ -113,6 +115,8 @@ class TraceOptions(BaseModel):
     snapshot_interval: int = Field(256, ge=0)
     full_rows: bool = False
     transfer_digests: float = Field(0.0, ge=0.0, le=1.0)
+    content_digests: float = Field(0.0, ge=0.0, le=1.0)
+    content_sweep: int = Field(4, ge=0)
     engine_id: str | None = None
     # File sinks only.
     segment_bytes: int | None = Field(None, ge=1)
@@ -207,6 +211,8 @@ class TraceOptions(BaseModel):
             snapshot_interval=self.snapshot_interval,
             full_rows=self.full_rows,
             transfer_digests=float(self.transfer_digests),
+            content_digests=float(self.content_digests),
+            content_sweep=self.content_sweep,
             engine_id=self.engine_id,
         )
 

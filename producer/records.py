@@ -76,6 +76,9 @@ def rank_info(
     }
 
 
+# A probe's capability: sealed blocks' bytes digested (producer/content.py); unavailable voids nothing else.
+CONTENT_DIGESTS = "content_digests"
+
 # Configurations whose addressing the ledger's checks do not model. A rank running one declares
 # it as an unavailable capability of that name (the reason says why); the ledger core counts the
 # checks it voids as unchecked under the same name, never as violations (core/engine.py).
@@ -314,8 +317,18 @@ def draft_pass(group_id: int, pass_index: int, num_tokens, first_positions, slot
     }
 
 
-def step(step: int, kind: str, inp: dict | None, plan: dict | None) -> tuple[str, dict]:
-    return STEP, {"step": step, "kind": kind, "input": inp, "plan": plan}
+def step(step: int, kind: str, inp: dict | None, plan: dict | None, content: dict | None = None) -> tuple[str, dict]:
+    return STEP, {"step": step, "kind": kind, "input": inp, "plan": plan, "content": content}
+
+
+def block_digests(groups, blocks, digests: np.ndarray, reasons: Sequence[str]) -> dict:
+    """A BlockDigests: per digest its group, block, digest (uint64, carried as int64 bits) and reason."""
+    return {
+        "group_ids": pack_i32(groups),
+        "block_ids": pack_i32(blocks),
+        "digests": np.asarray(digests, np.int64).view(np.uint64).tobytes(),
+        "reasons": list(reasons),
+    }
 
 
 def snapshot(step: int, requests: list[tuple[int, str, int, list[np.ndarray]]]) -> tuple[str, dict]:

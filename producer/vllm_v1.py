@@ -36,8 +36,16 @@ from typing import Any
 import numpy as np
 
 from kvledger.producer import records
-from kvledger.producer.capture import DraftPassCapture, PlanCapture, RequestIndex, SnapshotCapture, StepCapture
+from kvledger.producer.capture import (
+    ContentCapture,
+    DraftPassCapture,
+    PlanCapture,
+    RequestIndex,
+    SnapshotCapture,
+    StepCapture,
+)
 from kvledger.producer.config import TraceAction, TraceConfig, resolve_engine_id
+from kvledger.producer.content import GroupRows, SealTracker, digest_blocks, group_pages
 from kvledger.producer.frames import scheduler_payload
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring_recorder import SUPERVISE_EVERY, RingRecorder
@@ -126,6 +134,9 @@ class V1RunnerProbe:
         self._awaiting_sample = False  # execute_model left sampling (and drafting) to sample_tokens
         self._drafts_lost = False  # a pass of this step could not be copied
         self._draft_views: dict[str, tuple[Any, np.ndarray | None]] = {}  # drafter buffer -> host view
+        self.content: ContentProbe | None = None  # set when sealed blocks are digested
+        self.content_capabilities: list[tuple[str, bool, str | None]] = []
+        self._content: ContentCapture | None = None  # this step's digests
 
     # -- attach ----------------------------------------------------------------------------
     def attach_points(self) -> list[tuple[AttachPoint, Callable]]:
@@ -149,6 +160,7 @@ class V1RunnerProbe:
                 continue
             setattr(self.runner, point.method, wrap(getattr(self.runner, point.method)))
         self.drafter_capabilities = self._attach_drafter()
+        self.content_capabilities = self._attach_content()
         # `raise` checks on the engine thread, so a step can fail; `log` in the recorder process,
         # off the engine's interpreter; `record` leaves the checking to the stream workers.
         if self.config.action is TraceAction.RAISE:
@@ -162,7 +174,7 @@ class V1RunnerProbe:
     def capabilities(self) -> list[tuple[str, bool, str | None]]:
         points = [point.capability for point, _ in self.attach_points()]
         own = [(name, name not in self.unavailable, self.unavailable.get(name)) for name in points]
-        own += self.drafter_capabilities
+        own += self.drafter_capabilities + self.content_capabilities
         # Configurations the checks do not model, declared so the ledger counts them unchecked
         # (a probe here that records what a declaration would void speaks for itself).
         recorded = {name for name, _, _ in own}
@@ -281,8 +293,13 @@ class V1RunnerProbe:
         self.step += 1  # paused or not: step numbers stay those of the engine
         self._plan = self._input = None
         self._drafts, self._next_pass, self._awaiting_sample, self._drafts_lost = [], 0, False, False
+        self._content = None
         if self.paused:
+            if self.content is not None:
+                self.content.stale = True
             return
+        if self.content is not None:
+            self.content.before_step(scheduler_output, self.runner.requests)
         # Encoded now: the runner adopts some of its block-id lists as request state and
         # extends them in place on later steps.
         self._input = scheduler_payload(scheduler_output)
@@ -318,7 +335,8 @@ class V1RunnerProbe:
         """Record this step with the plan captured during it: as a frame the recorder builds, or
         built here in raise mode."""
         plan, self._plan = self._plan, None
-        capture = StepCapture(self.step, kind, scheduler, self._with_drafts(kind, plan))
+        content, self._content = self._content, None
+        capture = StepCapture(self.step, kind, scheduler, self._with_drafts(kind, plan), content)
         if self._checker is None:
             self.recorder.step(capture)
         else:
@@ -365,6 +383,8 @@ class V1RunnerProbe:
             rows = self._stage_rows(table, num_reqs, width)
             groups.append((gid, stage(slot_mappings[gid]), rows, lens))
         positions = self._stage_positions(num_tokens)
+        if self.content is not None and self._input is not None and self._content is None:
+            self._content = self.content.digest(batch, num_reqs, self.staging)
         self._plan = PlanCapture(
             req_ids=batch.req_ids[:num_reqs],
             query_start_loc=runner.query_start_loc.np[: num_reqs + 1].copy(),
@@ -391,6 +411,22 @@ class V1RunnerProbe:
         if kept[1] is None:  # on a device: copied without a stream synchronisation
             return self.staging.stage(table.get_device_tensor(num_reqs)[:, :width])
         return Staged.host(kept[1][:num_reqs, :width].copy())
+
+    # -- content digests of sealed blocks ----------------------------------------------------------
+    def _attach_content(self) -> list[tuple[str, bool, str | None]]:
+        """Digest sealed blocks (kv_trace.content_digests), or say why this rank cannot."""
+        if self.config.content_digests <= 0.0:
+            return []
+        why = content_unmodelled(self.runner)
+        if why is None:
+            try:
+                self.content = ContentProbe.of(self.runner, self.config)
+            except (AttributeError, ValueError, RuntimeError) as exc:  # this vLLM lays its cache out otherwise
+                why = f"the KV cache's pages cannot be located: {exc}"
+        if why is not None:
+            log.warning("kv_trace: %s not recorded: %s", records.CONTENT_DIGESTS, why)
+            return [(records.CONTENT_DIGESTS, False, why)]
+        return [(records.CONTENT_DIGESTS, True, None)]
 
     # -- the drafter's KV writes -------------------------------------------------------------
     def drafter_attach_points(self, drafter: Any) -> list[tuple[Any, AttachPoint, Callable]]:
@@ -542,3 +578,101 @@ def unmodelled_drafter(drafter: Any) -> str | None:
     if getattr(propose, "__qualname__", "") != "SpecDecodeBaseProposer.propose":
         return f"{name}.propose is its own, not the pass loop the probe models"
     return None
+
+
+def content_unmodelled(runner: Any) -> str | None:
+    """Why the V1 runner's sealed blocks cannot be told from those still written here, or None."""
+    vllm_config = runner.vllm_config
+    if vllm_config.kv_transfer_config is not None:
+        return "a KV connector writes blocks outside the runner's plan (loads, offloads): not modelled"
+    spec = vllm_config.speculative_config
+    if spec is not None and getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        return "async scheduling with speculative decoding: a request's computed tokens run ahead of its KV"
+    if not getattr(runner, "kv_caches", None):
+        return "the runner holds no KV cache tensors"
+    tables = runner.input_batch.block_table
+    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        if tables[gid].block_size != group.kv_cache_spec.block_size:
+            return f"group {gid}'s kernel blocks ({tables[gid].block_size} tokens) split the scheduler's"
+    return None
+
+
+class ContentProbe:
+    """What the V1 runner's sealed-block digests read: its block tables, computed tokens and
+    KV pages; the rules are content.SealTracker's."""
+
+    def __init__(self, tracker: SealTracker, groups: list[tuple[int, int, bool, bool]], pages: dict[int, list]):
+        self.tracker = tracker
+        self.groups = groups  # per group: id, block size, seals, state
+        self.pages = pages
+        self.stale = False  # tracing was paused: every seal is forgotten at the next step
+        self._reading: list[str] = []
+        self._released: dict[int, list] = {}
+        self._overwritten: list[int] = []
+
+    @classmethod
+    def of(cls, runner: Any, config: TraceConfig) -> ContentProbe:
+        kv_config = runner.kv_cache_config
+        groups = []
+        for gid, group in enumerate(kv_config.kv_cache_groups):
+            kind, _ = kv_group_kind(group.kv_cache_spec)
+            groups.append((gid, group.kv_cache_spec.block_size, kind in _SEALING, kind in _STATE))
+        pages = group_pages(kv_config, runner.kv_caches[0])
+        tracker = SealTracker(kv_config.num_blocks, config.content_digests, config.content_sweep)
+        return cls(tracker, groups, pages)
+
+    def before_step(self, so: Any, states: dict) -> None:
+        """Before the runner applies the step: who reads sealed blocks again, and what finished or
+        preempted requests let go (their states are gone once the runner has applied it)."""
+        if self.stale:
+            self.tracker.reset()
+            self.stale = False
+        self._reading = [r.req_id for r in so.scheduled_new_reqs if r.num_computed_tokens]
+        self._reading += list(getattr(so.scheduled_cached_reqs, "resumed_req_ids", None) or ())
+        released: dict[int, list] = {}
+        for req_id in (*so.finished_req_ids, *(getattr(so, "preempted_req_ids", None) or ())):
+            state = states.get(req_id)
+            if state is None:
+                continue
+            for gid, block_size, seals, _ in self.groups:
+                if seals:
+                    released.setdefault(gid, []).extend(state.block_ids[gid][: state.num_computed_tokens // block_size])
+        self._released = released
+        copies = getattr(so, "kv_cache_block_copies", None) or ()
+        dsts = [c.dst if hasattr(c, "dst") else tuple(c)[1] for c in copies]
+        self._overwritten = [*(getattr(so, "new_block_ids_to_zero", None) or ()), *dsts]
+
+    def digest(self, batch: Any, num_reqs: int, staging) -> ContentCapture | None:
+        """The step's digests, once the runner has applied it and before its forward pass."""
+        import torch
+
+        rows = []
+        for gid, block_size, seals, state in self.groups:
+            table = batch.block_table[gid]
+            lens = table.num_blocks_per_row[:num_reqs]
+            width = int(lens.max()) if num_reqs else 0
+            rows.append(GroupRows(gid, block_size, seals, state, table.block_table.np[:num_reqs, :width], lens))
+        index = batch.req_id_to_index
+        reading = np.fromiter((index[r] for r in self._reading if r in index), np.int64)
+        released = {gid: np.asarray(b, np.int64) for gid, b in self._released.items()}
+        due = self.tracker.due(
+            rows,
+            batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64),
+            reading,
+            released,
+            np.asarray(self._overwritten, np.int64),
+        )
+        if not due:
+            return None
+        parts = []
+        for gid, blocks in zip(due.groups, due.blocks, strict=True):
+            pages = self.pages[gid]
+            parts.append(digest_blocks(pages, torch.from_numpy(blocks.astype(np.int64)).to(pages[0].device)))
+        digests = staging.stage(torch.cat(parts))
+        groups = np.repeat(np.asarray(due.groups, np.int32), [b.size for b in due.blocks])
+        reasons = [r for r, b in zip(due.reasons, due.blocks, strict=True) for _ in range(b.size)]
+        return ContentCapture(groups, np.concatenate(due.blocks).astype(np.int32), digests, reasons)
+
+
+_SEALING = ("FULL_ATTENTION", "MLA")
+_STATE = ("MAMBA", "OTHER")

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.core import batch
+from kvledger.stream_app.core.content import ContentLedger
 from kvledger.stream_app.core.events import (
     ConnectorEvent,
     Health,
@@ -269,6 +270,8 @@ class Ledger:
         self.transfer_join = (
             TransferJoin(deadline_steps=transfer_deadline_steps, coverage=self.coverage) if join_transfers else None
         )
+        # Reference digests of sealed blocks, per engine and DP rank (core/content.py).
+        self.content: dict[tuple[str, int], ContentLedger] = {}
         self._keys: dict[tuple, RankKey] = {}  # interned: a lookup costs half of building a RankKey
         self.events = 0
         self.steps = 0
@@ -359,6 +362,8 @@ class Ledger:
                 expect[key] = (slot.next_seq, slot.last_step + 1 if slot.last_step >= 0 else body.step)
                 per_rank[key] = []
             seq, step = expect[key]
+            if body.content is not None:  # digests are compared step by step (core/content.py)
+                return False
             if event.seq != seq or body.step != step or event.incarnation != self.ranks[key].incarnation:
                 return False
             expect[key] = (seq + 1, step + 1)
@@ -388,6 +393,9 @@ class Ledger:
             slot.next_seq, slot.last_step = seq, step - 1
         for event in events:
             self._transfers(event.rank, event, out)
+        for key, _, body in seen:
+            if self.ranks[key].state is not None:
+                self._note_writes(key, body.step, body.plan)
         for key, _, body in seen:
             if key in fps:
                 lead = None if self.follower(key) else (True, [], [])
@@ -479,6 +487,7 @@ class Ledger:
         if slot is None or slot.incarnation != event.incarnation:
             if slot is not None:
                 self.coverage.unchecked["rank_restarted"] += 1
+                self._content_lost(key)
             slot = self.ranks[key] = RankSlot(event.incarnation, seq + 1)
             if seq != 0:
                 # Its earlier records are gone (a retention window, a consumer that started late):
@@ -505,6 +514,7 @@ class Ledger:
             )
             slot.desynced = True
             slot.gap_after_step = slot.last_step
+            self._content_lost(key)
         slot.next_seq = seq + 1
         return slot
 
@@ -577,6 +587,8 @@ class Ledger:
             self._lost_steps(key, slot.gap_after_step, n)
             slot.gap_after_step = None
         slot.last_step = n
+        if step.content is not None:
+            self._check_content(key, slot, step, out)
         if self.follower(key):
             self._cross_rank(key, step, out=out)
             return
@@ -592,9 +604,35 @@ class Ledger:
             mark = len(out)
             if step.plan is not None:
                 self._check_plan(state, slot.declared, n, step.plan, out)
+                self._note_writes(key, n, step.plan)
             elif step.kind == StepKind.REAL and step.input is not None and _has_tokens(step.input):
                 self.coverage.unchecked["no_plan"] += 1
         self._cross_rank(key, step, out=out, lead=(checked, out[found:mark], out[mark:]))
+
+    # -- content of sealed blocks ------------------------------------------------------------------
+    def _check_content(self, key: RankKey, slot: RankSlot, step: Step, out: list[Violation]) -> None:
+        """A rank's digests, against its own earlier ones (every rank: its heads or layers are its own)."""
+        if slot.info is None:
+            self.coverage.unchecked["content_without_rank_info"] += len(step.content.reasons)
+            return
+        content = self.content.get((key.engine_id, key.dp))
+        if content is None:
+            sizes = {g.group_id: g.block_size for g in slot.info.kv_groups}
+            content = self.content[(key.engine_id, key.dp)] = ContentLedger(sizes)
+        tables = self.tables_of(key)
+        holders = tables.holders_of if tables is not None else lambda block: []
+        content.apply(key, step.step, step.content, holders, out, self.coverage)
+
+    def _note_writes(self, key: RankKey, step: int, plan: StepPlan) -> None:
+        """A replayed rank's plan wrote at `step`: its group's sealed blocks it touched are marked."""
+        content = self.content.get((key.engine_id, key.dp))
+        if content is not None:
+            content.note_writes(step, plan)
+
+    def _content_lost(self, key: RankKey) -> None:
+        content = self.content.get((key.engine_id, key.dp))
+        if content is not None:
+            content.forget_rank(key)
 
     def _check_plan(self, state: RankState, declared: Declared | None, step: int, plan: StepPlan, out) -> None:
         if declared is not None:

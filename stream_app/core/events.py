@@ -64,6 +64,17 @@ class StepKind(StrEnum):
     WARMUP = "WARMUP"
 
 
+class DigestReason(StrEnum):
+    """Why a sealed block's content digest was taken (see BlockDigests in the contract)."""
+
+    SEALED = "SEALED"  # it just became full: the reference
+    READ = "READ"  # a prefix-cache hit or a resume reads it again
+    RELEASED = "RELEASED"  # a request holding it finished or was preempted
+    SWEEP = "SWEEP"  # the background sweep
+    ZEROED = "ZEROED"  # the scheduler had it zeroed: its digest must be 0
+    OTHER = "OTHER"  # a reason newer than this reader: not compared
+
+
 class ConnectorKind(StrEnum):
     """What a KV connector observed."""
 
@@ -87,6 +98,7 @@ _PD_ROLES = _by_symbol(PdRole)
 _GROUP_KINDS = _by_symbol(KvGroupKind)
 _STEP_KINDS = _by_symbol(StepKind)
 _CONNECTOR_KINDS = _by_symbol(ConnectorKind)
+_DIGEST_REASONS = _by_symbol(DigestReason)
 
 
 # -- RankInfo -------------------------------------------------------------------------------------
@@ -241,12 +253,29 @@ class Step:
     kind: StepKind
     input: StepInput | None  # None: a run without a scheduler output
     plan: StepPlan | None  # None: no plan built, or the plan probe is unavailable
+    content: BlockDigests | None = None  # None: no sealed block digested at this step
 
     @classmethod
     def of(cls, d: Record) -> Step:
-        i, p = d.get("input"), d.get("plan")
+        i, p, c = d.get("input"), d.get("plan"), d.get("content")
         inp = None if i is None else _input(i)
-        return cls(d["step"], _STEP_KINDS[d["kind"]], inp, None if p is None else StepPlan.of(p))
+        content = None if c is None else BlockDigests.of(c)
+        return cls(d["step"], _STEP_KINDS[d["kind"]], inp, None if p is None else StepPlan.of(p), content)
+
+
+@dataclass(slots=True)
+class BlockDigests:
+    """Content digests of sealed blocks, taken at a step before its forward pass wrote anything."""
+
+    group_ids: bytes  # packed int32
+    block_ids: bytes  # packed int32, aligned with group_ids
+    digests: bytes  # packed uint64, aligned with group_ids
+    reasons: list[DigestReason]  # aligned with group_ids
+
+    @classmethod
+    def of(cls, d: Record) -> BlockDigests:
+        reasons = [_DIGEST_REASONS.get(r, DigestReason.OTHER) for r in d["reasons"]]
+        return cls(d["group_ids"], d["block_ids"], d["digests"], reasons)
 
 
 def _input(d: Record) -> StepInput:

@@ -158,6 +158,14 @@ class RankState:
             count[inside] += g.hold_count[blocks[inside]]
         return count
 
+    def holders_of(self, block: int) -> list[str]:
+        """The live requests whose rows hold `block`, in any group (for a report: a scan of the rows)."""
+        req_of_row = {int(self.row_of[i]): i for i in self.index_of.values()}
+        rows = set()
+        for g in self.groups:
+            rows.update(np.flatnonzero((g.table[: self.num_rows] == block).any(axis=1)).tolist())
+        return sorted(self.req_id(req_of_row[r]) for r in rows if r in req_of_row)
+
     def _check_overwrites(self, step, what: str, blocks, fresh, out, cov) -> None:
         """Blocks the worker overwrites whole this step (zeroed, or a copy's destination) must be
         read by nobody else: no pending send, at most one live holder, and for a copy's

@@ -23,6 +23,9 @@ READ_BEFORE_TRANSFER = "read_before_transfer"
 SEND_BLOCK_REUSED = "send_block_reused"
 ORPHAN_TRANSFER = "orphan_transfer"
 TRANSFER_CONTENT_MISMATCH = "transfer_content_mismatch"
+# The content of sealed blocks (core/content.py).
+SEALED_BLOCK_MODIFIED = "sealed_block_modified"
+BLOCK_NOT_ZEROED = "block_not_zeroed"
 
 KINDS = (
     WRITE_TARGET_MISMATCH,
@@ -41,6 +44,8 @@ KINDS = (
     SEND_BLOCK_REUSED,
     ORPHAN_TRANSFER,
     TRANSFER_CONTENT_MISMATCH,
+    SEALED_BLOCK_MODIFIED,
+    BLOCK_NOT_ZEROED,
 )
 
 

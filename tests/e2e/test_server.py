@@ -186,9 +186,11 @@ def test_sigterm_right_after_the_last_response_leaves_a_complete_clean_ledger(tm
     assert ledger_counts(ledger)[0]["prefix_hit_tokens"] >= 31 * 64  # 15 hits in the first round, 32 in the second
 
 
-def run_until_killed(server: Server, title: str, after_s: float) -> tuple[float, list[str]]:
-    """Serve long requests and SIGKILL the one process titled `title` `after_s` seconds in, while
-    the engine is busy; (kill time, errors of the requests cut short)."""
+def run_until_killed(server: Server, title: str, decode_steps: int = 60) -> tuple[float, list[str]]:
+    """Serve long requests and SIGKILL the one process titled `title` once every request has
+    decoded `decode_steps` tokens (vLLM's own counter says so), far from the end of any of them;
+    (kill time, errors of the requests cut short). A fixed delay is not enough: a fast machine
+    finishes every request in it."""
     errors: list[str] = []
 
     def complete(prompt: list[int]) -> None:
@@ -200,7 +202,11 @@ def run_until_killed(server: Server, title: str, after_s: float) -> tuple[float,
     threads = [threading.Thread(target=complete, args=(p,)) for p in PROMPTS]
     for t in threads:
         t.start()
-    time.sleep(after_s)
+    deadline = time.monotonic() + 300
+    while generated(server) < decode_steps * len(PROMPTS):
+        assert time.monotonic() < deadline, "the engine did not decode in 300 s"
+        time.sleep(0.1)
+    assert server.completions == [], "a request finished before the kill"
     [pid] = server.processes(title)
     killed_at = time.time()
     os.kill(pid, signal.SIGKILL)
@@ -208,6 +214,12 @@ def run_until_killed(server: Server, title: str, after_s: float) -> tuple[float,
         t.join(120)
     server.proc.wait(120)  # the server stops itself once its engine is dead
     return killed_at, errors
+
+
+def generated(server: Server) -> float:
+    """Tokens the server's engines have generated so far (vLLM's /metrics)."""
+    counters = vllm_counters(server)
+    return sum(v for (name, _), v in counters.items() if name == "vllm:generation_tokens_total")
 
 
 def closed_within(ledger: Path, seconds: float) -> bool:
@@ -226,7 +238,7 @@ def test_sigkill_of_the_worker_mid_run_loses_nothing_its_recorder_closes_the_led
     delivers everything the worker wrote into the ring and closes the ledger."""
     ledger = tmp_path / "ledger"
     with serve(tmp_path, traced(ledger), args=["--max-num-seqs", "32"]) as server:
-        killed_at, errors = run_until_killed(server, "VLLM::Worker", after_s=3)
+        killed_at, errors = run_until_killed(server, "VLLM::Worker")
     assert len(errors) == 32 and server.completions == [], "the engine was not busy when killed"
     assert closed_within(ledger, 60), end_markers(ledger)
     lost_s = killed_at - newest(ledger)
@@ -245,7 +257,7 @@ def test_sigkill_of_the_engine_core_mid_run_lets_the_worker_close_its_ledger(tmp
     ledger on the way (WorkerWrapperBase.shutdown): complete, confirmed closed."""
     ledger = tmp_path / "ledger"
     with serve(tmp_path, traced(ledger), args=["--max-num-seqs", "32"]) as server:
-        killed_at, errors = run_until_killed(server, "VLLM::EngineCore", after_s=3)
+        killed_at, errors = run_until_killed(server, "VLLM::EngineCore")
     assert len(errors) == 32 and server.completions == [], "the engine was not busy when killed"
     assert [m.closed for m in end_markers(ledger)] == [True]
     assert killed_at - newest(ledger, "kvledger.Step") <= LOSS_BOUND_S + SLACK_S

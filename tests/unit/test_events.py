@@ -16,6 +16,7 @@ from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.core.events import (
     ConnectorEvent,
     ConnectorKind,
+    DigestReason,
     Health,
     KvGroupKind,
     PdRole,
@@ -102,7 +103,13 @@ def test_the_enums_name_the_schema_symbols():
                 walk(node.get(key))
 
     walk(raw_schema("ledger_event"))
-    enums = {"PdRole": PdRole, "KvGroupKind": KvGroupKind, "StepKind": StepKind, "ConnectorEventKind": ConnectorKind}
+    enums = {
+        "PdRole": PdRole,
+        "KvGroupKind": KvGroupKind,
+        "StepKind": StepKind,
+        "ConnectorEventKind": ConnectorKind,
+        "DigestReason": DigestReason,
+    }
     assert symbols.keys() == enums.keys()
     for name, enum in enums.items():
         assert [m.value for m in enum] == symbols[name], name
