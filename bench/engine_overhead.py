@@ -16,7 +16,12 @@
 * vLLM's own KV events publisher (`kv_events_config`, ZMQ), for comparison: it cannot be
   paused, so one engine per run, on and off in turn (`--kv-events-pairs`).
 
+* content digests of sealed blocks (`content_digests` 0, 0.01 and 0.1, `log` action, 64
+  requests): one engine per fraction, paused and resumed in turn as above; the cost a fraction
+  adds is its overhead over the 0 row's, with the digests per step and ledger bytes per step.
+
     python bench/engine_overhead.py [--python .venv-vllm/bin/python] [--rounds 10] [--kv-events-pairs 6]
+    python bench/engine_overhead.py --content-only [--rounds 10]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "tests" / "e2e" / "engine_run.py"
 TARGET_PROBE_US, TARGET_OVERHEAD, TARGET_BYTES = 20.0, 0.01, 8.0
 TARGET_CPU_US = {64: 30.0, 256: 60.0}  # engine-process CPU added per step
+TARGET_CONTENT = 0.01  # tokens/s cost content_digests 0.01 adds over tracing without digests
 
 
 def run(
@@ -49,6 +55,7 @@ def run(
     action: str = "log",
     kv_events: str | None = None,
     prefix_caching: bool = False,
+    content_digests: float = 0.0,
 ) -> str:
     spec = {
         "prompts": [[(7 * i + j) % 500 + 3 for j in range(8)] for i in range(requests)],
@@ -61,7 +68,13 @@ def run(
         "kv_events": kv_events,
     }
     if ledger is not None:
-        spec["kv_trace"] = {"enabled": True, "sink": f"file://{ledger}", "snapshot_interval": 0, "action": action}
+        spec["kv_trace"] = {
+            "enabled": True,
+            "sink": f"file://{ledger}",
+            "snapshot_interval": 0,
+            "action": action,
+            "content_digests": content_digests,
+        }
     proc = subprocess.run(
         [python, str(ENGINE), json.dumps(spec)],
         capture_output=True,
@@ -91,10 +104,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--ab-only", action="store_true", help="only the tracing on/off pairs")
     parser.add_argument("--kv-events-pairs", type=int, default=6, help="engine pairs for vLLM's KV events (0: none)")
+    parser.add_argument("--content-only", action="store_true", help="only the content digests' table")
     args = parser.parse_args()
+    if args.content_only:
+        content_table(args.python, args.rounds)
+        return
     if not args.ab_only:
         probe_table(args.python)
     ab_table(args.python, args.rounds)
+    content_table(args.python, args.rounds)
     if args.kv_events_pairs:
         kv_events_table(args.python, args.kv_events_pairs)
 
@@ -129,6 +147,40 @@ def ab_table(python: str, rounds: int) -> None:
                 f"{min(overheads):>+8.1%}..{max(overheads):>+6.1%} {statistics.median(added):>18.1f} "
                 f"{min(added):>8.1f}..{max(added):>7.1f} {probes:>14.1f} {recorder:>20.1f}{mark}"
             )
+
+
+def content_table(python: str, rounds: int, requests: int = 64) -> None:
+    """Tracing with content digests, one engine per fraction (each paused and resumed in turn)."""
+    print(f"\ncontent digests, `log` action, {requests} requests, {rounds} pairs per fraction, file sink")
+    print(
+        f"{'fraction':>8} {'tokens/s off':>12} {'on':>7} {'overhead':>9} {'spread':>17} {'added':>7} "
+        f"{'engine CPU us/step':>18} {'digests/step':>12} {'B/step':>7}"
+    )
+    base = None
+    for fraction in (0.0, 0.01, 0.1):
+        with tempfile.TemporaryDirectory() as tmp:
+            ab = ab_runs(python, requests, rounds, "log", content_digests=fraction, keep=Path(tmp))
+            digests, per_step = content_figures(Path(tmp))
+        overheads = [1 - on.rate / off.rate for off, on in ab]
+        overhead = statistics.median(overheads)
+        base = overhead if base is None else base
+        added = statistics.median((on.cpu_per_step - off.cpu_per_step) * 1e6 for off, on in ab)
+        mark = f"  (target <= {TARGET_CONTENT:.0%} added)" if fraction == 0.01 else ""
+        print(
+            f"{fraction:>8} {statistics.median(r.rate for r, _ in ab):>12,.0f} "
+            f"{statistics.median(r.rate for _, r in ab):>7,.0f} {overhead:>+9.1%} "
+            f"{min(overheads):>+8.1%}..{max(overheads):>+6.1%} {overhead - base:>+7.1%} "
+            f"{added:>18.1f} {digests:>12.1f} {per_step:>7.0f}{mark}"
+        )
+
+
+def content_figures(root: Path) -> tuple[float, float]:
+    """(digests per step, ledger bytes per step) of one rank's ledger."""
+    [stream] = discover(root)
+    steps = [e["body"][1] for p in stream.segments for e in read_segment(p, []) if e["body"][0] == "kvledger.Step"]
+    digests = sum(len(s["content"]["reasons"]) for s in steps if s["content"] is not None)
+    size = sum(p.stat().st_size for p in stream.segments)
+    return digests / max(len(steps), 1), size / max(len(steps), 1)
 
 
 def kv_events_table(python: str, pairs: int, requests: int = 64) -> None:
@@ -167,11 +219,15 @@ class Arm:
     recorder_per_step: float  # the recorder process's CPU seconds per step (outside the engine process)
 
 
-def ab_runs(python: str, requests: int, rounds: int, action: str) -> list[tuple[Arm, Arm]]:
+def ab_runs(
+    python: str, requests: int, rounds: int, action: str, content_digests: float = 0.0, keep: Path | None = None
+) -> list[tuple[Arm, Arm]]:
     """(off, on) per pair, from one engine whose tracing is paused and resumed in turn (same
-    process, same memory and core placement for both arms; only the probes' work differs)."""
+    process, same memory and core placement for both arms; only the probes' work differs).
+    The ledger is written under `keep` when given (else a temporary directory)."""
     with tempfile.TemporaryDirectory() as tmp:
-        stdout = run(python, requests, 96, Path(tmp), ab_rounds=rounds, action=action)
+        ledger = keep if keep is not None else Path(tmp)
+        stdout = run(python, requests, 96, ledger, ab_rounds=rounds, action=action, content_digests=content_digests)
     arms: dict[str, list[Arm]] = {"off": [], "on": []}
     pattern = r"^AB arm=(\w+) generate_s=(\S+) tokens=(\d+) cpu_s=(\S+) steps=(\d+) probes_s=(\S+) recorder_s=(\S+)$"
     for arm, seconds, tokens, cpu, steps, probes, recorder in re.findall(pattern, stdout, re.M):

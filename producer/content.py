@@ -15,7 +15,9 @@ Per step, before the forward pass writes anything (`SealTracker.due`):
 2. sampled blocks that became full are sealed and digested (SEALED);
 3. sealed blocks read again are digested (READ: a prefix-cache hit or a
    resume), and those a finished or preempted request let go (RELEASED);
-4. a bounded sweep digests a few more sealed blocks (SWEEP).
+4. a bounded sweep digests a few more sealed blocks (SWEEP);
+5. sampled blocks the runner zeroed are digested once zeroed, and must be 0
+   (ZEROED).
 
 The ledger's core compares each later digest with the SEALED one
 (stream_app/core/content.py). Blocks are sampled by block id, so every rank
@@ -116,11 +118,14 @@ class SealTracker:
         reading: np.ndarray,
         released: dict[int, np.ndarray],
         overwritten: np.ndarray,
+        zeroed: np.ndarray | None = None,
     ) -> Due:
         """The step's digests. `computed`: each row's computed tokens at this step; `reading`: rows
         of requests that read blocks sealed before (new with a prefix-cache hit, resumed);
         `released`: per group the full blocks of requests that finished or were preempted;
-        `overwritten`: blocks zeroed or copied into this step."""
+        `overwritten`: blocks zeroed or copied into this step; `zeroed`: those of them the
+        runner has zeroed by now and nothing else writes before the forward pass (ZEROED, in
+        every sealing group: the runner zeroes attention layers)."""
         sealed_in, sampled = self.sealed_in, self.sampled
         held = []  # per sealing group: the rows' full blocks
         for g in rows:
@@ -135,6 +140,10 @@ class SealTracker:
         if overwritten.size:
             sealed_in[overwritten] = -1
         out = Due()
+        if zeroed is not None and zeroed.size:
+            zeroed = np.unique(zeroed[sampled[zeroed]])
+            for g, _ in held:
+                out.add(g.group_id, zeroed, Reason.ZEROED)
         for g, mask in held:
             cells = g.table[mask]
             cells = cells[sampled[cells]]

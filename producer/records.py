@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvledger.schemas import pack_digests, pack_i32, pack_i64
-from kvledger.schemas.packing import length_term, mix_blocks, position_weights
+from kvledger.schemas.packing import length_term, mix_blocks, pack_u64, position_weights
 from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH, RANK_INFO, SNAPSHOT, STEP
 
 
@@ -326,7 +326,7 @@ def block_digests(groups, blocks, digests: np.ndarray, reasons: Sequence[str]) -
     return {
         "group_ids": pack_i32(groups),
         "block_ids": pack_i32(blocks),
-        "digests": np.asarray(digests, np.int64).view(np.uint64).tobytes(),
+        "digests": pack_u64(np.asarray(digests, np.int64).view(np.uint64)),
         "reasons": list(reasons),
     }
 

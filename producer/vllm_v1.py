@@ -609,6 +609,7 @@ class ContentProbe:
         self._reading: list[str] = []
         self._released: dict[int, list] = {}
         self._overwritten: list[int] = []
+        self._zeroed: list[int] = []
 
     @classmethod
     def of(cls, runner: Any, config: TraceConfig) -> ContentProbe:
@@ -640,7 +641,9 @@ class ContentProbe:
         self._released = released
         copies = getattr(so, "kv_cache_block_copies", None) or ()
         dsts = [c.dst if hasattr(c, "dst") else tuple(c)[1] for c in copies]
-        self._overwritten = [*(getattr(so, "new_block_ids_to_zero", None) or ()), *dsts]
+        zero = list(getattr(so, "new_block_ids_to_zero", None) or ())
+        self._overwritten = [*zero, *dsts]
+        self._zeroed = sorted(set(zero) - set(dsts))  # a copy's destination is written after zeroing
 
     def digest(self, batch: Any, num_reqs: int, staging) -> ContentCapture | None:
         """The step's digests, once the runner has applied it and before its forward pass."""
@@ -661,6 +664,7 @@ class ContentProbe:
             reading,
             released,
             np.asarray(self._overwritten, np.int64),
+            np.asarray(self._zeroed, np.int64),
         )
         if not due:
             return None

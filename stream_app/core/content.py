@@ -73,9 +73,9 @@ class ContentLedger:
                 cov.checks["content_zeroed"] += 1
                 self._forget(block, key)  # handed out again: what this rank sealed there is gone
                 if value != 0:
-                    held = _held(holders, block)
-                    detail = f"block {block} was to be zeroed at this step but its bytes are not zero ({held})"
-                    out.append(Violation.at(BLOCK_NOT_ZEROED, key, step, detail, group=gid))
+                    names = holders(block)
+                    detail = f"block {block} was to be zeroed at this step but its bytes are not zero ({_held(names)})"
+                    out.append(Violation.at(BLOCK_NOT_ZEROED, key, step, detail, req_id=_first(names), group=gid))
             elif reason in _COMPARED:
                 self._compare(key, step, gid, block, value, reason, holders, out, cov)
             else:
@@ -95,11 +95,12 @@ class ContentLedger:
             wrote = "no plan wrote into it since: a write outside every plan"
         else:
             wrote = f"a plan wrote into it at step {ref.written_step}"
+        names = holders(block)
         detail = (
             f"block {block} ({since} at step {ref.sealed_step}) changed, found by a {reason.value.lower()} digest; "
-            f"{wrote} ({_held(holders, block)})"
+            f"{wrote} ({_held(names)})"
         )
-        out.append(Violation.at(SEALED_BLOCK_MODIFIED, key, step, detail, group=gid))
+        out.append(Violation.at(SEALED_BLOCK_MODIFIED, key, step, detail, req_id=_first(names), group=gid))
         ref.digest, ref.sealed_step, ref.written_step = value, step, None  # one report per change
 
     def note_writes(self, step: int, plan: StepPlan) -> None:
@@ -134,8 +135,11 @@ class ContentLedger:
             del self.sealed[block]
 
 
-def _held(holders, block: int) -> str:
-    names = holders(block)
+def _first(names: list[str]) -> str | None:
+    return names[0] if names else None
+
+
+def _held(names: list[str]) -> str:
     if not names:
         return "held by no live request"
     return f"held by {', '.join(names[:4])}{' and more' if len(names) > 4 else ''}"

@@ -579,10 +579,12 @@ class Ledger:
             # them, so its tables may have missed their inputs.
             slot.desynced = True
             self.coverage.unchecked["steps_not_recorded"] += n - 1 - slot.last_step
+            self._content_lost(key)  # a reseal may have been among them
         elif 0 <= n <= slot.last_step and not slot.desynced:
             # A step number again or backwards (a writer's bug): which tables it meant is unknown.
             slot.desynced = True
             self.coverage.unchecked["step_not_after_last"] += 1
+            self._content_lost(key)
         if slot.gap_after_step is not None:
             self._lost_steps(key, slot.gap_after_step, n)
             slot.gap_after_step = None

@@ -44,16 +44,23 @@ PRESSURE = {
 }
 
 
-def traced(tmp_path, action="log", **spec):
-    kv_trace = {"enabled": True, "sink": f"file://{tmp_path}/ledger", "snapshot_interval": 16, "action": action}
+def traced(tmp_path, action="log", content_digests=0.0, **spec):
+    kv_trace = {
+        "enabled": True,
+        "sink": f"file://{tmp_path}/ledger",
+        "snapshot_interval": 16,
+        "action": action,
+        "content_digests": content_digests,
+    }
     return {**PRESSURE, **spec, "kv_trace": kv_trace}
 
 
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory, engine):
     root = tmp_path_factory.mktemp("clean")
-    # In raise mode: a false alarm in the engine itself would fail this run.
-    return engine(traced(root, action="raise")), replay(root / "ledger"), root / "ledger"
+    # In raise mode: a false alarm in the engine itself would fail this run. Every sealed block's
+    # content digested (test_content.py has the stray writes this catches).
+    return engine(traced(root, action="raise", content_digests=1.0)), replay(root / "ledger"), root / "ledger"
 
 
 def test_clean_run_is_silent_and_checked(clean_run):
@@ -63,6 +70,9 @@ def test_clean_run_is_silent_and_checked(clean_run):
     assert checks["write"] > 50 and checks["read"] > 50 and checks["position"] > 50
     assert checks["resync"] == 0 and not result.unchecked, result.unchecked
     assert len(result.streams) == 1 and result.ledger.steps > 20
+    # Blocks sealed, and read back unchanged at prefix hits, resumes, releases and sweeps.
+    assert checks["content_sealed"] > 10 and checks["content_verified"] > 5 * checks["content_sealed"]
+    print(f"content: {checks['content_sealed']} blocks sealed, {checks['content_verified']} digests verified")
 
 
 def test_clean_run_really_preempted_hit_the_prefix_cache_and_chunked(clean_run):
@@ -99,7 +109,9 @@ def test_retention_keeps_a_bounded_tail_of_the_real_ledger_that_checks_silent(cl
     assert result.violations == [] and result.problems == []
     unchecked = result.unchecked
     # Preempted requests are not in a snapshot: the resync leaves them out until they come back.
-    assert unchecked["joined_mid_stream"] == 1 and set(unchecked) <= {"joined_mid_stream", "unknown_request"}
+    # A block sealed before the kept tail is read without its seal: its first digest is the reference.
+    allowed = {"joined_mid_stream", "unknown_request", "content_without_seal"}
+    assert unchecked["joined_mid_stream"] == 1 and set(unchecked) <= allowed
     assert result.ledger.coverage.checks["resync"] == 1 and result.ledger.coverage.checks["write"] > 0
 
 
@@ -133,12 +145,14 @@ def test_injected_fault_is_caught_in_place(tmp_path, engine, fault, kind):
 
 
 def test_two_tensor_parallel_ranks(tmp_path, engine):
-    """TP=2: both ranks recorded and agreeing on a clean run; a fault on one rank only is a divergence."""
+    """TP=2: both ranks recorded and agreeing on a clean run (each rank's own content digests
+    silent); a fault on one rank only is a divergence."""
     clean = tmp_path / "clean"
-    engine(traced(clean, tp=2, max_tokens=12, num_blocks=64))
+    engine(traced(clean, tp=2, max_tokens=12, num_blocks=64, content_digests=1.0))
     result = replay(clean / "ledger")
     assert result.violations == [] and len(result.streams) == 2
     assert result.ledger.coverage.checks["rank_compare"] == result.ledger.steps // 2 > 10
+    assert result.ledger.coverage.checks["content_verified"] > 0 and not result.unchecked, result.unchecked
 
     faulty = tmp_path / "faulty"
     run = engine(traced(faulty, tp=2, max_tokens=12, num_blocks=64), fault="slot_shift", fault_step=6, fault_tp_rank=1)

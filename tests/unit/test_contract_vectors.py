@@ -51,7 +51,7 @@ def vector(name: str) -> dict:
     return json.loads((VECTORS / name).read_text())
 
 
-_DTYPES = {"i32": "<i4", "i64": "<i8", "u32": "<u4"}
+_DTYPES = {"i32": "<i4", "i64": "<i8", "u32": "<u4", "u64": "<u8"}
 
 
 def from_json(value):
@@ -243,6 +243,8 @@ def test_the_rule_cases_cover_every_per_rank_violation_kind():
         "block_out_of_range",
         "rank_divergence",
         "rank_missing",
+        "sealed_block_modified",
+        "block_not_zeroed",
     }
 
 

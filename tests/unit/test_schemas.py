@@ -654,6 +654,54 @@ def test_step_plan_draft_writes_evolve_both_ways(events):
     assert new_reader.decode(SingleObjectCodec(V1).encode(drafted)) == drafted
 
 
+def without_content(event: dict) -> dict:
+    """The event as a reader (or writer) from before Step.content sees it."""
+    name, body = event["body"]
+    if name != STEP:
+        return event
+    return {**event, "body": (name, {k: v for k, v in body.items() if k != "content"})}
+
+
+def test_step_content_evolves_both_ways(events):
+    before = copy.deepcopy(raw_schema("ledger_event"))
+    fields = _record(before, "Step")["fields"]
+    fields[:] = [f for f in fields if f["name"] != "content"]
+    old = fastavro.parse_schema(before)
+    assert schema_fingerprint(old) != schema_fingerprint(V1)
+    step = next(e for e in events if e["body"][0] == STEP and e["body"][1]["plan"] is not None)
+    name, body = step["body"]
+    digests = records.block_digests([0, 0], [3, 7], np.array([5, -1], np.int64), ["SEALED", "SWEEP"])
+    digested = {**step, "body": (name, {**body, "content": digests})}
+    # Old readers read new writers: the digests are skipped, the rest is intact.
+    old_reader = SingleObjectCodec(old, known=[V1], reader=old)
+    assert old_reader.decode(SingleObjectCodec(V1).encode(digested)) == without_content(step)
+    # New readers read old data: no digests (null).
+    new_reader = SingleObjectCodec(V1, known=[old], reader=V1)
+    old_writer = SingleObjectCodec(old)
+    for event in events:
+        assert new_reader.decode(old_writer.encode(without_content(event))) == event
+    decoded = new_reader.decode(SingleObjectCodec(V1).encode(digested))
+    assert unpack_u64(decoded["body"][1]["content"]["digests"]).tolist() == [5, (1 << 64) - 1]
+
+
+def test_a_digest_reason_from_a_newer_writer_reads_as_other_and_is_counted_unchecked(events):
+    newer = copy.deepcopy(raw_schema("ledger_event"))
+    reasons = _enum(newer, "DigestReason")
+    reasons["symbols"] = [*reasons["symbols"], "SCRUBBED"]
+    new = fastavro.parse_schema(newer)
+    info = next(e for e in events if e["body"][0] == RANK_INFO)
+    content = records.block_digests([0], [3], np.array([5], np.int64), ["SCRUBBED"])
+    step = {**info, "seq": info["seq"] + 1, "body": records.step(0, "REAL", None, None, content)}
+    reader = SingleObjectCodec(V1, known=[new], reader=V1)
+    decoded = reader.decode(SingleObjectCodec(new).encode(step))
+    assert decoded["body"][1]["content"]["reasons"] == ["OTHER"]
+    from kvledger.stream_app.core import Ledger
+
+    ledger = Ledger()
+    assert ledger.apply(info) + ledger.apply(decoded) == []
+    assert ledger.coverage.unchecked["content_digest_of_unknown_reason"] == 1
+
+
 def test_read_segment_resolves_a_segment_written_with_v2(tmp_path, events):
     seg = rank_dir(tmp_path, "eng v2", 0, 0, 0) / "5-000001.avro"
     seg.parent.mkdir(parents=True)

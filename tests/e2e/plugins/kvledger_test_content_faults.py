@@ -5,10 +5,16 @@
                                               layer of GROUP (default 0) in the first block of the
                                               longest running request: a full block, so sealed
     KVLEDGER_TEST_STRAY_TP_RANK=R             (optional: only on that tensor-parallel rank)
+    KVLEDGER_TEST_UNZEROED=STEP               at the first step from STEP on whose blocks vLLM
+                                              zeroes (`new_block_ids_to_zero`, Mamba models), add
+                                              1.0 to the first 64 values of the first full-attention
+                                              layer in the first of them once zeroed: a zeroing that
+                                              missed a block (vllm PR #47574's stale bytes)
 
 The slot mappings and block tables are untouched: the address checks see a clean plan, as with
 a kernel that writes where no plan said (vllm #43810, #53982). Prints one line
-`STRAY step=S req=R group=G block=B tp=T` on stderr, which the tests match against.
+`STRAY step=S req=R group=G block=B tp=T` (or `UNZEROED step=S group=G block=B`) on stderr,
+which the tests match against.
 """
 
 import os
@@ -17,31 +23,63 @@ import sys
 
 def register():
     spec = os.environ.get("KVLEDGER_TEST_STRAY_WRITE")
-    if not spec:
+    unzeroed = os.environ.get("KVLEDGER_TEST_UNZEROED")
+    if not spec and not unzeroed:
         return
-    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker import cpu_model_runner, gpu_model_runner
 
     cls = gpu_model_runner.GPUModelRunner
     if getattr(cls, "_kvledger_test_stray_write", False):
         return
     cls._kvledger_test_stray_write = True
-    step_s, _, group_s = spec.partition(":g")
+    step_s, _, group_s = (spec or "-1").partition(":g")
     at, group = int(step_s), int(group_s or 0)
     only_tp = os.environ.get("KVLEDGER_TEST_STRAY_TP_RANK")
-    state = {"step": -1}
+    state = {"step": -1, "unzeroed": int(unzeroed) if unzeroed else None}
     execute_model = cls.execute_model
 
     def execute_then_stray(self, scheduler_output, *args, **kwargs):
         state["step"] += 1
         result = execute_model(self, scheduler_output, *args, **kwargs)
         if state["step"] == at:
-            _stray_write(self, group, only_tp)
+            _stray_write(self, at, group, only_tp)
         return result
 
     cls.execute_model = execute_then_stray
+    if state["unzeroed"] is None:
+        return
+    # The CPU runner zeroes blocks its own way; wrap whichever this process runs.
+    for runner_cls in (cpu_model_runner.CPUModelRunner, cls):
+        _wrap_zeroing(runner_cls, state)
 
 
-def _stray_write(runner, group: int, only_tp) -> None:
+def _wrap_zeroing(runner_cls, state: dict) -> None:
+    zero = runner_cls.__dict__.get("_zero_block_ids")
+    if zero is None:
+        return
+
+    def zero_then_miss(self, block_ids):
+        zero(self, block_ids)
+        if state["unzeroed"] is not None and state["step"] >= state["unzeroed"] and block_ids:
+            state["unzeroed"] = None  # once
+            _unzero(self, state["step"], int(block_ids[0]))
+
+    runner_cls._zero_block_ids = zero_then_miss
+
+
+def _unzero(runner, step: int, block: int) -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    for gid, spec in enumerate(runner.kv_cache_config.kv_cache_groups):
+        if isinstance(spec.kv_cache_spec, FullAttentionSpec):
+            kv = runner.compilation_config.static_forward_context[spec.layer_names[0]].kv_cache
+            kv = kv[0] if isinstance(kv, list) else kv
+            kv[block].view(-1)[:64].add_(1.0)
+            print(f"UNZEROED step={step} group={gid} block={block}", file=sys.stderr, flush=True)
+            return
+
+
+def _stray_write(runner, step: int, group: int, only_tp) -> None:
     from vllm.distributed import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_rank()
@@ -52,7 +90,7 @@ def _stray_write(runner, group: int, only_tp) -> None:
     states = sorted(runner.requests.values(), key=lambda s: -s.num_computed_tokens)
     full = [s for s in states if s.num_computed_tokens >= 2 * block_size]
     if not full:
-        print(f"STRAY none step={-1} (no request holds a full block)", file=sys.stderr, flush=True)
+        print(f"STRAY step={step} none (no request holds a full block)", file=sys.stderr, flush=True)
         return
     victim = full[0]
     block = victim.block_ids[group][0]
@@ -60,4 +98,4 @@ def _stray_write(runner, group: int, only_tp) -> None:
     kv = runner.compilation_config.static_forward_context[layer].kv_cache
     kv = kv[0] if isinstance(kv, list) else kv
     kv[block].view(-1)[:64].add_(1.0)
-    print(f"STRAY req={victim.req_id} group={group} block={block} tp={tp}", file=sys.stderr, flush=True)
+    print(f"STRAY step={step} req={victim.req_id} group={group} block={block} tp={tp}", file=sys.stderr, flush=True)
