@@ -58,12 +58,10 @@ class ContentLedger:
         self, key: RankKey, step: int, digests: BlockDigests, holders, out: list[Violation], cov: Coverage
     ) -> None:
         """Check a rank's digests of `step`; `holders(block)` names the requests holding a block."""
-        groups, blocks = unpack_i32(digests.group_ids), unpack_i32(digests.block_ids)
-        values = unpack_u64(digests.digests)
-        if not groups.size == blocks.size == values.size == len(digests.reasons):
+        columns = _columns(digests)
+        if columns is None:
             cov.unchecked["content_columns_misaligned"] += 1
             return
-        columns = zip(groups.tolist(), blocks.tolist(), values.tolist(), digests.reasons, strict=True)
         for gid, block, value, reason in columns:
             rank_group = (key.tp, key.pp, gid)
             if reason is DigestReason.SEALED:
@@ -80,6 +78,26 @@ class ContentLedger:
                 self._compare(key, step, gid, block, value, reason, holders, out, cov)
             else:
                 cov.unchecked["content_digest_of_unknown_reason"] += 1
+
+    def clean(self, key: RankKey, digests: BlockDigests, seen: dict) -> bool:
+        """Whether `apply` would report nothing for `digests` (a step of a run on the batched fast
+        path, before any of it is applied). `seen` carries the run's earlier steps: per (block, tp,
+        pp) the references they set, by group; a key there overrides this ledger's references."""
+        for gid, block, value, reason in _columns(digests) or ():  # misaligned: unchecked, not reported
+            at = (block, key.tp, key.pp)
+            if reason is DigestReason.ZEROED:
+                if value != 0:
+                    return False
+                seen[at] = {}  # forgotten in every group
+                continue
+            refs = seen.get(at)
+            if refs is None:
+                refs = seen[at] = {k[2]: r.digest for k, r in self.sealed.get(block, {}).items() if k[:2] == at[1:]}
+            if reason is DigestReason.SEALED:
+                refs[gid] = value
+            elif reason in _COMPARED and refs.setdefault(gid, value) != value:
+                return False
+        return True
 
     def _compare(self, key, step, gid, block, value, reason, holders, out, cov) -> None:
         ref = self.sealed.setdefault(block, {}).get((key.tp, key.pp, gid))
@@ -133,6 +151,15 @@ class ContentLedger:
             del refs[rank_group]
         if not refs:
             del self.sealed[block]
+
+
+def _columns(digests: BlockDigests) -> list[tuple[int, int, int, DigestReason]] | None:
+    """(group, block, digest, reason) per digest; None when the columns are not aligned."""
+    groups, blocks = unpack_i32(digests.group_ids), unpack_i32(digests.block_ids)
+    values = unpack_u64(digests.digests)
+    if not groups.size == blocks.size == values.size == len(digests.reasons):
+        return None
+    return list(zip(groups.tolist(), blocks.tolist(), values.tolist(), digests.reasons, strict=True))
 
 
 def _first(names: list[str]) -> str | None:

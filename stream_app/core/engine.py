@@ -362,13 +362,13 @@ class Ledger:
                 expect[key] = (slot.next_seq, slot.last_step + 1 if slot.last_step >= 0 else body.step)
                 per_rank[key] = []
             seq, step = expect[key]
-            if body.content is not None:  # digests are compared step by step (core/content.py)
-                return False
             if event.seq != seq or body.step != step or event.incarnation != self.ranks[key].incarnation:
                 return False
             expect[key] = (seq + 1, step + 1)
             per_rank[key].append(body)
             seen.append((key, seq, body))
+        if not self._content_clean(seen):  # a finding is reported, with its holders, by the step path
+            return False
         fps = self._agreeing_fingerprints(per_rank)
         if fps is None:
             return False
@@ -393,8 +393,10 @@ class Ledger:
             slot.next_seq, slot.last_step = seq, step - 1
         for event in events:
             self._transfers(event.rank, event, out)
-        for key, _, body in seen:
-            if self.ranks[key].state is not None:
+        for key, _, body in seen:  # in order: a step's digests come before its writes
+            if body.content is not None:
+                self._check_content(key, self.ranks[key], body, out)
+            if self.ranks[key].state is not None and body.plan is not None:
                 self._note_writes(key, body.step, body.plan)
         for key, _, body in seen:
             if key in fps:
@@ -612,6 +614,17 @@ class Ledger:
         self._cross_rank(key, step, out=out, lead=(checked, out[found:mark], out[mark:]))
 
     # -- content of sealed blocks ------------------------------------------------------------------
+    def _content_clean(self, seen: list[tuple[RankKey, int, Step]]) -> bool:
+        """Whether a run's digests hold no finding (checked before the run is applied)."""
+        overlay: dict[tuple[str, int], dict] = {}
+        for key, _, body in seen:
+            if body.content is None:
+                continue
+            content = self.content.get((key.engine_id, key.dp)) or ContentLedger({})
+            if not content.clean(key, body.content, overlay.setdefault((key.engine_id, key.dp), {})):
+                return False
+        return True
+
     def _check_content(self, key: RankKey, slot: RankSlot, step: Step, out: list[Violation]) -> None:
         """A rank's digests, against its own earlier ones (every rank: its heads or layers are its own)."""
         if slot.info is None:

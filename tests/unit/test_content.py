@@ -296,3 +296,82 @@ def test_steps_not_recorded_forget_the_ranks_references():
     r.step(3, [(5, 2, SWEEP)])  # steps 1 and 2 never recorded (tracing paused): reseals unknown
     found, cov = run(r)
     assert found == [] and cov.unchecked["content_without_seal"] == 1
+
+
+# -- the batched fast path ---------------------------------------------------------------------------
+ROW = [3, 7, 9, 11, 12, 13, 14, 15]  # r0's blocks: 32 tokens
+
+
+def decoding(digests_at: dict[int, list], steps: int = 20) -> Rank:
+    """r0 prefills 8 tokens, then decodes one token a step; digests at the steps given."""
+    r = Rank()
+    inp = records.step_input(new_reqs=[records.new_request(0, "r0", [ROW], 0, 64, 8)])
+    slots = np.array([ROW[p // BS] * BS + p % BS for p in range(8)])
+    group = records.group_plan(0, slots, 8, [np.array(ROW)])
+    r.step(0, digests_at.get(0, ()), inp=inp, plan=records.step_plan([0], [8], [0], [group]))
+    for n in range(1, steps):
+        p = 7 + n
+        inp = records.step_input(cached=[(0, p, 1)])
+        group = records.group_plan(0, np.array([ROW[p // BS] * BS + p % BS]), 1, [np.array(ROW)])
+        r.step(n, digests_at.get(n, ()), inp=inp, plan=records.step_plan([0], [1], [p], [group]))
+    return r
+
+
+@pytest.mark.parametrize(
+    "changed_at",
+    [None, 3, 15],  # clean; a change in the run that sealed the block; in a later run
+    ids=["clean", "same_run", "later_run"],
+)
+def test_the_batched_path_finds_what_the_step_path_finds(monkeypatch, changed_at):
+    from kvledger.stream_app.core import batch
+
+    committed = []
+    plan_run = batch.plan_run
+
+    def spy(state, steps):
+        result = plan_run(state, steps)
+        committed.append(result is not None)
+        return result
+
+    monkeypatch.setattr(batch, "plan_run", spy)
+    digests = {1: [(3, 11, SEALED), (7, 22, SEALED)]}
+    for n in range(2, 20):  # the sweep takes blocks 3 and 7 in turn; 3's bytes change at changed_at
+        changed = changed_at is not None and n >= changed_at
+        digests[n] = [(3, 99 if changed else 11, SWEEP)] if n % 2 or n == changed_at else [(7, 22, SWEEP)]
+    events = decoding(digests).events
+    one = Ledger()
+    stepwise = [v for e in events for v in one.apply(e)] + one.finish()
+    many = Ledger(batch_steps=8)
+    batched = many.apply_many(events) + many.finish()
+    assert batched == stepwise
+    assert (many.coverage.checks, many.coverage.unchecked) == (one.coverage.checks, one.coverage.unchecked)
+    assert [(v.kind, v.step) for v in stepwise] == (
+        [] if changed_at is None else [("sealed_block_modified", changed_at)]
+    )
+    assert any(committed), "the fast path never ran"
+    assert one.coverage.checks["content_verified"] == 18
+
+
+def test_a_run_is_clean_only_if_applying_it_would_report_nothing():
+    from kvledger.stream_app.core.content import ContentLedger, Sealed
+    from kvledger.stream_app.core.events import BlockDigests
+    from kvledger.stream_app.core.violations import RankKey
+
+    key = RankKey("e1", 0, 0, 0)
+    ledger = ContentLedger({0: BS})
+    ledger.sealed[3] = {(0, 0, 0): Sealed(11, 0, baseline=False), (1, 0, 0): Sealed(77, 0, baseline=False)}
+
+    def clean(*steps) -> bool:
+        seen: dict = {}
+        return all(
+            ledger.clean(key, BlockDigests.of(records.block_digests([0] * len(s), *zip(*s, strict=True))), seen)
+            for s in ([(b, np.array(v, np.int64), r) for b, v, r in step] for step in steps)
+        )
+
+    assert clean([(3, 11, SWEEP)], [(5, 1, SEALED)], [(5, 1, READ), (6, 4, READ)], [(6, 4, SWEEP)])
+    assert not clean([(3, 12, SWEEP)])  # the ledger's reference (this rank's, not tp 1's)
+    assert not clean([(5, 1, SEALED)], [(5, 2, RELEASED)])  # a reference set earlier in the run
+    assert not clean([(6, 4, READ)], [(6, 5, SWEEP)])  # a baseline set earlier in the run
+    assert not clean([(9, 1, ZEROED)])
+    assert clean([(3, 0, ZEROED)], [(3, 12, SWEEP)])  # zeroed: forgotten, the next digest a baseline
+    assert ledger.sealed[3][(0, 0, 0)].digest == 11  # a check changes nothing
