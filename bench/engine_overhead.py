@@ -154,7 +154,7 @@ def content_table(python: str, rounds: int, requests: int = 64) -> None:
     print(f"\ncontent digests, `log` action, {requests} requests, {rounds} pairs per fraction, file sink")
     print(
         f"{'fraction':>8} {'tokens/s off':>12} {'on':>7} {'overhead':>9} {'spread':>17} {'added':>7} "
-        f"{'engine CPU us/step':>18} {'digests/step':>12} {'B/step':>7}"
+        f"{'engine CPU us/step':>18} {'probes us/step':>14} {'digests/step':>12} {'B/step':>7}"
     )
     base = None
     for fraction in (0.0, 0.01, 0.1):
@@ -165,12 +165,13 @@ def content_table(python: str, rounds: int, requests: int = 64) -> None:
         overhead = statistics.median(overheads)
         base = overhead if base is None else base
         added = statistics.median((on.cpu_per_step - off.cpu_per_step) * 1e6 for off, on in ab)
+        probes = statistics.median(on.probes_per_step * 1e6 for _, on in ab)
         mark = f"  (target <= {TARGET_CONTENT:.0%} added)" if fraction == 0.01 else ""
         print(
             f"{fraction:>8} {statistics.median(r.rate for r, _ in ab):>12,.0f} "
             f"{statistics.median(r.rate for _, r in ab):>7,.0f} {overhead:>+9.1%} "
             f"{min(overheads):>+8.1%}..{max(overheads):>+6.1%} {overhead - base:>+7.1%} "
-            f"{added:>18.1f} {digests:>12.1f} {per_step:>7.0f}{mark}"
+            f"{added:>18.1f} {probes:>14.1f} {digests:>12.1f} {per_step:>7.0f}{mark}"
         )
 
 

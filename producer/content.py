@@ -34,6 +34,7 @@ zeros.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -95,21 +96,30 @@ class Due:
         return bool(self.blocks)
 
 
+_UNSEALED, _WRITTEN = -1, -2  # sealed_in's states besides the group a block is sealed in
+
+
 class SealTracker:
     """Which sampled blocks one rank holds sealed, and what each step must digest."""
 
     def __init__(self, num_blocks: int, fraction: float, sweep: int, sweep_window: int = 4096):
         self.sampled = sampled_blocks(num_blocks, fraction)
-        # block -> the group it is sealed in, -1 when not sealed: a block id names one pool.
-        self.sealed_in = np.full(num_blocks, -1, np.int16)
+        # block -> the group it is sealed in, or _UNSEALED (_WRITTEN while a step is planned): a
+        # block id names one pool.
+        self.sealed_in = np.full(num_blocks, _UNSEALED, np.int16)
         self.sweep = sweep  # blocks per step
         self.sweep_window = sweep_window  # block ids looked at per step to find them
         self._cursor = 1
         self.sealed_total = 0  # blocks sealed so far (a count for Health and the tests)
+        # Per batch row: its request and, per sealing group, how many of its blocks were looked
+        # at to seal: a row that keeps its request only needs its newly full blocks looked at.
+        self._row_ids: list = []
+        self._looked: dict[int, np.ndarray] = {}
 
     def reset(self) -> None:
         """Forget every seal (tracing resumed: what happened meanwhile is unknown)."""
-        self.sealed_in[:] = -1
+        self.sealed_in[:] = _UNSEALED
+        self._row_ids = []
 
     def due(
         self,
@@ -119,46 +129,77 @@ class SealTracker:
         released: dict[int, np.ndarray],
         overwritten: np.ndarray,
         zeroed: np.ndarray | None = None,
+        row_ids: Sequence | None = None,
     ) -> Due:
         """The step's digests. `computed`: each row's computed tokens at this step; `reading`: rows
         of requests that read blocks sealed before (new with a prefix-cache hit, resumed);
         `released`: per group the full blocks of requests that finished or were preempted;
         `overwritten`: blocks zeroed or copied into this step; `zeroed`: those of them the
         runner has zeroed by now and nothing else writes before the forward pass (ZEROED, in
-        every sealing group: the runner zeroes attention layers)."""
+        every sealing group: the runner zeroes attention layers); `row_ids`: each row's request
+        (None: every row looked at whole)."""
         sealed_in, sampled = self.sealed_in, self.sampled
-        held = []  # per sealing group: the rows' full blocks
+        fresh = self._fresh_rows(row_ids, computed.size)
+        written, spans = [], []
         for g in rows:
             # Attention writes a row from its computed tokens on (a sliding window's stale cells lie
             # before them); a state group rewrites its blocks.
-            full = np.zeros_like(computed) if g.state else computed // g.block_size
-            cols = np.arange(g.table.shape[1])
-            writes = (cols >= full[:, None]) & (cols < g.lens[:, None])
-            sealed_in[g.table[writes]] = -1  # written this step: handed out again, or a state block
+            full = np.zeros_like(computed) if g.state else np.minimum(computed // g.block_size, g.lens)
+            written.append(_cells(g.table, full, g.lens))
             if g.seals:
-                held.append((g, (cols < np.minimum(full, g.lens)[:, None])))
-        if overwritten.size:
-            sealed_in[overwritten] = -1
+                looked = self._looked_at(g.group_id, computed.size)
+                spans.append((g, np.where(fresh, 0, np.minimum(looked, full)), full))
+                looked[:] = full
+        # Written at this step (a grant, a state block, a zeroing, a copy): not sealed, and not
+        # sealable at this step either (a prefix hit may already read a block another request
+        # is computing in the same step).
+        for cells in (*written, overwritten):
+            sealed_in[cells] = _WRITTEN
         out = Due()
         if zeroed is not None and zeroed.size:
             zeroed = np.unique(zeroed[sampled[zeroed]])
-            for g, _ in held:
+            for g, _, _ in spans:
                 out.add(g.group_id, zeroed, Reason.ZEROED)
-        for g, mask in held:
-            cells = g.table[mask]
-            cells = cells[sampled[cells]]
+        for g, start, full in spans:
             if reading.size:  # the rows reading what was sealed before: READ
-                again = g.table[reading][mask[reading]]
+                again = _cells(g.table[reading], np.zeros(reading.size, full.dtype), full[reading])
                 out.add(g.group_id, np.unique(again[sealed_in[again] == g.group_id]), Reason.READ)
-            fresh = np.unique(cells[sealed_in[cells] < 0])
-            sealed_in[fresh] = g.group_id
-            self.sealed_total += int(fresh.size)
-            out.add(g.group_id, fresh, Reason.SEALED)
+            cells = _cells(g.table, start, full)
+            cells = cells[sampled[cells]]
+            new = np.unique(cells[sealed_in[cells] == _UNSEALED])
+            sealed_in[new] = g.group_id
+            self.sealed_total += int(new.size)
+            out.add(g.group_id, new, Reason.SEALED)
+        for cells in (*written, overwritten):
+            sealed_in[cells] = _UNSEALED
         for gid, blocks in released.items():
             blocks = np.unique(blocks)
             out.add(gid, blocks[sealed_in[blocks] == gid], Reason.RELEASED)
         self._sweep(out)
         return out
+
+    def _fresh_rows(self, row_ids: Sequence | None, n: int) -> np.ndarray:
+        """Rows whose request changed since the last step (moved, new, resumed): looked at whole."""
+        if row_ids is None:
+            self._row_ids = []
+            return np.ones(n, bool)
+        prev, self._row_ids = self._row_ids, list(row_ids)
+        fresh = np.ones(n, bool)
+        if prev == self._row_ids:  # the usual decode step, compared in C
+            fresh[:] = False
+        else:
+            same = min(n, len(prev))
+            fresh[:same] = list(map(operator.ne, self._row_ids[:same], prev[:same]))
+        return fresh
+
+    def _looked_at(self, group_id: int, n: int) -> np.ndarray:
+        looked = self._looked.get(group_id)
+        if looked is None or looked.size < n:
+            grown = np.zeros(max(n, 2 * (0 if looked is None else looked.size)), np.int64)
+            if looked is not None:
+                grown[: looked.size] = looked
+            looked = self._looked[group_id] = grown
+        return looked[:n]
 
     def _sweep(self, out: Due) -> None:
         """The next few sealed blocks after the cursor, wrapping around the pool."""
@@ -176,6 +217,17 @@ class SealTracker:
             groups = self.sealed_in[blocks]
             for gid in np.unique(groups).tolist():
                 out.add(gid, blocks[groups == gid], Reason.SWEEP)
+
+
+def _cells(table: np.ndarray, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    """The block ids `table[r, start[r]:stop[r]]` of every row r, concatenated."""
+    counts = np.maximum(stop - start, 0)
+    total = int(counts.sum())
+    if not total:
+        return np.empty(0, table.dtype)
+    rows = np.repeat(np.arange(counts.size), counts)
+    cols = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(start, counts)
+    return table[rows, cols]
 
 
 # -- the pages of a group ----------------------------------------------------------------------------

@@ -665,6 +665,7 @@ class ContentProbe:
             released,
             np.asarray(self._overwritten, np.int64),
             np.asarray(self._zeroed, np.int64),
+            batch.req_ids[:num_reqs],
         )
         if not due:
             return None

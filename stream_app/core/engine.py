@@ -44,6 +44,8 @@ from kvledger.stream_app.core.violations import (
     Violation,
 )
 
+CONTENT_DIGESTS = "content_digests"  # the capability a rank that cannot digest its blocks declares
+
 # -- declarations -------------------------------------------------------------------------
 # A rank declares a configuration whose addressing the checks do not model as an unavailable
 # capability of that name (kvledger.producer.records.DECLARABLE). Each voids some checks, which
@@ -533,6 +535,9 @@ class Ledger:
             slot.state = None if slot.desynced else RankState(key, info)
         elif slot.state is None:  # it just became its group's lead: its tables come with a snapshot
             slot.desynced = True
+        changed = slot.info is None or slot.info.capabilities != info.capabilities
+        if changed and any(c.name == CONTENT_DIGESTS and not c.available for c in info.capabilities):
+            self.coverage.unchecked[CONTENT_DIGESTS] += 1  # asked for and not taken: said once per rank
         slot.info = info
         slot.declared = Declared.of(info)
 

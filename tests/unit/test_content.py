@@ -375,3 +375,62 @@ def test_a_run_is_clean_only_if_applying_it_would_report_nothing():
     assert not clean([(9, 1, ZEROED)])
     assert clean([(3, 0, ZEROED)], [(3, 12, SWEEP)])  # zeroed: forgotten, the next digest a baseline
     assert ledger.sealed[3][(0, 0, 0)].digest == 11  # a check changes nothing
+
+
+def test_a_rank_that_cannot_digest_says_so_once():
+    rank = RankIdentity("e1", incarnation=1)
+    group = records.kv_group(0, "FULL_ATTENTION", BS, 16)
+    caps = [("content_digests", False, "a KV connector writes blocks outside the runner's plan")]
+    info = records.rank_info(
+        dp_size=1, tp_size=1, pp_size=1, vllm_version="t", runner="t", kv_groups=[group], capabilities=caps
+    )
+    ledger = Ledger()
+    for seq in range(3):  # written again before each snapshot
+        ledger.apply(records.envelope(rank, seq, 0, *info))
+    assert ledger.coverage.unchecked == {"content_digests": 1}
+
+
+def test_a_block_another_request_computes_in_the_same_step_is_not_sealed_by_a_prefix_hit():
+    # r1 hits block 7 of the prefix while r0 is still computing it (vLLM caches a block once
+    # this step's tokens will fill it): its bytes are not there before the forward pass.
+    t = tracker()
+    g = [rows([[3, 7, 0], [3, 7, 9]], [2, 3])]
+    due = t.due(g, np.array([4, 8]), np.array([1]), {}, NONE, None, ["r0", "r1"])
+    assert due_map(due) == {(0, SEALED): [3]}
+    # The next step r0's tokens are in: block 7 seals (r1's row was looked at, r0's catches it).
+    due = t.due(g, np.array([8, 9]), NONE, {}, NONE, None, ["r0", "r1"])
+    assert due_map(due) == {(0, SEALED): [7]}
+
+
+def test_rows_that_keep_their_requests_are_looked_at_from_where_they_were_left():
+    """Against looking at every row whole, over a random schedule of decodes, prefills, moves
+    and new requests: the same digests, step by step."""
+    rng = np.random.default_rng(5)
+    free = list(range(1, 4000))
+    rng.shuffle(free)
+    live: list[dict] = []
+    quick, whole = tracker(4000), tracker(4000)
+    serial = 0
+    for _ in range(200):
+        if len(live) < 8 and rng.random() < 0.5:
+            live.insert(int(rng.integers(0, len(live) + 1)), {"id": f"r{serial}", "row": [], "computed": 0})
+            serial += 1
+        if live and rng.random() < 0.05:
+            live.pop(int(rng.integers(0, len(live))))
+        for r in live:  # this step's tokens: a prefill chunk or one decode token
+            r["next"] = int(rng.integers(1, 40)) if r["computed"] < 20 else 1
+            while len(r["row"]) * BS < r["computed"] + r["next"]:
+                r["row"].append(free.pop())
+        width = max((len(r["row"]) for r in live), default=1)
+        table = np.zeros((len(live), width), np.int32)
+        for i, r in enumerate(live):
+            table[i, : len(r["row"])] = r["row"]
+        lens = np.array([len(r["row"]) for r in live], np.int32)
+        computed = np.array([r["computed"] for r in live], np.int64)
+        g = [GroupRows(0, BS, True, False, table, lens)]
+        a = quick.due(g, computed, NONE, {}, NONE, None, [r["id"] for r in live])
+        b = whole.due(g, computed, NONE, {}, NONE)
+        assert due_map(a) == due_map(b)
+        for r in live:
+            r["computed"] += r["next"]
+    assert quick.sealed_total == whole.sealed_total > 100
