@@ -133,6 +133,14 @@ class MRV2RunnerProbe(V1RunnerProbe):
             raise
         return staged
 
+    def _attach_content(self) -> list[tuple[str, bool, str | None]]:
+        """MRV2 keeps its block tables and computed tokens on the device: not digested yet."""
+        if self.config.content_digests <= 0.0:
+            return []
+        why = "Model Runner V2: sealed blocks are not tracked on this runner yet"
+        log.warning("kv_trace: %s not recorded: %s", records.CONTENT_DIGESTS, why)
+        return [(records.CONTENT_DIGESTS, False, why)]
+
     def capabilities(self) -> list[tuple[str, bool, str | None]]:
         found = super().capabilities()
         if getattr(self.runner, "adaptive_verification", None) is not None:
