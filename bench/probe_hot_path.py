@@ -44,7 +44,7 @@ from fastavro import schemaless_writer
 
 from kvledger.producer.config import TraceAction, TraceConfig
 from kvledger.producer.recorder import RankRecorder
-from kvledger.producer.recorder_process import FrameReader
+from kvledger.producer.recorder_loop import FrameReader
 from kvledger.producer.records import RankIdentity, envelope
 from kvledger.producer.ring_recorder import RingRecorder
 from kvledger.producer.vllm_v1 import V1RunnerProbe

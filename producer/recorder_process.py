@@ -1,161 +1,36 @@
-"""A rank's recorder process: reads its ring, builds the records, writes the sink.
+"""A rank's recorder process: out of the rank's process tree first, then to work.
 
     python -m kvledger.producer.recorder_process /dev/shm/kvledger-<pid>-dp0-tp0-pp0.ring
 
-Spawned by the rank (`ring_recorder.RingRecorder`), never by hand. It reads
-the frames the probes wrote, builds each record once (`capture`), hands them
-to a `RankRecorder` for the envelopes, the `log` check and the sink, and ends
-when the ring is closed by the rank (a clean stop: the closing Health is in
-it) or its rank's process is gone (killed: what the ring holds is delivered,
-then the ledger is closed, nothing cut short). SIGTERM ends it the same way
-once the ring is drained. It detaches from the rank's process tree as it
-starts (`detach`). Its log lines go to the engine's stderr.
+Spawned by the rank (`ring_recorder.RingRecorder`), never by hand. vLLM kills
+an engine's whole process tree when it shuts down (SIGKILL to every child of a
+worker that is slow to exit), so the recorder forks and lets the launcher exit
+before anything else: only the ring is mapped by then. The imports of the work
+itself (`recorder_loop`: numpy, the sinks, the ledger core) take seconds on a
+loaded host; a recorder that imported them first was killed with a rank that
+stopped within those seconds, and the rank's frames were lost with it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import time
-from dataclasses import replace
 from pathlib import Path
 
-import msgspec
-
-from kvledger.producer.capture import HealthCapture, RequestIndex, SnapshotCapture, StepCapture
-from kvledger.producer.config import TraceAction
-from kvledger.producer.frames import FrameKind, body_of, read_frame
-from kvledger.producer.recorder import RankRecorder
-from kvledger.producer.records import RankIdentity
-from kvledger.producer.ring import Ring
-from kvledger.producer.ring_recorder import ProcessWatch, RecorderMeta, meta_path, read_meta
-from kvledger.producer.sinks import open_sink
+from kvledger.producer.processes import ProcessWatch
+from kvledger.producer.ring import Ring, RingError
 
 log = logging.getLogger("kvledger.producer")
-
-POLL_S = 0.01  # between looks at the ring while frames arrive
-# The rank counts as idle (its sink flushed, its end confirmed) once its newest record is this old:
-# longer than in an engine's own thread, as records reach the recorder up to a poll and a drain late.
-RANK_IDLE_S = 0.1
-IDLE_POLL_S = 0.05  # once nothing arrived for SLOW_POLL_AFTER_S
-SLOW_POLL_AFTER_S = 1.0
-CLOSE_S = 30.0  # for the sink to deliver what it holds at the end
-
-
-class ViolationLogger:
-    """`action: log`: replays the rank's own events and logs what the ledger core finds."""
-
-    def __init__(self):
-        from kvledger.stream_app.core import Ledger
-
-        self.ledger = Ledger()
-
-    def __call__(self, events: list[dict]) -> None:
-        for v in self.ledger.apply_many(events):
-            log.warning(
-                "kv_trace: %s on %s dp%d/tp%d/pp%d: %s",
-                v.where(),
-                v.engine_id,
-                v.dp_rank,
-                v.tp_rank,
-                v.pp_rank,
-                v.detail,
-            )
-
-
-class FrameReader:
-    """Frames into record bodies, in the order the rank wrote them (the request index is used in
-    step order)."""
-
-    def __init__(self, ring: Ring, recorder: RankRecorder, full_rows: bool):
-        self.ring = ring
-        self.recorder = recorder
-        self.full_rows = full_rows
-        self.index = RequestIndex()
-
-    def body(self, kind: FrameKind, parts: list) -> tuple[str, dict]:
-        if kind is FrameKind.STEP:
-            return StepCapture.from_parts(parts).record(self.index, self.full_rows)
-        if kind is FrameKind.SNAPSHOT:
-            return SnapshotCapture.from_parts(parts).record(self.index)
-        if kind is FrameKind.HEALTH:
-            r = self.recorder
-            return HealthCapture.from_parts(parts).record(self.ring.dropped + r.dropped, r.capacity, r.high_water)
-        return body_of(parts[0])
-
-    def read(self, limit: int) -> int:
-        """Hand up to `limit` frames to the recorder; returns how many."""
-        n = 0
-        for record in self.ring.records():
-            if n >= limit:
-                break  # left unreleased: read again next time
-            data = bytes(record)  # the ring's bytes are released when the next record is asked for
-            record.release()
-            frame = read_frame(data)
-            n += 1
-            try:
-                body = self.body(frame.kind, frame.parts)
-            except Exception:  # a frame we cannot build is lost (its seq shows it), not the recorder
-                log.exception("kv_trace: could not build a record from a %s frame", frame.kind.name)
-                self.recorder.sink_failed += 1
-            else:
-                self.recorder.capture(body, seq=frame.seq, at_us=frame.emitted_at_us)
-        return n
-
-
-def identity_of(meta: RecorderMeta) -> RankIdentity:
-    """The rank's identity; a respawned recorder records under a new incarnation (the records its
-    predecessor held, and the request indices it gave, went with it: the ledger resyncs)."""
-    if meta.generation == 0:
-        return meta.identity
-    return replace(meta.identity, incarnation=(time.time_ns() ^ os.getpid()) & ((1 << 63) - 1))
 
 
 def detach(ring: Ring) -> None:
     """Leave the rank's process tree: fork, and let the launcher exit with the recorder's pid in
-    the ring (vLLM SIGKILLs an engine's whole tree; a recorder outside it still drains)."""
+    the ring (a recorder outside the tree still drains when the tree is killed)."""
     child = os.fork()
     if child:
         ring.consumer_pid = child
         os._exit(0)
-
-
-def run(ring_path: Path) -> int:
-    meta = read_meta(meta_path(ring_path))
-    ring = Ring.attach(ring_path)
-    engine = ProcessWatch(meta.engine_pid)  # before the fork: the rank is alive now
-    detach(ring)
-    config = meta.config
-    observer = ViolationLogger() if config.action is TraceAction.LOG else None
-    sink = open_sink(config.sink, config.kafka, config.schema_registry)
-    recorder = RankRecorder(
-        identity_of(meta), sink, capacity=config.buffer_events, observer=observer, idle_after=RANK_IDLE_S
-    )
-    reader = FrameReader(ring, recorder, config.full_rows)
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's Ctrl-C is the engine's
-    last_frame = time.monotonic()
-    while True:
-        # Read before looking at the end: a closed ring or a gone rank is drained first.
-        done = ring.producer_closed or not engine.alive() or bool(stopping)
-        room = recorder.capacity // 2 - recorder.backlog
-        n = reader.read(room) if room > 0 else 0
-        now = time.monotonic()
-        if n:
-            last_frame = now
-        elif done and ring.pending == 0:
-            break
-        time.sleep(POLL_S if now - last_frame < SLOW_POLL_AFTER_S else IDLE_POLL_S)
-    recorder.finish(CLOSE_S)
-    closed = ring.producer_closed
-    ring.close(unlink=True)
-    meta_path(ring_path).unlink(missing_ok=True)
-    if not closed:
-        log.warning("kv_trace: %s: its rank ended without closing; the ledger holds all it wrote", recorder.identity)
-    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -163,11 +38,17 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m kvledger.producer.recorder_process RING_PATH", file=sys.stderr)
         return 2
+    path = Path(argv[0])
     try:
-        return run(Path(argv[0]))
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-        log.error("kv_trace: recorder for %s cannot start: %s", argv[0], exc)
+        ring = Ring.attach(path)
+    except (OSError, RingError) as exc:
+        log.error("kv_trace: recorder for %s cannot start: %s", path, exc)
         return 1
+    engine = ProcessWatch(ring.producer_pid)  # before the fork: the rank is alive now
+    detach(ring)
+    from kvledger.producer import recorder_loop  # only now: see the module's docstring
+
+    return recorder_loop.run(path, ring, engine)
 
 
 if __name__ == "__main__":

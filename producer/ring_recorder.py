@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import select
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ import msgspec
 from kvledger.producer.capture import HealthCapture, SnapshotCapture, StepCapture
 from kvledger.producer.config import TraceConfig
 from kvledger.producer.frames import FrameKind, body_part, write_frame
+from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring, RingError, ring_dir
 
@@ -104,41 +104,6 @@ def unpinned() -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, mask)
-
-
-class ProcessWatch:
-    """Whether a process (our child or not) still runs: a pidfd where Linux has them (immune to
-    pid reuse), else a signal-0 probe."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self._fd: int | None = None
-        self._gone = False
-        try:
-            self._fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            self._gone = True
-        except (AttributeError, OSError):  # no pidfds here: probe by pid
-            pass
-
-    def alive(self) -> bool:
-        if self._gone:
-            return False
-        if self._fd is not None:
-            self._gone = bool(select.select([self._fd], [], [], 0)[0])  # readable once it exited
-        else:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                self._gone = True
-            except PermissionError:
-                pass
-        return not self._gone
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 def _pid_of(ring_path: Path) -> int:

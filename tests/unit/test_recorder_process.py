@@ -23,9 +23,10 @@ from kvledger.producer import records
 from kvledger.producer.capture import PlanCapture, RequestIndex, SnapshotCapture, StepCapture
 from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
 from kvledger.producer.frames import scheduler_payload
+from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
-from kvledger.producer.ring_recorder import ProcessWatch, RingRecorder, meta_path, sweep_stale_rings
+from kvledger.producer.ring_recorder import RingRecorder, meta_path, sweep_stale_rings
 from kvledger.producer.staging import Staged
 from kvledger.producer.synthetic import SimConfig, simulate
 from kvledger.stream_app.replay import iter_ledger, replay
@@ -111,7 +112,12 @@ def test_a_killed_recorder_is_replaced_and_the_ledger_resyncs(tmp_path):
     for n, body in enumerate(sim):
         recorder.body(body)
         if n == len(sim) // 3:
-            time.sleep(0.5)  # the first recorder delivers what it read (idle: its sink is flushed)
+            # The first recorder delivers what it read (idle: its sink is flushed); its pid is in
+            # the ring before its imports are done, so wait for its events, not a fixed time.
+            deadline = time.monotonic() + 30
+            while not any(p.stat().st_size for p in tmp_path.rglob("*.avro")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)
             os.kill(first, signal.SIGKILL)
             wait_gone(first)
             time.sleep(1.0)  # past RESPAWN_AFTER_S
@@ -134,7 +140,8 @@ from pathlib import Path
 from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
-from kvledger.producer.ring_recorder import ProcessWatch, RingRecorder, meta_path, sweep_stale_rings
+from kvledger.producer.processes import ProcessWatch
+from kvledger.producer.ring_recorder import RingRecorder, meta_path, sweep_stale_rings
 from kvledger.producer.synthetic import SimConfig, simulate
 
 sim = [e["body"] for e in simulate(SimConfig(seed=2, steps=300, snapshot_interval=0)).events if e["tp_rank"] == 0]
