@@ -2,8 +2,10 @@
 -> the violations topic, read back with `kvledger violations`.
 
 One clean engine and one with the slot mapping shifted at one step trace to
-the same events topic; the worker must report exactly the injected fault,
-with its kind, engine, step and request, and nothing for the clean engine.
+the same events topic. The clean engine's events, read from the topic, are
+every one it captured, in order, closed, and replay clean; the worker must
+report exactly the injected fault, with its kind, engine, step and request,
+and nothing for the clean engine.
 The worker's status page, rendered by headless Chromium (infra/install-chromium),
 must show both engines and the violation.
 """
@@ -17,8 +19,17 @@ import uuid
 
 import pytest
 
+from kvledger.stream_app.core import Ledger
 from tests.e2e.test_vllm_trace import PRESSURE
-from tests.stream_harness import events_done, events_per_engine, online_violations, start_worker, wait_for
+from tests.stream_harness import (
+    BATCHES,
+    events_done,
+    events_per_engine,
+    online_violations,
+    read_all,
+    start_worker,
+    wait_for,
+)
 
 
 def rendered_page(url: str) -> str:
@@ -33,6 +44,17 @@ def rendered_page(url: str) -> str:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
+
+
+def assert_every_event_delivered_and_clean(events: list[dict]) -> None:
+    """The Kafka sink from a real engine: every event it captured on the topic, replayed clean."""
+    assert events and [e["seq"] for e in events] == list(range(len(events)))
+    assert events[-1]["body"][0] == "kvledger.Health" and events[-1]["body"][1]["events_dropped"] == 0
+    assert events[-1]["body"][1]["closing"] and not any(e["body"][1].get("closing") for e in events[:-1])
+    ledger = Ledger()
+    assert [v for e in events for v in ledger.apply(e)] + ledger.finish() == []
+    assert ledger.closed  # the engine shut down cleanly: a worker would retire it now
+    assert ledger.coverage.checks["write"] > 10
 
 
 @pytest.fixture
@@ -52,6 +74,9 @@ def test_engines_through_kafka_to_the_violations_topic(kafka_bootstrap, worker, 
     spec = {**PRESSURE, "max_tokens": 12, "num_blocks": 64}
     kv_trace = {"enabled": True, "sink": f"kafka://{kafka_bootstrap}/{topic}", "snapshot_interval": 16}
     engine({**spec, "kv_trace": kv_trace})
+    assert_every_event_delivered_and_clean(
+        [e for m in read_all(kafka_bootstrap, topic) for e in BATCHES.decode(m.value())]
+    )
     faulty = engine({**spec, "kv_trace": kv_trace}, fault="slot_shift", fault_step=6)
     [injected] = faulty.faults
     # With a Kafka sink the engine only records (`action: record`): the worker alone finds the fault.

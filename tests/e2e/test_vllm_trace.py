@@ -13,13 +13,10 @@ import re
 import socket
 
 import pytest
-from confluent_kafka import Consumer
 
 from kvledger.producer.config import TraceConfig
 from kvledger.producer.sinks import open_sink
-from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.schemas.files import discover, read_segment, read_stream
-from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import replay
 from tests.e2e.conftest import assert_preempted_resumed_and_hit, step_inputs
 
@@ -180,33 +177,6 @@ def test_two_pipeline_stages(tmp_path, engine):
     divergent = [v for v in result.violations if v.kind == "rank_divergence"]
     assert [(v.pp_rank, v.step) for v in divergent] == [(1, int(injected["step"]))]
     assert {(v.kind, v.pp_rank) for v in result.violations} == {("rank_divergence", 1), ("write_target_mismatch", 1)}
-
-
-def test_trace_to_kafka(kafka_bootstrap, tmp_path, engine):
-    """The Kafka sink from a real engine: every event on the topic, replayed clean."""
-    topic = f"kvledger.e2e.{tmp_path.name[-8:]}"
-    spec = {
-        **PRESSURE,
-        "max_tokens": 12,
-        "num_blocks": 64,
-        "kv_trace": {"enabled": True, "sink": f"kafka://{kafka_bootstrap}/{topic}"},
-    }
-    engine(spec)
-    consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": topic, "auto.offset.reset": "earliest"})
-    consumer.subscribe([topic])
-    codec, ledger, events = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH), Ledger(), []
-    try:
-        while (message := consumer.poll(10)) is not None:
-            assert message.error() is None, message.error()
-            events += codec.decode(message.value())  # the sink sends several events per message
-    finally:
-        consumer.close()
-    assert events and [e["seq"] for e in events] == list(range(len(events)))
-    assert events[-1]["body"][0] == "kvledger.Health" and events[-1]["body"][1]["events_dropped"] == 0
-    assert events[-1]["body"][1]["closing"] and not any(e["body"][1].get("closing") for e in events[:-1])
-    assert [v for e in events for v in ledger.apply(e)] + ledger.finish() == []
-    assert ledger.closed  # the engine shut down cleanly: a worker would retire it now
-    assert ledger.coverage.checks["write"] > 10
 
 
 def test_broker_down_leaves_the_engine_alone(tmp_path, engine):
