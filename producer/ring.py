@@ -76,7 +76,7 @@ class Ring:
     """One mapping of a ring; `create` for the producer, `attach` for the consumer.
 
     The producer's path is one compiled call per record: a Python-level reserve, copy and
-    publish cost the engine thread ~30 us per 64-request frame, in a dozen interpreted steps.
+    publish cost the engine thread 15-24 us per 64-request frame, the compiled call ~3 us.
     """
 
     def __init__(self, path: Path, mapping: mmap.mmap):
