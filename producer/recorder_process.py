@@ -1,14 +1,13 @@
-"""A rank's recorder process: out of the rank's process tree first, then to work.
+"""A rank's recorder process: its pid into the ring first, then to work.
 
     python -m kvledger.producer.recorder_process /dev/shm/kvledger-<pid>-dp0-tp0-pp0.ring
 
-Spawned by the rank (`ring_recorder.RingRecorder`), never by hand. vLLM kills
-an engine's whole process tree when it shuts down (SIGKILL to every child of a
-worker that is slow to exit), so the recorder forks and lets the launcher exit
-before anything else: only the ring is mapped by then. The imports of the work
-itself (`recorder_loop`: numpy, the sinks, the ledger core) take seconds on a
-loaded host; a recorder that imported them first was killed with a rank that
-stopped within those seconds, and the rank's frames were lost with it.
+Spawned by the rank (`ring_recorder.RingRecorder`, through `setsid --fork`, so
+outside the rank's process tree from its start: vLLM SIGKILLs every process of
+a worker's tree that is slow to exit), never by hand. The rank knows its
+recorder runs once the pid is in the ring, so that comes before the imports
+of the work itself (`recorder_loop`: numpy, the sinks, the ledger core),
+which take seconds on a loaded host.
 """
 
 from __future__ import annotations
@@ -24,15 +23,6 @@ from kvledger.producer.ring import Ring, RingError
 log = logging.getLogger("kvledger.producer")
 
 
-def detach(ring: Ring) -> None:
-    """Leave the rank's process tree: fork, and let the launcher exit with the recorder's pid in
-    the ring (a recorder outside the tree still drains when the tree is killed)."""
-    child = os.fork()
-    if child:
-        ring.consumer_pid = child
-        os._exit(0)
-
-
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(asctime)s [kvledger recorder] %(message)s")
     if len(argv) != 1:
@@ -44,8 +34,8 @@ def main(argv: list[str]) -> int:
     except (OSError, RingError) as exc:
         log.error("kv_trace: recorder for %s cannot start: %s", path, exc)
         return 1
-    engine = ProcessWatch(ring.producer_pid)  # before the fork: the rank is alive now
-    detach(ring)
+    engine = ProcessWatch(ring.producer_pid)
+    ring.consumer_pid = os.getpid()
     from kvledger.producer import recorder_loop  # only now: see the module's docstring
 
     return recorder_loop.run(path, ring, engine)
