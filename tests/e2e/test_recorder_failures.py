@@ -14,33 +14,17 @@ import signal
 import time
 from pathlib import Path
 
-from kvledger.producer.ring_recorder import meta_path, read_meta
 from kvledger.schemas.files import discover, read_segment
 from kvledger.stream_app.replay import replay
 
-from .test_broker_outage import Background, rounds, wait
+from .test_broker_outage import Background, recorders, rounds, wait
 
 PROMPTS = [[(11 * i + j) % 400 + 3 for j in range(24 + 8 * i)] for i in range(6)]
 SPEC = {"prompts": PROMPTS, "max_tokens": 24, "max_num_seqs": 6, "max_num_batched_tokens": 256, "max_seconds": 300}
 
 
-def recorders(ledger: Path) -> list[tuple[int, int]]:
-    """(pid, its rank's pid) of every live recorder process writing to `ledger`."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            if b"kvledger.producer.recorder_process" not in argv:
-                continue
-            ring = Path(argv[argv.index(b"kvledger.producer.recorder_process") + 1].decode())
-            meta = read_meta(meta_path(ring))
-            if meta.config.sink.path != ledger:
-                continue
-            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                found.append((int(proc.name), meta.engine_pid))
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile, or not ours
-    return found
+def writing_to(ledger: Path):
+    return lambda sink: sink.path == ledger
 
 
 def events_of(ledger: Path) -> list[dict]:
@@ -60,9 +44,9 @@ def test_a_killed_recorder_is_replaced_and_the_engine_never_notices(engine, tmp_
     started, ledger, stop = start(engine, work)
     rounds_file = work / "rounds.jsonl"
     wait("the engine's first round", lambda: len(rounds(rounds_file)) >= 1, 300, engine=started)
-    [(first, _)] = recorders(ledger)
+    [(first, _)] = recorders(writing_to(ledger))
     os.kill(first, signal.SIGKILL)
-    replaced = lambda: any(pid != first for pid, _ in recorders(ledger))  # noqa: E731
+    replaced = lambda: any(pid != first for pid, _ in recorders(writing_to(ledger)))  # noqa: E731
     wait("a new recorder", replaced, 120, engine=started)
     n = len(rounds(rounds_file))
     wait("rounds after the new recorder took over", lambda: len(rounds(rounds_file)) >= n + 2, 300, engine=started)
@@ -87,13 +71,13 @@ def test_a_killed_engine_leaves_its_recorder_to_close_the_ledger(engine, tmp_pat
     work = tmp_path_factory.mktemp("engine-kill")
     started, ledger, _ = start(engine, work, expect_failure=True)
     wait("the engine's first rounds", lambda: len(rounds(work / "rounds.jsonl")) >= 2, 300, engine=started)
-    [(_, worker)] = recorders(ledger)
+    [(_, worker)] = recorders(writing_to(ledger))
     os.kill(worker, signal.SIGKILL)  # the rank's process, mid-round
     run = started.result(180)  # the engine fails (its worker died): expected
     deadline = time.monotonic() + 60
-    while recorders(ledger) and time.monotonic() < deadline:
+    while recorders(writing_to(ledger)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not recorders(ledger), "the recorder did not end after its rank died"
+    assert not recorders(writing_to(ledger)), "the recorder did not end after its rank died"
 
     result = replay(ledger)
     assert result.problems == []  # nothing truncated: the recorder closed what it wrote
