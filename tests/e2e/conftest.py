@@ -13,7 +13,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +99,21 @@ def _faults(stderr: str) -> list[dict]:
 def engine():
     vllm_python()
     return run_engine
+
+
+@pytest.fixture(scope="session")
+def untraced(engine) -> Callable[[dict], list[list[int]]]:
+    """The outputs of an untraced engine for a spec, run once per spec for the whole session (the
+    tests comparing their traced runs with the same spec share one engine start)."""
+    seen: dict[str, list[list[int]]] = {}
+
+    def outputs(spec: dict) -> list[list[int]]:
+        key = json.dumps(spec, sort_keys=True)
+        if key not in seen:
+            seen[key] = engine(spec).outputs
+        return seen[key]
+
+    return outputs
 
 
 def step_inputs(ledger_root) -> Iterator[dict]:

@@ -83,6 +83,7 @@ def assert_caught(ledger_root, log: str, hit: dict) -> None:
     assert result.ledger.coverage.checks["content_verified"] > 0
 
 
+@pytest.mark.parallel
 def test_a_stray_write_into_a_sealed_block_is_caught_in_the_v1_runner(tmp_path, engine):
     hit, log = stray(engine, digesting(tmp_path, PRESSURE, max_tokens=16, num_blocks=64), "8")
     assert hit["step"] == 8 and hit["tp"] == 0
@@ -98,6 +99,7 @@ def test_a_stray_write_on_one_tp_rank_is_caught_on_that_rank_only(tmp_path, engi
     assert_caught(tmp_path / "ledger", log, hit)
 
 
+@pytest.mark.parallel
 def test_a_stray_write_into_a_hybrid_models_full_attention_group_is_caught(tmp_path, engine):
     hit, log = stray(engine, digesting(tmp_path, GEMMA_PRESSURE, max_tokens=24), "10:g3")
     assert hit["group"] == 3
@@ -106,6 +108,7 @@ def test_a_stray_write_into_a_hybrid_models_full_attention_group_is_caught(tmp_p
     assert kinds == ["SLIDING_WINDOW"] * 3 + ["FULL_ATTENTION"]
 
 
+@pytest.mark.parallel
 def test_a_block_left_unzeroed_is_caught_at_its_step(tmp_path, engine):
     # Qwen3-Next-style: Mamba layers make vLLM zero every new attention block before use.
     run = engine(digesting(tmp_path, QWEN_PRESSURE), env={"KVLEDGER_TEST_UNZEROED": "4"})

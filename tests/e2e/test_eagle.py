@@ -26,7 +26,7 @@ from tests.e2e.conftest import assert_preempted_resumed_and_hit, step_inputs
 from tests.e2e.engine_run import TINY_LLAMA
 from tests.e2e.test_spec_decode import spec_counters
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.parallel]
 
 K = 3  # draft tokens per step: drafter passes 0 .. K-1
 PROMPTS = [

@@ -22,7 +22,7 @@ from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.replay import replay
 from tests.e2e.conftest import TEST_PLUGINS
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.parallel]
 
 GEMMA3 = {
     "architectures": ["Gemma3ForCausalLM"],

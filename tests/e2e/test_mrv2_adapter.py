@@ -7,11 +7,15 @@ import json
 import re
 import subprocess
 
+import pytest
+
 from kvledger.schemas.files import discover, read_segment
 from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import replay
 from tests.e2e.conftest import ROOT, vllm_python
+
+pytestmark = pytest.mark.parallel
 
 SCRIPT = ROOT / "tests" / "e2e" / "mrv2_adapter_run.py"
 STEP, SNAPSHOT = "kvledger.Step", "kvledger.Snapshot"

@@ -23,7 +23,7 @@ from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.replay import replay
 from tests.e2e.conftest import assert_preempted_resumed_and_hit, step_inputs
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.parallel]
 
 # With random weights the greedy output soon cycles; prompts of repeated patterns and of
 # runs of distinct ids give ngram drafts that match (accepted) and drafts copied from the

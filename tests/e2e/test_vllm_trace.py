@@ -60,6 +60,7 @@ def clean_run(tmp_path_factory, engine):
     return engine(traced(root, action="raise", content_digests=1.0)), replay(root / "ledger"), root / "ledger"
 
 
+@pytest.mark.parallel
 def test_clean_run_is_silent_and_checked(clean_run):
     _, result, _ = clean_run
     assert result.violations == []
@@ -72,6 +73,7 @@ def test_clean_run_is_silent_and_checked(clean_run):
     print(f"content: {checks['content_sealed']} blocks sealed, {checks['content_verified']} digests verified")
 
 
+@pytest.mark.parallel
 def test_clean_run_really_preempted_hit_the_prefix_cache_and_chunked(clean_run):
     _, _, ledger_root = clean_run
     inputs = list(step_inputs(ledger_root))
@@ -82,6 +84,7 @@ def test_clean_run_really_preempted_hit_the_prefix_cache_and_chunked(clean_run):
     )
 
 
+@pytest.mark.parallel
 def test_retention_keeps_a_bounded_tail_of_the_real_ledger_that_checks_silent(clean_run, tmp_path):
     """File retention over the clean run's events (snapshots every 16 steps), re-recorded through
     the sink its kv_trace keys open, with segments small enough to rotate at every snapshot.
@@ -112,11 +115,13 @@ def test_retention_keeps_a_bounded_tail_of_the_real_ledger_that_checks_silent(cl
     assert result.ledger.coverage.checks["resync"] == 1 and result.ledger.coverage.checks["write"] > 0
 
 
-def test_outputs_identical_with_tracing_on_and_off(clean_run, engine):
+@pytest.mark.parallel
+def test_outputs_identical_with_tracing_on_and_off(clean_run, untraced):
     run, _, _ = clean_run
-    assert engine(PRESSURE).outputs == run.outputs
+    assert untraced(PRESSURE) == run.outputs
 
 
+@pytest.mark.parallel
 @pytest.mark.parametrize(
     ("fault", "kind"),
     [
@@ -179,22 +184,23 @@ def test_two_pipeline_stages(tmp_path, engine):
     assert {(v.kind, v.pp_rank) for v in result.violations} == {("rank_divergence", 1), ("write_target_mismatch", 1)}
 
 
-def test_broker_down_leaves_the_engine_alone(tmp_path, engine):
+@pytest.mark.parallel
+def test_broker_down_leaves_the_engine_alone(tmp_path, engine, untraced):
     """Kafka unreachable: the engine serves the same tokens, and the rank counts every event it lost."""
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    spec = {**PRESSURE, "max_tokens": 12, "num_blocks": 64}
     traced_down = {
-        **spec,
+        **PRESSURE,
         "kv_trace": {"enabled": True, "sink": f"kafka://127.0.0.1:{port}", "kafka": {"message.timeout.ms": 1000}},
     }
     run = engine(traced_down)
-    assert run.outputs == engine(spec).outputs
+    assert run.outputs == untraced(PRESSURE)
     [(lost, captured)] = re.findall(r"kv_trace: .* lost (\d+) of (\d+) captured event", run.log)
     assert lost == captured and int(captured) > 10
 
 
+@pytest.mark.parallel
 def test_raise_mode_fails_the_step_naming_the_violation(tmp_path, engine):
     run = engine(
         traced(tmp_path, action="raise", max_tokens=12, num_blocks=64),
@@ -207,6 +213,7 @@ def test_raise_mode_fails_the_step_naming_the_violation(tmp_path, engine):
     assert f"kv_trace: write_target_mismatch at step {injected['step']}, req {injected['req']}, group 0" in run.log
 
 
+@pytest.mark.parallel
 def test_bad_option_fails_the_engine_start_naming_its_key(tmp_path, engine):
     spec = traced(tmp_path, max_tokens=4, num_blocks=64)
     spec["kv_trace"]["ring_bytes"] = 4096
@@ -215,6 +222,7 @@ def test_bad_option_fails_the_engine_start_naming_its_key(tmp_path, engine):
     assert not (tmp_path / "ledger").exists()  # nothing started recording
 
 
+@pytest.mark.parallel
 def test_pause_and_resume_tracing(tmp_path, engine):
     """Paused probes record nothing but keep step numbers; after resume the ledger resyncs, silent."""
     # Runs traced (warm-up), paused, traced, traced.
