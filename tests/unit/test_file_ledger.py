@@ -428,16 +428,14 @@ def read_stream_all(stream) -> tuple[list[dict], list[ReadProblem]]:
 # A producer process tracing a synthetic engine to a file ledger, one step every PACE seconds,
 # with the plugin's signal handlers chained in front of the default ones; idle at the end.
 WRITER = """
-import os, signal, sys, time
+import faulthandler, os, signal, sys, time
 from kvledger.producer import plugin
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import FileSink
-from kvledger.producer import plugin
-from kvledger.producer.recorder import RankRecorder
-from kvledger.producer.records import RankIdentity
-from kvledger.producer.sinks import FILE_LINGER_S, FileSink
 from kvledger.producer.synthetic import SimConfig, simulate
+
+faulthandler.enable()  # a SIGABRT from the test dumps every thread's stack, should it hang
 
 bodies = [e["body"] for e in simulate(SimConfig(seed=2, steps=int(sys.argv[3]), snapshot_interval=50)).events]
 recorder = RankRecorder(RankIdentity("killed", 0, 0, 0, 1), FileSink(sys.argv[1]))
@@ -464,9 +462,10 @@ BOUND_SLACK_S = 0.1
 
 def kill_writer(root: Path, signum: int, *, when: str, steps: int = 300) -> tuple[int, float]:
     """Start the writer, send `signum` while it is busy (0.4 s in) or once idle; (exit status, kill time)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(root), str(PACE), str(steps)], stdout=subprocess.PIPE, text=True
-    )
+    stderr = root.parent / f"{root.name}.stderr"
+    with stderr.open("w") as err:
+        argv = [sys.executable, "-c", WRITER, str(root), str(PACE), str(steps)]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         assert proc.stdout.readline().strip() == "BUSY"
         if when == "busy":
@@ -476,7 +475,12 @@ def kill_writer(root: Path, signum: int, *, when: str, steps: int = 300) -> tupl
             time.sleep(0.1)
         killed_at = time.time()
         proc.send_signal(signum)
-        return proc.wait(10), killed_at
+        try:
+            return proc.wait(30), killed_at
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler: where each thread stands
+            proc.wait(10)
+            pytest.fail(f"the writer did not exit within 30 s of signal {signum}:\n{stderr.read_text()[-4000:]}")
     finally:
         proc.kill()
         proc.wait()
