@@ -441,6 +441,10 @@ bodies = [e["body"] for e in simulate(SimConfig(seed=2, steps=int(sys.argv[3]), 
 recorder = RankRecorder(RankIdentity("killed", 0, 0, 0, 1), FileSink(sys.argv[1]))
 probe = type("Probe", (), {"recorder": recorder})()
 plugin._probes.append(probe)
+# The handlers a process started from a terminal has: one started by a background job inherits
+# SIGINT ignored, and the chained handler then rightly leaves it ignored after its flush.
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 for signum in (signal.SIGTERM, signal.SIGINT):
     plugin.chain_signal(signum)
 print("BUSY", flush=True)
