@@ -137,15 +137,13 @@ def pytest_collection_modifyitems(config, items):
     modules: dict[str, list] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
-    sizes, mine = [0] * n, set()
-    for module, tests in sorted(modules.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+    sizes, mine, deselected = [0] * n, set(), []
+    for _, tests in sorted(modules.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         part = sizes.index(min(sizes))
         sizes[part] += len(tests)
-        if part == k - 1:
-            mine.add(module)
-    kept = [item for item in items if item.nodeid.split("::")[0] in mine]
-    config.hook.pytest_deselected(items=[item for item in items if item.nodeid.split("::")[0] not in mine])
-    items[:] = kept
+        (mine.update if part == k - 1 else deselected.extend)(tests)
+    config.hook.pytest_deselected(items=deselected)
+    items[:] = [item for item in items if item in mine]
 
 
 def _shard(value: str) -> tuple[int, int]:

@@ -275,17 +275,22 @@ def recorders(matches: Callable[[SinkSpec], bool]) -> list[tuple[int, int]]:
             meta = read_meta(meta_path(ring))
             if not matches(meta.config.sink):
                 continue
-            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            if stat_fields(int(proc.name))[0] != "Z":
                 found.append((int(proc.name), meta.engine_pid))
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile, or not ours
     return found
 
 
+def stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command's name: state, ppid, ..., utime (11), stime (12)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User and system CPU time of process `pid` so far (None once it is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat_fields(pid)
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -44,9 +44,10 @@ def test_a_killed_recorder_is_replaced_and_the_engine_never_notices(engine, tmp_
     started, ledger, stop = start(engine, work)
     rounds_file = work / "rounds.jsonl"
     wait("the engine's first round", lambda: len(rounds(rounds_file)) >= 1, 300, engine=started)
-    [(first, _)] = recorders(writing_to(ledger))
+    mine = writing_to(ledger)
+    [(first, _)] = recorders(mine)
     os.kill(first, signal.SIGKILL)
-    replaced = lambda: any(pid != first for pid, _ in recorders(writing_to(ledger)))  # noqa: E731
+    replaced = lambda: any(pid != first for pid, _ in recorders(mine))  # noqa: E731
     wait("a new recorder", replaced, 120, engine=started)
     n = len(rounds(rounds_file))
     wait("rounds after the new recorder took over", lambda: len(rounds(rounds_file)) >= n + 2, 300, engine=started)
@@ -71,13 +72,14 @@ def test_a_killed_engine_leaves_its_recorder_to_close_the_ledger(engine, tmp_pat
     work = tmp_path_factory.mktemp("engine-kill")
     started, ledger, _ = start(engine, work, expect_failure=True)
     wait("the engine's first rounds", lambda: len(rounds(work / "rounds.jsonl")) >= 2, 300, engine=started)
-    [(_, worker)] = recorders(writing_to(ledger))
+    mine = writing_to(ledger)
+    [(_, worker)] = recorders(mine)
     os.kill(worker, signal.SIGKILL)  # the rank's process, mid-round
     run = started.result(180)  # the engine fails (its worker died): expected
     deadline = time.monotonic() + 60
-    while recorders(writing_to(ledger)) and time.monotonic() < deadline:
+    while recorders(mine) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not recorders(writing_to(ledger)), "the recorder did not end after its rank died"
+    assert not recorders(mine), "the recorder did not end after its rank died"
 
     result = replay(ledger)
     assert result.problems == []  # nothing truncated: the recorder closed what it wrote
