@@ -72,13 +72,16 @@ def fake_runner(num_reqs: int) -> SimpleNamespace:
     """Just the attributes the probe reads, shaped as vLLM's V1 runner holds them."""
     rows = np.zeros((num_reqs, MAX_BLOCKS), np.int32)
     device_rows = torch.from_numpy(rows)  # what attention reads (a CPU engine's "device" tensor)
+    slots = torch.zeros(4096, dtype=torch.int64)  # the slot mapping's persistent buffer
     table = SimpleNamespace(
         block_table=SimpleNamespace(np=rows),
         get_device_tensor=lambda n: device_rows[:n],
         num_blocks_per_row=np.zeros(num_reqs, np.int32),
         block_size=BLOCK_SIZE,
+        slot_mapping=SimpleNamespace(gpu=slots, np=slots.numpy()),
     )
     return SimpleNamespace(
+        device=torch.device("cpu"),
         input_batch=SimpleNamespace(block_table=[table], req_ids=[f"req-{i}" for i in range(num_reqs)]),
         query_start_loc=SimpleNamespace(np=np.arange(num_reqs + 1, dtype=np.int32)),
         positions=torch.zeros(4096, dtype=torch.int64),
@@ -133,8 +136,9 @@ def decode_steps(runner: SimpleNamespace, num_reqs: int, steps: int):
         )
         runner.positions[:num_reqs] = torch.from_numpy(computed)
         rows = table.block_table.np[np.arange(num_reqs), computed // BLOCK_SIZE]
-        slots = torch.from_numpy(rows.astype(np.int64) * BLOCK_SIZE + computed % BLOCK_SIZE)
-        yield so, {"num_tokens": num_reqs, "num_reqs": num_reqs, "slot_mappings": {0: slots}}
+        slots = table.slot_mapping.gpu
+        slots[:num_reqs] = torch.from_numpy(rows.astype(np.int64) * BLOCK_SIZE + computed % BLOCK_SIZE)
+        yield so, {"num_tokens": num_reqs, "num_reqs": num_reqs, "slot_mappings": {0: slots[:num_reqs]}}
         computed += 1
 
 

@@ -107,72 +107,230 @@ static int part_type(const Py_buffer *v) {
     }
 }
 
-static void release_all(Py_buffer *views, Py_ssize_t n) {
+/* One part of a frame: a whole buffer, or a prefix of one (the first `rows` rows and `cols`
+ * columns of a 2-D array of any row stride; a 1-D prefix is one row), copied without a slice. */
+typedef struct {
+    Py_buffer view;
+    uint64_t type;
+    Py_ssize_t rows, cols;   /* items copied: rows x cols */
+    Py_ssize_t row_stride;   /* bytes between rows in the source */
+} part_t;
+
+static Py_ssize_t count_arg(PyObject *spec, Py_ssize_t i) {
+    Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(spec, i));
+    if (n < 0 && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "a part's prefix cannot be negative");
+    return n;
+}
+
+/* Make `p` (its view open) the first `p->cols` items of a 1-D contiguous array; -1 if it is not. */
+static int prefix_check(part_t *p) {
+    if (p->view.ndim != 1 || p->view.strides[0] != p->view.itemsize) {
+        PyErr_SetString(PyExc_BufferError, "a 1-D prefix of an array that is not 1-D and contiguous");
+        return -1;
+    }
+    if (p->cols > p->view.shape[0]) {
+        PyErr_Format(PyExc_ValueError, "a prefix of %zd items of an array of %zd", p->cols, p->view.shape[0]);
+        return -1;
+    }
+    p->rows = 1;
+    p->row_stride = p->cols * p->view.itemsize;
+    return 0;
+}
+
+/* Parse `spec`: a buffer (whole, C-contiguous), (array, n) (its first n items) or (array, rows,
+ * cols) (a 2-D array's top-left block). -1 with an exception set (the view released). */
+static int part_open(part_t *p, PyObject *spec) {
+    Py_ssize_t arity = PyTuple_Check(spec) ? PyTuple_GET_SIZE(spec) : 0;
+    if (arity == 0) {
+        if (PyObject_GetBuffer(spec, &p->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            return -1;
+        p->rows = 1;
+    } else if (arity == 2 || arity == 3) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(spec, 0), &p->view, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
+            return -1;
+    } else {
+        PyErr_SetString(PyExc_TypeError, "a part is a buffer, (array, n) or (array, rows, cols)");
+        return -1;
+    }
+    p->type = (uint64_t)part_type(&p->view);
+    if (p->type == 0) {
+        PyErr_Format(PyExc_TypeError, "format %s is not a frame part's", p->view.format ? p->view.format : "B");
+        goto fail;
+    }
+    Py_ssize_t item = p->view.itemsize;
+    if (arity == 0) {
+        p->cols = p->view.len / item;
+        p->row_stride = p->view.len;
+        return 0;
+    }
+    if (arity == 2) { /* a 1-D prefix */
+        if ((p->cols = count_arg(spec, 1)) < 0 || prefix_check(p) < 0)
+            goto fail;
+        return 0;
+    }
+    if ((p->rows = count_arg(spec, 1)) < 0 || (p->cols = count_arg(spec, 2)) < 0)
+        goto fail;
+    if (p->view.ndim != 2 || p->view.strides[1] != item || p->view.strides[0] < 0) {
+        PyErr_SetString(PyExc_BufferError, "a block of an array that is not 2-D with contiguous rows");
+        goto fail;
+    }
+    if (p->rows > p->view.shape[0] || p->cols > p->view.shape[1]) {
+        PyErr_Format(PyExc_ValueError, "a %zd x %zd block of a %zd x %zd array", p->rows, p->cols,
+                     p->view.shape[0], p->view.shape[1]);
+        goto fail;
+    }
+    p->row_stride = p->view.strides[0];
+    return 0;
+fail:
+    PyBuffer_Release(&p->view);
+    return -1;
+}
+
+static inline uint64_t part_items(const part_t *p) { return (uint64_t)(p->rows * p->cols); }
+static inline uint64_t part_bytes(const part_t *p) { return part_items(p) * (uint64_t)p->view.itemsize; }
+
+static void parts_release(part_t *parts, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++)
-        PyBuffer_Release(&views[i]);
+        PyBuffer_Release(&parts[i].view);
+}
+
+/* Open every spec of `seq` (a sequence); the number opened, or -1 with all released. */
+static Py_ssize_t parts_open(part_t *parts, PyObject *seq, uint64_t *bytes) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > MAX_PARTS) {
+        PyErr_Format(PyExc_ValueError, "a frame holds at most %d parts, not %zd", MAX_PARTS, n);
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    *bytes = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (part_open(&parts[i], items[i]) < 0) {
+            parts_release(parts, i);
+            return -1;
+        }
+        *bytes += align8(part_bytes(&parts[i]));
+    }
+    return n;
+}
+
+/* The parts' type words, then each part 8-byte aligned (the padding left as it was). */
+static void parts_fill(uint64_t *words, const part_t *parts, Py_ssize_t n) {
+    uint8_t *at = (uint8_t *)(words + n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const part_t *p = &parts[i];
+        words[i] = p->type | part_items(p) << 8;
+        size_t row = (size_t)(p->cols * p->view.itemsize);
+        const uint8_t *src = p->view.buf;
+        for (Py_ssize_t r = 0; r < p->rows; r++, src += p->row_stride)
+            memcpy(at + r * row, src, row);
+        at += align8(part_bytes(p));
+    }
 }
 
 PyDoc_STRVAR(write_frame_doc,
              "write_frame(mapping, kind, seq, emitted_at_us, parts) -> bool\n\n"
-             "Copy `parts` (bytes or C-contiguous uint8/int32/int64 arrays) into the ring as one frame;\n"
-             "False when the ring has no room (counted as dropped). TypeError for a part of another type,\n"
-             "BufferError for one not contiguous: the caller converts those and calls again.");
+             "Copy `parts` into the ring as one frame; False when the ring has no room (counted as\n"
+             "dropped). A part is bytes or a uint8/int32/int64 array: whole (C-contiguous), (array, n) for\n"
+             "its first n items, or (array, rows, cols) for a 2-D array's top-left block. TypeError for a\n"
+             "part of another type, BufferError for one not laid out so: the caller converts those.");
 
 static PyObject *write_frame(PyObject *self, PyObject *args) {
-    PyObject *mapping, *parts;
+    PyObject *mapping, *specs;
     unsigned long long kind, seq, at_us;
-    if (!PyArg_ParseTuple(args, "OKKKO", &mapping, &kind, &seq, &at_us, &parts))
+    if (!PyArg_ParseTuple(args, "OKKKO", &mapping, &kind, &seq, &at_us, &specs))
         return NULL;
-    PyObject *seq_parts = PySequence_Fast(parts, "parts must be a sequence");
+    PyObject *seq_parts = PySequence_Fast(specs, "parts must be a sequence");
     if (seq_parts == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq_parts);
-    if (n > MAX_PARTS) {
-        Py_DECREF(seq_parts);
-        return PyErr_Format(PyExc_ValueError, "a frame holds at most %d parts, not %zd", MAX_PARTS, n);
-    }
-    Py_buffer views[MAX_PARTS];
-    uint64_t types[MAX_PARTS];
-    uint64_t size = 8 * (FRAME_WORDS + (uint64_t)n);
-    Py_ssize_t got = 0;
-    PyObject **items = PySequence_Fast_ITEMS(seq_parts);
-    for (; got < n; got++) {
-        if (PyObject_GetBuffer(items[got], &views[got], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-            goto fail;
-        types[got] = (uint64_t)part_type(&views[got]);
-        if (types[got] == 0) {
-            PyErr_Format(PyExc_TypeError, "part %zd: format %s is not a frame part's", got,
-                         views[got].format ? views[got].format : "B");
-            got++;
-            goto fail;
-        }
-        size += align8((uint64_t)views[got].len);
-    }
+    part_t parts[MAX_PARTS];
+    uint64_t bytes;
+    Py_ssize_t n = parts_open(parts, seq_parts, &bytes);
+    Py_DECREF(seq_parts);
+    if (n < 0)
+        return NULL;
     ring_t ring;
-    if (ring_open(&ring, mapping) < 0)
-        goto fail;
-    uint8_t *room = ring_reserve(&ring, size);
+    if (ring_open(&ring, mapping) < 0) {
+        parts_release(parts, n);
+        return NULL;
+    }
+    uint8_t *room = ring_reserve(&ring, 8 * (FRAME_WORDS + (uint64_t)n) + bytes);
     if (room != NULL) {
         uint64_t *words = (uint64_t *)room;
         words[0] = kind | (uint64_t)n << 8;
         words[1] = seq;
         words[2] = at_us;
-        uint8_t *at = room + 8 * (FRAME_WORDS + n);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            words[FRAME_WORDS + i] = types[i] | (uint64_t)(views[i].len / views[i].itemsize) << 8;
-            memcpy(at, views[i].buf, (size_t)views[i].len); /* the padding is left as it was */
-            at += align8((uint64_t)views[i].len);
-        }
+        parts_fill(words + FRAME_WORDS, parts, n);
         ring_publish(&ring);
     }
     PyBuffer_Release(&ring.view);
-    release_all(views, n);
-    Py_DECREF(seq_parts);
+    parts_release(parts, n);
     return PyBool_FromLong(room != NULL);
-fail:
-    release_all(views, got);
+}
+
+PyDoc_STRVAR(pack_parts_doc,
+             "pack_parts(parts) -> bytes\n\n"
+             "`parts` (as write_frame takes them) as one buffer in a frame's own layout: their count,\n"
+             "their type words, each part 8-byte aligned. A frame carries it as one part.");
+
+static PyObject *pack_parts(PyObject *self, PyObject *specs) {
+    PyObject *seq_parts = PySequence_Fast(specs, "parts must be a sequence");
+    if (seq_parts == NULL)
+        return NULL;
+    part_t parts[MAX_PARTS];
+    uint64_t bytes;
+    Py_ssize_t n = parts_open(parts, seq_parts, &bytes);
     Py_DECREF(seq_parts);
-    return NULL;
+    if (n < 0)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(8 * (1 + (uint64_t)n) + bytes));
+    if (out != NULL) {
+        uint64_t *words = (uint64_t *)PyBytes_AS_STRING(out); /* bytes objects are 8-aligned */
+        memset(words, 0, (size_t)PyBytes_GET_SIZE(out));
+        words[0] = (uint64_t)n;
+        parts_fill(words + 1, parts, n);
+    }
+    parts_release(parts, n);
+    return out;
+}
+
+PyDoc_STRVAR(prefix_max_doc,
+             "prefix_max(array, n) -> int\n\n"
+             "The largest of a 1-D int32/int64 array's first n items (0 when n is 0): the widest row\n"
+             "of a block table, without a numpy reduction's fixed cost.");
+
+static PyObject *prefix_max(PyObject *self, PyObject *args) {
+    PyObject *array;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "On", &array, &n))
+        return NULL;
+    part_t p;
+    if (n < 0)
+        return PyErr_Format(PyExc_ValueError, "a prefix cannot be negative");
+    if (PyObject_GetBuffer(array, &p.view, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
+        return NULL;
+    p.type = (uint64_t)part_type(&p.view);
+    p.cols = n;
+    if (prefix_check(&p) < 0) {
+        PyBuffer_Release(&p.view);
+        return NULL;
+    }
+    long long best = 0;
+    if (p.type == PART_I32) {
+        const int32_t *v = p.view.buf;
+        for (Py_ssize_t i = 0; i < n; i++)
+            best = v[i] > best ? v[i] : best;
+    } else if (p.type == PART_I64) {
+        const int64_t *v = p.view.buf;
+        for (Py_ssize_t i = 0; i < n; i++)
+            best = v[i] > best ? v[i] : best;
+    } else {
+        PyBuffer_Release(&p.view);
+        PyErr_SetString(PyExc_TypeError, "prefix_max takes an int32 or int64 array");
+        return NULL;
+    }
+    PyBuffer_Release(&p.view);
+    return PyLong_FromLongLong(best);
 }
 
 PyDoc_STRVAR(write_record_doc,
@@ -202,6 +360,8 @@ static PyObject *write_record(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"write_frame", write_frame, METH_VARARGS, write_frame_doc},
+    {"pack_parts", pack_parts, METH_O, pack_parts_doc},
+    {"prefix_max", prefix_max, METH_VARARGS, prefix_max_doc},
     {"write_record", write_record, METH_VARARGS, write_record_doc},
     {NULL, NULL, 0, NULL},
 };

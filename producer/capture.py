@@ -11,12 +11,13 @@ same for snapshots and Health.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from kvledger.producer import records
-from kvledger.producer.frames import pack, step_input_record, unpack
+from kvledger.producer.frames import pack, pack_parts, step_input_record, unpack, unpack_parts
 from kvledger.producer.staging import Staged
 
 _EMPTY = np.zeros(0, np.int64)
@@ -74,62 +75,75 @@ class DraftPassCapture:
         return records.draft_pass(group_id, self.pass_index, counts, first, slots)
 
 
+_NO_REQUESTS = np.zeros(1, np.int32)  # a dummy run's query starts
+_NO_ROWS, _NO_LENS = np.zeros((0, 0), np.int32), np.zeros(0, np.int32)
+
+
 @dataclass
 class PlanCapture:
     """What the hot path copied of one step's plan, when attention was about to read it (a view
     copied at the step's end would miss a row rewritten in between)."""
 
     req_ids: list[str]
-    query_start_loc: np.ndarray
-    positions: Staged | None
     num_tokens: int
-    groups: list[tuple[int, Staged, Staged, np.ndarray]]  # per group: id, slot mapping, table rows, row lengths
+    group_ids: list[int]
+    # The plan's arrays (`plan_parts`): on the host, gathered into one frame part when they were
+    # copied (`frames.pack_parts`); on a device, owned copies and device copies still in flight.
+    arrays: Any
+    has_positions: bool = True  # False for a dummy run: it serves no request
     drafts: list[DraftPassCapture] = field(default_factory=list)  # the drafter's passes, in order
     draft_group: int = -1  # the KV cache group the drafter's layers write
 
+    @staticmethod
+    def plan_parts(qsl: Any, positions: Any, groups: list[tuple[Any, Any, Any]]) -> list:
+        """The arrays' order: query starts, positions, then per group its slot mapping,
+        block-table rows (2-D: a row per request) and row lengths."""
+        return [qsl, positions, *(array for group in groups for array in group)]
+
     @classmethod
-    def of_dummy_run(cls, slot_mappings: list[tuple[int, Staged]]) -> PlanCapture:
-        """A dummy run serves no request: every slot it writes is padding (a real one is a fault)."""
-        no_rows, no_lens = Staged.host(np.zeros((0, 0), np.int32)), np.zeros(0, np.int32)
-        return cls([], np.zeros(1, np.int32), None, 0, [(gid, slots, no_rows, no_lens) for gid, slots in slot_mappings])
+    def dummy_parts(cls, slot_mappings: list) -> list:
+        """A dummy run's: no request, no rows, every slot it writes padding (a real one is a fault)."""
+        return cls.plan_parts(_NO_REQUESTS, _EMPTY, [(slots, _NO_ROWS, _NO_LENS) for slots in slot_mappings])
+
+    @classmethod
+    def of_dummy_run(cls, group_ids: list[int], arrays: Any) -> PlanCapture:
+        """A dummy run's plan, of its `dummy_parts` as copied."""
+        return cls([], 0, group_ids, arrays, has_positions=False)
+
+    def part(self) -> Any:
+        """The arrays as one frame part; waits for a device copy still in flight."""
+        if not isinstance(self.arrays, list):
+            return self.arrays
+        return pack_parts([a.numpy() if isinstance(a, Staged) else a for a in self.arrays])
 
     def record(self, index: RequestIndex, full_rows: bool) -> dict:
-        qsl = self.query_start_loc
-        first = self.positions.numpy()[qsl[:-1]] if self.positions is not None else np.zeros(0, np.int64)
+        qsl, positions, *rest = unpack_parts(self.part())
+        first = positions[qsl[:-1]] if self.has_positions else np.zeros(0, np.int64)
         group_records = []
-        for gid, slots, table, lens in self.groups:
-            slots = slots.numpy()
+        for k, gid in enumerate(self.group_ids):
+            slots, rows, lens = rest[3 * k : 3 * k + 3]
+            table = rows.reshape(lens.size, rows.size // lens.size if lens.size else 0)
             num_real = min(self.num_tokens, len(slots))
-            group_records.append(records.group_plan_from_table(gid, slots, num_real, table.numpy(), lens, full_rows))
+            group_records.append(records.group_plan_from_table(gid, slots, num_real, table, lens, full_rows))
         drafts = [d.record(self.draft_group) for d in self.drafts] or None
         return records.step_plan(index.many(self.req_ids), np.diff(qsl), first, group_records, drafts)
 
-    # -- the wire form: a small header and the arrays, in order --------------------------------
-    def to_parts(self) -> tuple[tuple, list[np.ndarray]]:
-        """(header, arrays) for a frame; waits for a device copy still in flight."""
-        arrays = [self.query_start_loc, self.positions.numpy() if self.positions is not None else _EMPTY]
-        shapes = []
-        for gid, slots, table, lens in self.groups:
-            rows = table.numpy()
-            shapes.append((gid, *rows.shape))
-            arrays += [slots.numpy(), rows, lens]
-        passes = []
+    # -- the wire form: a small header, the plan's part, then the drafter's arrays -----------------
+    def to_parts(self) -> tuple[tuple, list]:
+        """(header, parts) for a frame; waits for a device copy still in flight."""
+        arrays, passes = [self.part()], []
         for d in self.drafts:
             passes.append((d.pass_index, d.num_real, d.positions is not None, d.qsl is not None))
             arrays += [d.slots.numpy(), d.positions.numpy() if d.positions is not None else _EMPTY]
             arrays.append(d.qsl if d.qsl is not None else _EMPTY)
-        header = (self.req_ids, self.num_tokens, self.positions is not None, shapes, self.draft_group, passes)
+        header = (self.req_ids, self.num_tokens, self.has_positions, self.group_ids, self.draft_group, passes)
         return header, arrays
 
     @classmethod
     def from_parts(cls, header, arrays: list[np.ndarray]) -> PlanCapture:
-        req_ids, num_tokens, has_positions, shapes, draft_group, passes = header
-        qsl, positions, *rest = arrays
-        groups = []
-        for k, (gid, height, width) in enumerate(shapes):
-            slots, rows, lens = rest[3 * k : 3 * k + 3]
-            groups.append((gid, Staged.host(slots), Staged.host(rows.reshape(height, width)), lens))
-        drafts, rest = [], rest[3 * len(shapes) :]
+        req_ids, num_tokens, has_positions, group_ids, draft_group, passes = header
+        plan, *rest = arrays
+        drafts = []
         for k, (pass_index, num_real, has_pos, has_qsl) in enumerate(passes):
             slots, pos, pass_qsl = rest[3 * k : 3 * k + 3]
             drafts.append(
@@ -141,9 +155,7 @@ class PlanCapture:
                     num_real,
                 )
             )
-        return cls(
-            req_ids, qsl, Staged.host(positions) if has_positions else None, num_tokens, groups, drafts, draft_group
-        )
+        return cls(req_ids, num_tokens, group_ids, plan, has_positions, drafts, draft_group)
 
 
 @dataclass

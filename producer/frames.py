@@ -10,6 +10,9 @@ built, as MessagePack.
 
     header, u64 words: kind | parts << 8, seq, emitted_at_us, then per part: dtype | size << 8
     parts, each 8-byte aligned
+
+A part may itself hold parts (`pack_parts`: their count, their type words, the parts): the
+plan's arrays are gathered so in one compiled call when attention is about to read them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvledger.producer import records
+from kvledger.producer import _hotpath, records
 from kvledger.producer.ring import Ring
 
 
@@ -44,10 +47,17 @@ class PartType(IntEnum):
 _DTYPES = {PartType.U8: np.dtype(np.uint8), PartType.I32: np.dtype(np.int32), PartType.I64: np.dtype(np.int64)}
 _OF_DTYPE = {dtype: part for part, dtype in _DTYPES.items()}
 _HEAD = struct.Struct("<3Q")
+_WORD = struct.Struct("<Q")
 
 
-def _as_part(part: Any) -> Any:
-    """A part the compiled writer takes: other integer widths widened, strided arrays copied."""
+def as_array(part: Any) -> Any:
+    """A part the compiled writer takes: a prefix sliced, other integer widths widened, strided
+    arrays copied."""
+    if isinstance(part, tuple):  # (array, n) or (array, rows, cols)
+        array, *counts = part
+        if np.ndim(array) != len(counts) or min(counts) < 0 or any(map(int.__gt__, counts, np.shape(array))):
+            raise ValueError(f"no {'x'.join(map(str, counts))} prefix in an array of shape {np.shape(array)}")
+        part = array[: counts[0]] if len(counts) == 1 else array[: counts[0], : counts[1]]
     if isinstance(part, bytes | bytearray | memoryview):
         return part
     if part.dtype not in _OF_DTYPE:
@@ -66,26 +76,51 @@ class Frame:
 
 
 def write_frame(ring: Ring, kind: FrameKind, seq: int, emitted_at_us: int, parts: Sequence[Any]) -> bool:
-    """Copy `parts` (bytes or numpy integer arrays) into the ring as one frame; False when it
-    has no room (the ring counts it). Each part is copied once, straight into the ring."""
+    """Copy `parts` into the ring as one frame; False when it has no room (the ring counts it).
+    A part is bytes or a numpy integer array: whole, `(array, n)` for its first n items, or
+    `(array, rows, cols)` for a 2-D array's top-left block; each is copied once, into the ring."""
     try:
         return ring.write_frame(kind, seq, emitted_at_us, parts)
     except (TypeError, BufferError):  # rare: a part of another width, or a strided view
-        return ring.write_frame(kind, seq, emitted_at_us, [_as_part(p) for p in parts])
+        return ring.write_frame(kind, seq, emitted_at_us, [as_array(p) for p in parts])
+
+
+def pack_parts(parts: Sequence[Any]) -> bytes:
+    """`parts` (as `write_frame` takes them) gathered into one part, in one compiled call."""
+    try:
+        return _hotpath.pack_parts(parts)
+    except (TypeError, BufferError):
+        return _hotpath.pack_parts([as_array(p) for p in parts])
+
+
+def prefix_max(array: np.ndarray, n: int) -> int:
+    """The largest of `array[:n]` (0 for none): one compiled loop, not a numpy reduction."""
+    try:
+        return _hotpath.prefix_max(array, n)
+    except (TypeError, BufferError):
+        return int(array[:n].max()) if n else 0
+
+
+def _read_parts(buffer, n: int, words_at: int) -> list[np.ndarray]:
+    """The `n` parts whose type words start at byte `words_at`, as views into `buffer`."""
+    parts, offset = [], words_at + 8 * n
+    for word in struct.unpack_from(f"<{n}Q", buffer, words_at):
+        dtype = _DTYPES[PartType(word & 0xFF)]
+        count = word >> 8
+        parts.append(np.frombuffer(buffer, dtype, count, offset))
+        offset += (count * dtype.itemsize + 7) & ~7
+    return parts
 
 
 def read_frame(record) -> Frame:
     """The frame in one ring record (a buffer: its parts are views into it)."""
     kind_parts, seq, at_us = _HEAD.unpack_from(record, 0)
-    n = kind_parts >> 8
-    offset = 8 * (3 + n)
-    parts = []
-    for word in struct.unpack_from(f"<{n}Q", record, 24):
-        dtype = _DTYPES[PartType(word & 0xFF)]
-        count = word >> 8
-        parts.append(np.frombuffer(record, dtype, count, offset))
-        offset += (count * dtype.itemsize + 7) & ~7
-    return Frame(FrameKind(kind_parts & 0xFF), seq, at_us, parts)
+    return Frame(FrameKind(kind_parts & 0xFF), seq, at_us, _read_parts(record, kind_parts >> 8, _HEAD.size))
+
+
+def unpack_parts(part) -> list[np.ndarray]:
+    """The parts a `pack_parts` part holds, as views into it."""
+    return _read_parts(part, _WORD.unpack_from(part, 0)[0], _WORD.size)
 
 
 # -- MessagePack, for every structured part ----------------------------------------------------------

@@ -75,10 +75,10 @@ class MRV2RunnerProbe(V1RunnerProbe):
         block_tables, slot_mappings = result
         num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
         padded = input_batch.num_tokens_after_padding
-        stage = self.staging.stage
+        gids = list(range(len(block_tables)))
         if self._dummy_kind is not None:  # made-up requests reading zeroed rows
-            slots = [(gid, stage(slot_mappings[gid, :padded])) for gid in range(len(block_tables))]
-            self._plan = PlanCapture.of_dummy_run(slots)
+            slots = [slot_mappings[gid, :padded] for gid in gids]
+            self._plan = PlanCapture.of_dummy_run(gids, self._copy(PlanCapture.dummy_parts(slots)))
             return
         # The host mirror of the device's row lengths, by request state.
         lens_by_group = self.runner.block_tables.num_blocks.np[:, input_batch.idx_mapping_np[:num_reqs]]
@@ -86,15 +86,10 @@ class MRV2RunnerProbe(V1RunnerProbe):
         for gid, table in enumerate(block_tables):
             lens = lens_by_group[gid]
             width = int(lens.max()) if num_reqs else 0
-            groups.append((gid, stage(slot_mappings[gid, :padded]), stage(table[:num_reqs, :width]), lens))
-        positions = stage(input_batch.positions[:num_tokens])
-        self._plan = PlanCapture(
-            req_ids=list(input_batch.req_ids[:num_reqs]),
-            query_start_loc=input_batch.query_start_loc_np[: num_reqs + 1].copy(),
-            positions=positions,
-            num_tokens=num_tokens,
-            groups=groups,
-        )
+            groups.append((slot_mappings[gid, :padded], table[:num_reqs, :width], lens))
+        qsl = (input_batch.query_start_loc_np, num_reqs + 1)
+        parts = PlanCapture.plan_parts(qsl, input_batch.positions[:num_tokens], groups)
+        self._plan = PlanCapture(list(input_batch.req_ids[:num_reqs]), num_tokens, gids, self._copy(parts))
 
     def _snapshot(self) -> SnapshotCapture | None:
         """The live requests after this step, from MRV2's request state and device block tables.

@@ -46,7 +46,7 @@ from kvledger.producer.capture import (
 )
 from kvledger.producer.config import TraceAction, TraceConfig, resolve_engine_id
 from kvledger.producer.content import GroupRows, SealTracker, digest_blocks, group_pages
-from kvledger.producer.frames import scheduler_payload
+from kvledger.producer.frames import as_array, pack_parts, prefix_max, scheduler_payload
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring_recorder import SUPERVISE_EVERY, RingRecorder
 from kvledger.producer.staging import Staged, StagingFull, StagingPool
@@ -117,8 +117,9 @@ class V1RunnerProbe:
         self._input: Any = None  # this step's SchedulerOutput
         self._plan: PlanCapture | None = None
         self.staging = StagingPool()
-        self._positions_np: np.ndarray | None = None
-        self._rows_np: dict[int, tuple[Any, np.ndarray]] = {}  # id(block table) -> (it, view of its device rows)
+        # Every buffer the plan reads is host memory (a CPU engine): copied at once, in one call.
+        self._on_host = getattr(getattr(runner, "device", None), "type", "cpu") == "cpu"
+        self._made: dict[int, tuple[Any, Any]] = {}  # id(persistent runner object) -> (it, what `_kept` made of it)
         self._dummy_kind: str | None = None
         self._broken = False
         # Set by kvledger.producer.plugin.pause_tracing: steps are counted, nothing recorded
@@ -370,47 +371,69 @@ class V1RunnerProbe:
         num_reqs, num_tokens = kwargs.get("num_reqs"), kwargs.get("num_tokens")
         if self.paused or not slot_mappings or num_reqs is None or num_tokens is None:
             return
-        runner, stage = self.runner, self.staging.stage
-        batch = runner.input_batch
+        runner = self.runner
+        batch, gids = runner.input_batch, sorted(slot_mappings)
         if self._dummy_kind is not None:  # the batch's rows belong to real requests, not to this run
-            self._plan = PlanCapture.of_dummy_run([(gid, stage(slot_mappings[gid])) for gid in sorted(slot_mappings)])
+            slots = [self._slots(batch.block_table[gid], slot_mappings[gid]) for gid in gids]
+            self._plan = PlanCapture.of_dummy_run(gids, self._copy(PlanCapture.dummy_parts(slots)))
             return
         groups = []
-        for gid in sorted(slot_mappings):
+        for gid in gids:
             table = batch.block_table[gid]
-            lens = table.num_blocks_per_row[:num_reqs].copy()
-            width = int(lens.max()) if num_reqs else 0  # rows are far shorter than the table
-            rows = self._stage_rows(table, num_reqs, width)
-            groups.append((gid, stage(slot_mappings[gid]), rows, lens))
-        positions = self._stage_positions(num_tokens)
+            lens = table.num_blocks_per_row
+            width = prefix_max(lens, num_reqs)  # rows are far shorter than the table
+            rows = self._rows(table, num_reqs, width)
+            groups.append((self._slots(table, slot_mappings[gid]), rows, (lens, num_reqs)))
+        positions = self._prefix(runner.positions, num_tokens)
+        arrays = self._copy(PlanCapture.plan_parts((runner.query_start_loc.np, num_reqs + 1), positions, groups))
         if self.content is not None and self._input is not None and self._content is None:
             self._content = self.content.digest(batch, num_reqs, self.staging)
-        self._plan = PlanCapture(
-            req_ids=batch.req_ids[:num_reqs],
-            query_start_loc=runner.query_start_loc.np[: num_reqs + 1].copy(),
-            positions=positions,
-            num_tokens=num_tokens,
-            groups=groups,
-        )
+        self._plan = PlanCapture(batch.req_ids[:num_reqs], num_tokens, gids, arrays)
 
-    def _stage_positions(self, num_tokens: int) -> Staged:
-        positions = self.runner.positions
-        if positions.is_cpu:  # a persistent buffer: keep a numpy view of it
-            if self._positions_np is None:
-                self._positions_np = positions.numpy()
-            return Staged.host(self._positions_np[:num_tokens].copy())
-        return self.staging.stage(positions[:num_tokens])
+    def _copy(self, parts: list) -> Any:
+        """The plan's parts (host arrays, prefixes of them, tensors) copied now: on the host
+        gathered into one frame part in one compiled call; on a device each tensor's copy
+        started without a stream synchronisation, gathered at the step's end."""
+        if self._on_host:
+            return pack_parts([p.numpy() if hasattr(p, "is_cpu") else p for p in parts])
+        copies: list = []
+        try:
+            for p in parts:
+                copies.append(self.staging.stage(p) if hasattr(p, "is_cpu") else np.array(as_array(p)))
+        except StagingFull:
+            for c in copies:  # hand back what was staged
+                if isinstance(c, Staged):
+                    c.numpy()
+            raise
+        return copies
 
-    def _stage_rows(self, table: Any, num_reqs: int, width: int) -> Staged:
+    def _kept(self, key: Any, make: Callable[[], Any]) -> Any:
+        """A value made once per persistent runner object `key` (again if vLLM replaces it)."""
+        kept = self._made.get(id(key))
+        if kept is None or kept[0] is not key:
+            kept = self._made[id(key)] = (key, make())
+        return kept[1]
+
+    def _prefix(self, tensor: Any, n: int) -> Any:
+        """`tensor[:n]` of a persistent buffer: on the host through a numpy view made once (a
+        torch slice and its `.numpy()` cost several times the copy)."""
+        view = self._kept(tensor, lambda: tensor.numpy() if tensor.is_cpu else None)
+        return (view, n) if view is not None else tensor[:n]
+
+    def _rows(self, table: Any, num_reqs: int, width: int) -> Any:
         """The rows attention reads: the block table's device tensor, committed from the CPU
         mirror before this step's slot mappings were built (a mirror that drifted misleads)."""
-        kept = self._rows_np.get(id(table))
-        if kept is None or kept[0] is not table:  # once per block table: it is persistent
-            whole = table.get_device_tensor(1 << 30)  # slicing clamps: the whole tensor
-            kept = self._rows_np[id(table)] = (table, whole.numpy() if whole.is_cpu else None)
-        if kept[1] is None:  # on a device: copied without a stream synchronisation
-            return self.staging.stage(table.get_device_tensor(num_reqs)[:, :width])
-        return Staged.host(kept[1][:num_reqs, :width].copy())
+        view = self._kept(table.block_table, lambda: _host_view(table.get_device_tensor(1 << 30)))  # all rows
+        return (view, num_reqs, width) if view is not None else table.get_device_tensor(num_reqs)[:, :width]
+
+    def _slots(self, table: Any, slots: Any) -> Any:
+        """A group's slot mapping: on the host a prefix of its block table's persistent buffer
+        when it is one (vLLM slices it so), through a numpy view made once."""
+        buffer = getattr(table, "slot_mapping", None)  # a CpuGpuBuffer
+        kept = self._kept(buffer, lambda: _pointed_view(getattr(buffer, "gpu", None)))
+        if kept is not None and slots.data_ptr() == kept[0] and slots.is_contiguous():
+            return kept[1], slots.shape[0]
+        return slots
 
     # -- content digests of sealed blocks ----------------------------------------------------------
     def _attach_content(self) -> list[tuple[str, bool, str | None]]:
@@ -548,7 +571,7 @@ class V1RunnerProbe:
         if plan is None:
             if kind == "REAL":  # the target's plan is missing: so is the step's (counted as such)
                 return None
-            plan = PlanCapture.of_dummy_run([])
+            plan = PlanCapture.of_dummy_run([], PlanCapture.dummy_parts([]))
         plan.drafts, plan.draft_group = drafts, int(self._drafter.kv_cache_gid)
         return plan
 
@@ -559,6 +582,18 @@ class V1RunnerProbe:
         groups = len(self.runner.kv_cache_config.kv_cache_groups)
         rows = [[states[r].block_ids[g] for r in req_ids] for g in range(groups)]
         return SnapshotCapture.of_rows(self.step, req_ids, [states[r].num_computed_tokens for r in req_ids], rows)
+
+
+def _host_view(tensor: Any) -> np.ndarray | None:
+    """A numpy view of a host tensor (None for a device's)."""
+    return tensor.numpy() if tensor.is_cpu else None
+
+
+def _pointed_view(tensor: Any) -> tuple[int, np.ndarray] | None:
+    """(address, numpy view) of a contiguous 1-D host tensor, else None."""
+    if tensor is None or not tensor.is_cpu or tensor.dim() != 1 or not tensor.is_contiguous():
+        return None
+    return tensor.data_ptr(), tensor.numpy()
 
 
 def unmodelled_drafter(drafter: Any) -> str | None:

@@ -5,10 +5,20 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from kvledger.producer import records
 from kvledger.producer.capture import RequestIndex
-from kvledger.producer.frames import FrameKind, read_frame, scheduler_payload, step_input_record, write_frame
+from kvledger.producer.frames import (
+    FrameKind,
+    pack_parts,
+    prefix_max,
+    read_frame,
+    scheduler_payload,
+    step_input_record,
+    unpack_parts,
+    write_frame,
+)
 from kvledger.producer.ring import Ring
 
 
@@ -118,6 +128,38 @@ def test_parts_of_other_widths_are_widened_and_strided_views_copied(tmp_path):
     assert frame.parts[0].dtype == np.int64 and frame.parts[0].tolist() == [3, 65535]
     assert frame.parts[1].dtype == np.int32 and frame.parts[1].tolist() == [0, 1, 4, 5, 8, 9]
     assert frame.parts[2].tolist() == [1, 0] and bytes(frame.parts[3]) == b"xy"
+
+
+def test_prefixes_and_blocks_are_copied_without_slicing_into_frames_and_packed_parts(tmp_path):
+    """What a CPU engine's plan capture hands over: prefixes of persistent buffers, the top-left
+    block of a block table (its rows far longer than what they hold), gathered into one part."""
+    table = np.arange(40, dtype=np.int32).reshape(5, 8)
+    slots, lens = np.arange(100, 120, dtype=np.int64), np.array([3, 1, 2, 9, 9], np.int32)
+    width = prefix_max(lens, 3)
+    specs = [(slots, 4), (table, 3, width), (lens, 3), b"hdr", (table, 0, 0), (slots, 0)]
+    expected = [[100, 101, 102, 103], [0, 1, 2, 8, 9, 10, 16, 17, 18], [3, 1, 2], list(b"hdr"), [], []]
+    packed = unpack_parts(pack_parts(specs))
+    assert width == 3 and [p.tolist() for p in packed] == expected
+    assert [p.dtype for p in packed[:3]] == [np.int64, np.int32, np.int32]
+    ring = Ring.create(tmp_path / "ring", 4096)
+    assert write_frame(ring, FrameKind.STEP, 1, 2, [*specs, pack_parts(specs)])
+    frame = read_frame(next(ring.records()))
+    assert [p.tolist() for p in frame.parts[:6]] == expected
+    assert [p.tolist() for p in unpack_parts(frame.parts[6])] == expected  # a part of parts
+    # Another width is widened, a strided source copied: the slow path, same result.
+    odd = [(np.array([5, 6, 7], np.uint16), 2), (table[:, ::2], 2, 3), (table[:, 0], 3)]
+    assert [p.tolist() for p in unpack_parts(pack_parts(odd))] == [[5, 6], [0, 2, 4, 8, 10, 12], [0, 8, 16]]
+    assert prefix_max(lens, 0) == 0 and prefix_max(lens.astype(np.int64), 5) == 9
+    assert prefix_max(np.array([3, 7, 9], np.uint16), 2) == 7  # another width: numpy's reduction
+
+
+def test_a_prefix_past_its_array_is_refused():
+    table = np.zeros((2, 3), np.int32)
+    for spec in [(table, 3, 1), (table, 1, 4), (np.zeros(3, np.int64), 4), (np.zeros(3, np.int64), -1), (table, 1)]:
+        with pytest.raises(ValueError):
+            pack_parts([spec])
+    with pytest.raises(ValueError):
+        prefix_max(np.zeros(3, np.int32), 4)
 
 
 def test_frames_wrap_and_a_full_ring_drops_them_counted(tmp_path):

@@ -22,7 +22,7 @@ import pytest
 from kvledger.producer import records
 from kvledger.producer.capture import PlanCapture, RequestIndex, SnapshotCapture, StepCapture
 from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
-from kvledger.producer.frames import scheduler_payload
+from kvledger.producer.frames import pack_parts, scheduler_payload
 from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
@@ -65,23 +65,22 @@ def started(recorder: RingRecorder, timeout: float = 60.0) -> int:
 
 
 def plan(step: int) -> PlanCapture:
-    """A plan shaped as the V1 runner's: 3 requests over 2 groups, a drafter pass."""
+    """A plan shaped as the V1 runner's: 3 requests over 2 groups; even steps as a device engine
+    leaves it (copies, gathered at the step's end), odd ones as a CPU engine (one part at once)."""
     rows = np.arange(12, dtype=np.int32).reshape(3, 4) + 100 * step
     lens = np.array([4, 2, 3], np.int32)
     slots = np.arange(7, dtype=np.int64) + 16 * step
-    capture = PlanCapture(
-        req_ids=[f"r{step}-0", f"r{step}-1", "r0-1"],
-        query_start_loc=np.array([0, 3, 5, 6], np.int32),
-        positions=Staged.host(np.arange(7, dtype=np.int64)),
-        num_tokens=6,
-        groups=[(0, Staged.host(slots), Staged.host(rows), lens), (1, Staged.host(slots + 1), Staged.host(rows), lens)],
-    )
-    return capture
+    groups = [(Staged.host(slots), Staged.host(rows), lens), (Staged.host(slots + 1), Staged.host(rows), lens)]
+    parts = PlanCapture.plan_parts(np.array([0, 3, 5, 6], np.int32), Staged.host(np.arange(7, dtype=np.int64)), groups)
+    if step % 2:
+        parts = pack_parts([p.numpy() if isinstance(p, Staged) else p for p in parts])
+    return PlanCapture([f"r{step}-0", f"r{step}-1", "r0-1"], 6, [0, 1], parts)
 
 
 def test_what_the_recorder_writes_is_what_the_rank_would_have_built(tmp_path):
     captures = [StepCapture(s, "REAL", scheduler_payload(scheduler_output(s)), plan(s)) for s in range(5)]
-    captures.append(StepCapture(5, "DUMMY", None, PlanCapture.of_dummy_run([(0, Staged.host(np.full(4, -1)))])))
+    dummy = PlanCapture.of_dummy_run([0], PlanCapture.dummy_parts([Staged.host(np.full(4, -1))]))
+    captures.append(StepCapture(5, "DUMMY", None, dummy))
     snapshot = SnapshotCapture.of_rows(5, ["r4-0", "r4-1"], [3, 9], [[[1, 2], [3]], [[7], []]])
     recorder = RingRecorder(RANK, config(tmp_path))
     recorder.body(
@@ -198,7 +197,7 @@ def test_frames_the_full_ring_turned_away_are_counted_in_health_and_show_as_gaps
     recorder = RingRecorder(RANK, config(tmp_path))  # a 1 MiB ring
     slots = Staged.host(np.full(60_000, -1, np.int64))  # 480 KB a frame: two fill the ring
     for step in range(40):  # far more than the ring holds before its recorder starts reading
-        recorder.step(StepCapture(step, "DUMMY", None, PlanCapture.of_dummy_run([(0, slots)])))
+        recorder.step(StepCapture(step, "DUMMY", None, PlanCapture.of_dummy_run([0], PlanCapture.dummy_parts([slots]))))
     assert recorder.dropped > 0
     started(recorder)
     recorder.close(step=0, timeout=30)
