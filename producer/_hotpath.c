@@ -138,14 +138,13 @@ static int prefix_check(part_t *p) {
     return 0;
 }
 
-/* Parse `spec`: a buffer (whole, C-contiguous), (array, n) (its first n items) or (array, rows,
+/* Parse `spec`: a buffer (whole: contiguous, or 2-D with contiguous rows), (array, n) (its first n items) or (array, rows,
  * cols) (a 2-D array's top-left block). -1 with an exception set (the view released). */
 static int part_open(part_t *p, PyObject *spec) {
     Py_ssize_t arity = PyTuple_Check(spec) ? PyTuple_GET_SIZE(spec) : 0;
     if (arity == 0) {
-        if (PyObject_GetBuffer(spec, &p->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        if (PyObject_GetBuffer(spec, &p->view, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
             return -1;
-        p->rows = 1;
     } else if (arity == 2 || arity == 3) {
         if (PyObject_GetBuffer(PyTuple_GET_ITEM(spec, 0), &p->view, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
             return -1;
@@ -159,9 +158,20 @@ static int part_open(part_t *p, PyObject *spec) {
         goto fail;
     }
     Py_ssize_t item = p->view.itemsize;
-    if (arity == 0) {
+    if (arity == 0 && PyBuffer_IsContiguous(&p->view, 'C')) {
+        p->rows = 1;
         p->cols = p->view.len / item;
         p->row_stride = p->view.len;
+        return 0;
+    }
+    if (arity == 0) { /* a 2-D view with contiguous rows (a column slice) is copied row by row */
+        if (p->view.ndim != 2 || p->view.strides[1] != item || p->view.strides[0] < 0) {
+            PyErr_SetString(PyExc_BufferError, "a part laid out neither contiguously nor in contiguous rows");
+            goto fail;
+        }
+        p->rows = p->view.shape[0];
+        p->cols = p->view.shape[1];
+        p->row_stride = p->view.strides[0];
         return 0;
     }
     if (arity == 2) { /* a 1-D prefix */
@@ -231,7 +241,8 @@ static void parts_fill(uint64_t *words, const part_t *parts, Py_ssize_t n) {
 PyDoc_STRVAR(write_frame_doc,
              "write_frame(mapping, kind, seq, emitted_at_us, parts) -> bool\n\n"
              "Copy `parts` into the ring as one frame; False when the ring has no room (counted as\n"
-             "dropped). A part is bytes or a uint8/int32/int64 array: whole (C-contiguous), (array, n) for\n"
+             "dropped). A part is bytes or a uint8/int32/int64 array: whole (contiguous, or 2-D with\n"
+             "contiguous rows), (array, n) for\n"
              "its first n items, or (array, rows, cols) for a 2-D array's top-left block. TypeError for a\n"
              "part of another type, BufferError for one not laid out so: the caller converts those.");
 
