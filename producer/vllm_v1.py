@@ -431,8 +431,8 @@ class V1RunnerProbe:
         when it is one (vLLM slices it so), through a numpy view made once."""
         buffer = getattr(table, "slot_mapping", None)  # a CpuGpuBuffer
         kept = self._kept(buffer, lambda: _pointed_view(getattr(buffer, "gpu", None)))
-        if kept is not None and slots.data_ptr() == kept[0] and slots.is_contiguous():
-            return kept[1], slots.shape[0]
+        if kept is not None and slots.data_ptr() == kept[0] and slots.dtype is kept[1] and slots.is_contiguous():
+            return kept[2], slots.shape[0]
         return slots
 
     # -- content digests of sealed blocks ----------------------------------------------------------
@@ -589,11 +589,12 @@ def _host_view(tensor: Any) -> np.ndarray | None:
     return tensor.numpy() if tensor.is_cpu else None
 
 
-def _pointed_view(tensor: Any) -> tuple[int, np.ndarray] | None:
-    """(address, numpy view) of a contiguous 1-D host tensor, else None."""
+def _pointed_view(tensor: Any) -> tuple[int, Any, np.ndarray] | None:
+    """(address, dtype, numpy view) of a contiguous 1-D host tensor, else None: a tensor at that
+    address, of that dtype and contiguous is a prefix of the view."""
     if tensor is None or not tensor.is_cpu or tensor.dim() != 1 or not tensor.is_contiguous():
         return None
-    return tensor.data_ptr(), tensor.numpy()
+    return tensor.data_ptr(), tensor.dtype, tensor.numpy()
 
 
 def unmodelled_drafter(drafter: Any) -> str | None:
