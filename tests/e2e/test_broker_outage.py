@@ -365,6 +365,9 @@ def outage(outage_broker, outage_worker, engine, tmp_path_factory) -> OutageRun:
         wait("the worker to catch up after the outage", caught_up, 90, engine=started, worker=worker)
         caught_up_at = next(t for t, v in list(watch.samples) if t > up[1] and v and caught_up_by(v, watch, up[1]))
         wait("rounds after the outage", lambda: rounds(rounds_file)[-1]["end"] - up[1] >= AFTER_S, 60, engine=started)
+    except pytest.fail.Exception as failure:  # a wait timed out: say what the engine's recorder saw
+        stop_file.touch()
+        pytest.fail(f"{failure.msg}\n{aftermath(started, watch)}", pytrace=False)
     finally:
         stopped_at = time.time()
         stop_file.touch()
@@ -387,6 +390,20 @@ def outage(outage_broker, outage_worker, engine, tmp_path_factory) -> OutageRun:
         run.log, rounds(rounds_file), watch.events, watch.messages, down, up, stopped_at, caught_up_at,
         watch.samples, watch.recorder_cpu, worker, prefix, bootstrap,
     )  # fmt: skip
+
+
+def aftermath(started: Background, watch: Watch) -> str:
+    """For a failed wait: what the topic's tail read, and the recorder's lines in the engine's log."""
+    messages = list(watch.messages)
+    last = f", the last emitted at {messages[-1].events[0]['emitted_at_us'] / 1e6:.1f}" if messages else ""
+    try:
+        log = started.result(timeout=180).log
+    except BaseException as exc:  # pytest.fail's exception too
+        tail = f"(no engine log: {exc})"
+    else:
+        lines = [line for line in log.splitlines() if "kv_trace" in line or "rdkafka" in line or "Error" in line]
+        tail = "\n".join(lines[-40:])
+    return f"the events topic's tail read {len(messages)} messages{last} (now {time.time():.1f})\n{tail}"
 
 
 def caught_up_by(view: dict, watch: Watch, since: float) -> bool:
