@@ -110,6 +110,16 @@ class PlanCapture:
         """A dummy run's plan, of its `dummy_parts` as copied."""
         return cls([], 0, group_ids, arrays, has_positions=False)
 
+    def ready(self) -> bool:
+        """Whether every device copy of this plan has landed (`to_parts` would not wait)."""
+        if not isinstance(self.arrays, list) and not self.drafts:  # a host engine's: copied already
+            return True
+        arrays = self.arrays if isinstance(self.arrays, list) else []
+        staged = [a for a in arrays if isinstance(a, Staged)]
+        for d in self.drafts:
+            staged += [d.slots] if d.positions is None else [d.slots, d.positions]
+        return all(s.ready() for s in staged)
+
     def part(self) -> Any:
         """The arrays as one frame part; waits for a device copy still in flight."""
         if not isinstance(self.arrays, list):
@@ -187,6 +197,12 @@ class StepCapture:
         plan = self.plan.record(index, full_rows) if self.plan is not None else None
         content = self.content.record() if self.content is not None else None
         return records.step(self.step, self.kind, inp, plan, content)
+
+    def ready(self) -> bool:
+        """Whether every device copy of this step has landed: its frame can be written without
+        waiting for the device."""
+        plan, content = self.plan, self.content
+        return (plan is None or plan.ready()) and (content is None or content.digests.ready())
 
     def to_parts(self) -> list:
         plan_header, arrays = self.plan.to_parts() if self.plan is not None else (None, [])

@@ -27,7 +27,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ _RINGS = itertools.count()
 SUPERVISE_EVERY = 64  # steps between checks that the recorder is alive (a pidfd poll each)
 RESPAWN_AFTER_S = 1.0  # a recorder that dies sooner after its start waits this long for the next
 MIN_RING_BYTES = 1 << 20
+MAX_HELD = 8  # frames held for device copies in flight (a step or two of an async engine) before waiting
 START_TIMEOUT_S = 60.0  # a recorder not attached by then is taken for dead
 # One thread each for the numeric libraries: a recorder's work is small and must not spin cores.
 RECORDER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -160,8 +162,10 @@ class RingRecorder:
     SIGKILLing its whole tree, and a recorder outside it drains the ring and closes the ledger.
     """
 
-    def __init__(self, identity: RankIdentity, config: TraceConfig, *, spawn: bool = True):
-        """`spawn=False`: no recorder process; the caller reads the ring (benchmarks)."""
+    def __init__(self, identity: RankIdentity, config: TraceConfig, *, spawn: bool = True, max_held: int = MAX_HELD):
+        """`spawn=False`: no recorder process; the caller reads the ring (benchmarks).
+        `max_held`: frames held for device copies before the oldest is waited for (0: every
+        step's copies are waited for at its end)."""
         self.identity = identity
         self.config = config
         self.captured = 0  # frames offered (sequence numbers spent)
@@ -174,6 +178,10 @@ class RingRecorder:
         self._watch: ProcessWatch | None = None  # the recorder, once its pid is in the ring
         self._generation = -1
         self._dropped: int | None = None  # the ring's count, kept once it is closed
+        # Frames waiting for device copies, each with its readiness (None: ready once those
+        # before it are) and the call that makes its parts.
+        self._held: deque[tuple[FrameKind, Callable[[], bool] | None, Callable[[], list]]] = deque()
+        self.max_held = max_held
         if spawn:
             self._spawn()
 
@@ -241,28 +249,71 @@ class RingRecorder:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
     # -- frames ------------------------------------------------------------------------------------
+    # A step whose device copies are still in flight is held, not waited for: on a device engine
+    # the copies queue behind the forward pass already running, and waiting for them at the step's
+    # end would stall the engine thread for that pass. Every frame after a held one is held behind
+    # it, so the ring keeps the rank's order; each frame takes its seq when it is written.
     def _frame(self, kind: FrameKind, parts: list) -> int:
         seq = self.captured
         self.captured = seq + 1
         write_frame(self.ring, kind, seq, time.time_ns() // 1000, parts)
         return seq
 
-    def body(self, body: tuple[str, dict]) -> int:
-        """A built record (RankInfo, connector events; everything in `raise` mode)."""
+    def _hold(self, kind: FrameKind, ready: Callable[[], bool] | None, parts: Callable[[], list]) -> None:
+        self._held.append((kind, ready, parts))
+        self.drain()
+
+    def drain(self, wait: bool = False) -> None:
+        """Write the held frames whose copies have landed, in order; the oldest is waited for once
+        more than `max_held` are held (or for all of them with `wait`)."""
+        held = self._held
+        while held:
+            kind, ready, parts = held[0]
+            if not wait and len(held) <= self.max_held and ready is not None and not ready():
+                return
+            held.popleft()
+            self._frame(kind, parts())
+
+    @property
+    def held(self) -> int:
+        """Frames held for device copies still in flight."""
+        return len(self._held)
+
+    def body(self, body: tuple[str, dict]) -> int | None:
+        """A built record (RankInfo, connector events; everything in `raise` mode). Its seq, or
+        None while frames are held before it (never in `raise` mode: it holds no step)."""
+        if self._held:
+            self._hold(FrameKind.BODY, None, lambda: [body_part(body)])
+            return None
         return self._frame(FrameKind.BODY, [body_part(body)])
 
-    def step(self, capture: StepCapture) -> int:
-        return self._frame(FrameKind.STEP, capture.to_parts())
+    def step(self, capture: StepCapture) -> None:
+        if self._held:
+            self.drain()
+        if self._held or not capture.ready():
+            self._hold(FrameKind.STEP, capture.ready, capture.to_parts)
+        else:
+            self._frame(FrameKind.STEP, capture.to_parts())
 
-    def snapshot(self, capture: SnapshotCapture) -> int:
-        return self._frame(FrameKind.SNAPSHOT, capture.to_parts())
+    def snapshot(self, capture: SnapshotCapture) -> None:
+        if self._held:
+            self._hold(FrameKind.SNAPSHOT, None, capture.to_parts)
+        else:
+            self._frame(FrameKind.SNAPSHOT, capture.to_parts())
 
-    def health(self, step: int, closing: bool = False) -> HealthCapture:
+    def health(self, step: int, closing: bool = False) -> HealthCapture | None:
         """A Health record; the recorder adds what it lost and the ring dropped. Returns the
-        rank's counts as sent (`captured` is also the frame's seq: every earlier frame took one)."""
-        capture = HealthCapture(step, self.captured, self.probe_ns, closing)
+        rank's counts as sent (`captured` is also the frame's seq: every earlier frame took one),
+        or None while frames are held before it (its counts are taken when it is written)."""
+        if self._held:
+            self._hold(FrameKind.HEALTH, None, lambda: self._health(step, closing).to_parts())
+            return None
+        capture = self._health(step, closing)
         self._frame(FrameKind.HEALTH, capture.to_parts())
         return capture
+
+    def _health(self, step: int, closing: bool) -> HealthCapture:
+        return HealthCapture(step, self.captured, self.probe_ns, closing)
 
     @property
     def dropped(self) -> int:
@@ -272,6 +323,7 @@ class RingRecorder:
     def flush(self, timeout: float = 0.25) -> bool:
         """Wait up to `timeout` seconds for the recorder to have read every frame (True when it
         has). Never needed for safety: a recorder outlives its rank and drains the ring."""
+        self.drain(wait=True)
         deadline = time.monotonic() + timeout
         while self.ring.pending and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -282,6 +334,7 @@ class RingRecorder:
         """A last Health (the rank says it is done), then wait up to `timeout` seconds for the
         recorder to drain the ring and close the sink (it finishes on its own past that)."""
         deadline = time.monotonic() + timeout
+        self.drain(wait=True)
         self.health(step, closing=True)
         self.ring.close_producer()
         if self._generation >= 0:  # a recorder of ours reads the ring

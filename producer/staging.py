@@ -4,9 +4,10 @@ On a CPU engine a probe copies the few arrays it needs and is done. On a
 device (CUDA, or NPU through torch-npu), `tensor.cpu()` would synchronise the
 stream on the hot path. Instead a probe copies into a reused pinned host
 buffer with `non_blocking=True`, records an event on the current stream, and
-returns a `Staged` handle; the step's frame waits for that event at the
-step's end (`capture.PlanCapture.to_parts`), reads the
-buffer and gives it back to the pool. Only torch's generic device API is used
+returns a `Staged` handle. The step's frame is written once every event has
+completed (`ready`, polled at the rank's later probe points: the engine thread
+never waits for a forward pass still running, see `ring_recorder.RingRecorder.step`);
+writing it reads the buffer and gives it back to the pool. Only torch's generic device API is used
 (`torch.Event`, `torch.accelerator`), so any backend that implements it works.
 
 The pool is bounded: when every buffer is still in flight the copy is refused
@@ -42,6 +43,10 @@ class Staged:
         """An array already copied to the host (CPU engines): nothing to wait for."""
         return cls(array, array.shape)
 
+    def ready(self) -> bool:
+        """Whether the copy has landed (`numpy` would not wait)."""
+        return self.event is None or self.event.query()
+
     def numpy(self) -> np.ndarray:
         """Wait for the copy, return an owned array, free the buffer."""
         if self.pool is None:
@@ -51,7 +56,7 @@ class Staged:
         # The pinned buffer goes back for reuse: keep a copy.
         array = self.buffer[: math.prod(self.shape)].view(self.shape).numpy().copy()
         self.pool.give_back(self.buffer)
-        self.pool = None
+        self.buffer, self.pool = array, None  # asked again, the same copy
         return array
 
 

@@ -352,7 +352,7 @@ class V1RunnerProbe:
     def _record_health(self, step: int) -> None:
         """A Health record, its counts completed by the recorder (the checker sees the rank's own)."""
         sent = self.recorder.health(step)
-        if self._checker is not None:
+        if self._checker is not None and sent is not None:  # raise mode holds no frame
             body = sent.record(self.recorder.dropped, 0, 0)
             self._checker.apply(records.envelope(self.recorder.identity, sent.captured, 0, *body))
 

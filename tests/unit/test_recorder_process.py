@@ -205,3 +205,111 @@ def test_frames_the_full_ring_turned_away_are_counted_in_health_and_show_as_gaps
     health = events[-1]["body"][1]
     assert health["closing"] and health["events_captured"] == 40
     assert health["events_dropped"] == recorder.dropped == 40 - (len(events) - 1)
+
+
+# -- device engines: a step's frame waits for its copies, the engine thread does not ----------------
+class CopyEvent:
+    """A device event, completed by the test (or by a wait for it)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited += not self.done  # a wait for a copy still in flight
+        self.done = True
+
+
+class PinnedBuffer:
+    """The part of a pinned host tensor that `Staged.numpy` uses."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __getitem__(self, index) -> PinnedBuffer:
+        return PinnedBuffer(self.array[index])
+
+    def view(self, shape) -> PinnedBuffer:
+        return PinnedBuffer(self.array.reshape(shape))
+
+    def numpy(self) -> np.ndarray:
+        return self.array
+
+
+class Pool:
+    def __init__(self) -> None:
+        self.given_back = 0
+
+    def give_back(self, buffer) -> None:
+        self.given_back += 1
+
+
+def device_plan(step: int, event: CopyEvent, pool: Pool) -> PlanCapture:
+    """`plan(step)` as a device engine leaves it: every tensor still being copied behind `event`."""
+    rows = np.arange(12, dtype=np.int32).reshape(3, 4) + 100 * step
+    lens, slots = np.array([4, 2, 3], np.int32), np.arange(7, dtype=np.int64) + 16 * step
+
+    def staged(array: np.ndarray) -> Staged:
+        return Staged(PinnedBuffer(array.reshape(-1)), array.shape, event, pool)
+
+    groups = [(staged(slots), staged(rows), staged(lens)), (staged(slots + 1), staged(rows), staged(lens))]
+    arrays = PlanCapture.plan_parts(staged(np.array([0, 3, 5, 6], np.int32)), staged(np.arange(7)), groups)
+    return PlanCapture([f"r{step}-0", f"r{step}-1", "r0-1"], 6, [0, 1], arrays)
+
+
+def test_a_device_step_is_held_until_its_copies_land_and_later_frames_wait_behind_it(tmp_path):
+    pool, events = Pool(), [CopyEvent() for _ in range(3)]
+    captures = [
+        StepCapture(s, "REAL", scheduler_payload(scheduler_output(s)), device_plan(s, events[s], pool))
+        for s in range(3)
+    ]
+    transfer = (
+        "kvledger.RankInfo",
+        records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")[1],
+    )
+    recorder = RingRecorder(RANK, config(tmp_path))
+    recorder.step(captures[0])  # its copies are behind a forward pass still running
+    assert recorder.body(transfer) is None  # held behind it, to keep the rank's order
+    recorder.health(0)
+    assert (recorder.held, recorder.captured) == (3, 0)
+    events[0].done = True
+    recorder.step(captures[1])  # step 0 and what followed it are written; step 1 is held
+    assert (recorder.held, recorder.captured) == (1, 3)
+    events[1].done = events[2].done = True
+    recorder.step(captures[2])
+    assert (recorder.held, recorder.captured) == (0, 5)
+    recorder.close(step=2, timeout=30)
+    assert [e.waited for e in events] == [0, 0, 0]  # the engine thread never waited for the device
+    assert pool.given_back == 3 * len(captures[0].plan.arrays)  # every pinned buffer reused
+
+    index = RequestIndex()
+    expected = [c.record(index, False) for c in captures]
+    events_written = ledger_events(tmp_path)
+    assert [e["seq"] for e in events_written] == list(range(6))
+    assert [e["body"][0] for e in events_written] == [
+        "kvledger.Step",
+        "kvledger.RankInfo",
+        "kvledger.Health",
+        "kvledger.Step",
+        "kvledger.Step",
+        "kvledger.Health",
+    ]
+    assert [e["body"] for e in events_written if e["body"][0] == "kvledger.Step"] == expected
+    assert events_written[2]["body"][1]["events_captured"] == 2  # its counts as written, after step 0 and the body
+
+
+def test_held_frames_are_bounded_and_the_rank_close_waits_for_the_rest(tmp_path):
+    pool = Pool()
+    events = [CopyEvent() for _ in range(6)]
+    recorder = RingRecorder(RANK, config(tmp_path), spawn=False, max_held=3)
+    for s, event in enumerate(events):
+        recorder.step(StepCapture(s, "REAL", None, device_plan(s, event, pool)))
+    # Past three held, the oldest is waited for: the bound on the copies (and pinned buffers) in flight.
+    assert recorder.held == 3 and [e.waited for e in events] == [1, 1, 1, 0, 0, 0]
+    recorder.flush(timeout=0)
+    assert recorder.held == 0 and all(e.waited == 1 for e in events)
+    assert recorder.captured == 6
+    recorder.ring.close(unlink=True)
