@@ -2,12 +2,13 @@
 
 On a CPU engine a probe copies the few arrays it needs and is done. On a
 device (CUDA, or NPU through torch-npu), `tensor.cpu()` would synchronise the
-stream on the hot path. Instead a probe copies into a reused pinned host
-buffer with `non_blocking=True`, records an event on the current stream, and
-returns a `Staged` handle. The step's frame is written once every event has
-completed (`ready`, polled at the rank's later probe points: the engine thread
-never waits for a forward pass still running, see `ring_recorder.RingRecorder.step`);
-writing it reads the buffer and gives it back to the pool. Only torch's generic device API is used
+stream on the hot path. Instead a probe copies a step's tensors into one
+reused pinned host buffer with `non_blocking=True`, records one event on the
+current stream, and returns a `Staged` handle per tensor. The step's frame is
+written once the event has completed (`ready`, polled at the rank's later
+probe points: the engine thread never waits for a forward pass still running,
+see `ring_recorder.RingRecorder.step`); writing it reads the copies and gives
+the buffer back to the pool. Only torch's generic device API is used
 (`torch.Event`, `torch.accelerator`), so any backend that implements it works.
 
 The pool is bounded: when every buffer is still in flight the copy is refused
@@ -16,9 +17,7 @@ The pool is bounded: when every buffer is still in flight the copy is refused
 
 from __future__ import annotations
 
-import math
 import threading
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,79 +25,118 @@ import numpy as np
 
 
 class StagingFull(RuntimeError):
-    """Every pinned buffer of this shape is still in flight."""
+    """Every pinned buffer of the pool is still in flight."""
+
+
+class Lease:
+    """A pinned buffer lent to the copies staged together, behind one event: back in the pool
+    once each copy is read."""
+
+    def __init__(self, pool: StagingPool, buffer: Any, copies: int, event: Any = None):
+        self.pool = pool
+        self.buffer = buffer
+        self.copies = copies
+        self.event = event
+        self.landed = event is None  # known complete: its copies ask the device no more
+
+    def ready(self) -> bool:
+        if not self.landed:
+            self.landed = self.event.query()
+        return self.landed
+
+    def wait(self) -> None:
+        if not self.landed:
+            self.event.synchronize()
+            self.landed = True
+
+    def release(self) -> None:
+        self.copies -= 1
+        if self.copies == 0:
+            self.pool.give_back(self.buffer)
 
 
 @dataclass
 class Staged:
-    """A host copy of a tensor (1-D or 2-D), ready once `event` (if any) has completed."""
+    """A host copy of a tensor; on a device, ready once its lease's event has completed."""
 
-    buffer: Any  # a numpy copy (CPU tensors) or a reused pinned host tensor (device tensors)
-    shape: tuple[int, ...]
-    event: Any = None
-    pool: StagingPool | None = None
+    buffer: Any  # a numpy copy (CPU tensors), or its place in a pinned host buffer (device tensors)
+    lease: Lease | None = None  # the pinned buffer and its event, until this copy is read
 
     @classmethod
     def host(cls, array: np.ndarray) -> Staged:
         """An array already copied to the host (CPU engines): nothing to wait for."""
-        return cls(array, array.shape)
+        return cls(array)
 
     def ready(self) -> bool:
         """Whether the copy has landed (`numpy` would not wait)."""
-        return self.event is None or self.event.query()
+        return self.lease is None or self.lease.ready()
 
     def numpy(self) -> np.ndarray:
-        """Wait for the copy, return an owned array, free the buffer."""
-        if self.pool is None:
+        """Wait for the copy, return an owned array, free its place in the pinned buffer."""
+        lease = self.lease
+        if lease is None:
             return self.buffer
-        if self.event is not None:
-            self.event.synchronize()
-        # The pinned buffer goes back for reuse: keep a copy.
-        array = self.buffer[: math.prod(self.shape)].view(self.shape).numpy().copy()
-        self.pool.give_back(self.buffer)
-        self.buffer, self.pool = array, None  # asked again, the same copy
+        lease.wait()
+        array = self.buffer.numpy().copy()  # the pinned buffer goes back for reuse
+        lease.release()
+        self.buffer, self.lease = array, None  # asked again, the same copy
         return array
 
 
+_ALIGN = 64  # each copy's place in a shared buffer, in bytes (cache line; every dtype's alignment)
+
+
 class StagingPool:
-    """Reused pinned host buffers, keyed by dtype, sized to the largest copy seen."""
+    """Reused pinned host buffers (bytes), sized to the largest set of copies seen."""
 
     def __init__(self, max_in_flight: int = 64):
         self.max_in_flight = max_in_flight
-        self._free: dict[Any, list] = defaultdict(list)
+        self._free: list = []
         self._in_flight = 0
         self._lock = threading.Lock()  # a pool may be shared by threads
 
     def stage(self, tensor) -> Staged:
         """Start copying `tensor` to the host; never synchronises a device stream."""
-        if tensor.is_cpu:  # integer tensors (never requiring grad): numpy is the cheap copy
-            return Staged.host(tensor.numpy().copy())
+        return self.stage_all([tensor])[0]
+
+    def stage_all(self, tensors: list) -> list[Staged]:
+        """Start copying each tensor to the host, into one pinned buffer behind one event (a
+        step's plan: a dozen copies, one event and one buffer taken). Never synchronises."""
+        if all(t.is_cpu for t in tensors):  # integer tensors (never requiring grad): numpy copies
+            return [Staged.host(t.numpy().copy()) for t in tensors]
         import torch
 
-        shape = tuple(tensor.shape)
-        length = math.prod(shape)
-        buffer = self._take(tensor.dtype, length)
-        buffer[:length].view(shape).copy_(tensor, non_blocking=True)
-        event = torch.Event(device=tensor.device)
-        event.record(torch.accelerator.current_stream(tensor.device))
-        return Staged(buffer, shape, event, self)
+        places, end = [], 0
+        for t in tensors:
+            places.append(end)
+            end += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        buffer = self._take(end)
+        views = []
+        for t, start in zip(tensors, places, strict=True):
+            view = buffer[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t, non_blocking=True)
+            views.append(view)
+        device = next(t.device for t in tensors if not t.is_cpu)
+        event = torch.Event(device=device)
+        event.record(torch.accelerator.current_stream(device))
+        lease = Lease(self, buffer, len(tensors), event)
+        return [Staged(view, lease) for view in views]
 
-    def _take(self, dtype, length: int):
+    def _take(self, nbytes: int):
         import torch
 
         with self._lock:
             if self._in_flight >= self.max_in_flight:
                 raise StagingFull(f"{self._in_flight} pinned buffers in flight")
             self._in_flight += 1
-            free = self._free[dtype]
-            while free:  # a free buffer too small for this copy is dropped: sizes only grow
-                buffer = free.pop()
-                if buffer.shape[0] >= length:
+            while self._free:  # a free buffer too small for this copy is dropped: sizes only grow
+                buffer = self._free.pop()
+                if buffer.shape[0] >= nbytes:
                     return buffer
         # Grown past every free buffer (or none yet): a new one, twice as large.
-        return torch.empty(max(2 * length, 1024), dtype=dtype, pin_memory=True)
+        return torch.empty(max(2 * nbytes, 4096), dtype=torch.uint8, pin_memory=True)
 
     def give_back(self, buffer) -> None:
         with self._lock:
             self._in_flight -= 1
-            self._free[buffer.dtype].append(buffer)
+            self._free.append(buffer)

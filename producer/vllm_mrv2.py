@@ -115,18 +115,13 @@ class MRV2RunnerProbe(V1RunnerProbe):
         """Each group's rows of these request states, `[requests, longest row]`, staged to the host."""
         import torch
 
-        staged: list[Staged] = []
-        try:
-            for gid, table in enumerate(block_tables):
-                device_rows = table.gpu
-                index = torch.from_numpy(slots).to(device_rows.device)
-                width = int(lens[gid].max()) if slots.size else 0
-                staged.append(self.staging.stage(device_rows.index_select(0, index)[:, :width]))
-        except StagingFull:
-            for s in staged:  # hand back what was staged
-                s.numpy()
-            raise
-        return staged
+        rows = []
+        for gid, table in enumerate(block_tables):
+            device_rows = table.gpu
+            index = torch.from_numpy(slots).to(device_rows.device)
+            width = int(lens[gid].max()) if slots.size else 0
+            rows.append(device_rows.index_select(0, index)[:, :width])
+        return self.staging.stage_all(rows)
 
     def _attach_content(self) -> list[tuple[str, bool, str | None]]:
         """MRV2 keeps its block tables and computed tokens on the device: not digested yet."""

@@ -392,20 +392,14 @@ class V1RunnerProbe:
 
     def _copy(self, parts: list) -> Any:
         """The plan's parts (host arrays, prefixes of them, tensors) copied now: on the host
-        gathered into one frame part in one compiled call; on a device each tensor's copy
-        started without a stream synchronisation, gathered at the step's end."""
+        gathered into one frame part in one compiled call; on a device the tensors' copies
+        started into one pinned buffer behind one event, without a stream synchronisation (the
+        step's frame is written once they have landed)."""
         if self._on_host:
             return pack_parts([p.numpy() if hasattr(p, "is_cpu") else p for p in parts])
-        copies: list = []
-        try:
-            for p in parts:
-                copies.append(self.staging.stage(p) if hasattr(p, "is_cpu") else np.array(as_array(p)))
-        except StagingFull:
-            for c in copies:  # hand back what was staged
-                if isinstance(c, Staged):
-                    c.numpy()
-            raise
-        return copies
+        tensors = [p for p in parts if hasattr(p, "is_cpu")]
+        staged = iter(self.staging.stage_all(tensors) if tensors else ())  # one buffer, one event
+        return [next(staged) if hasattr(p, "is_cpu") else np.array(as_array(p)) for p in parts]
 
     def _kept(self, key: Any, make: Callable[[], Any]) -> Any:
         """A value made once per persistent runner object `key` (again if vLLM replaces it)."""

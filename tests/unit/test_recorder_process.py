@@ -27,7 +27,7 @@ from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
 from kvledger.producer.ring_recorder import RingRecorder, meta_path, sweep_stale_rings
-from kvledger.producer.staging import Staged
+from kvledger.producer.staging import Lease, Staged
 from kvledger.producer.synthetic import SimConfig, simulate
 from kvledger.stream_app.replay import iter_ledger, replay
 
@@ -224,16 +224,10 @@ class CopyEvent:
 
 
 class PinnedBuffer:
-    """The part of a pinned host tensor that `Staged.numpy` uses."""
+    """The part of a pinned host tensor that `Staged.numpy` reads."""
 
     def __init__(self, array: np.ndarray):
         self.array = array
-
-    def __getitem__(self, index) -> PinnedBuffer:
-        return PinnedBuffer(self.array[index])
-
-    def view(self, shape) -> PinnedBuffer:
-        return PinnedBuffer(self.array.reshape(shape))
 
     def numpy(self) -> np.ndarray:
         return self.array
@@ -252,8 +246,10 @@ def device_plan(step: int, event: CopyEvent, pool: Pool) -> PlanCapture:
     rows = np.arange(12, dtype=np.int32).reshape(3, 4) + 100 * step
     lens, slots = np.array([4, 2, 3], np.int32), np.arange(7, dtype=np.int64) + 16 * step
 
+    lease = Lease(pool, "a pinned buffer", 8, event)  # one per step, shared by its 8 copies
+
     def staged(array: np.ndarray) -> Staged:
-        return Staged(PinnedBuffer(array.reshape(-1)), array.shape, event, pool)
+        return Staged(PinnedBuffer(array), lease)
 
     groups = [(staged(slots), staged(rows), staged(lens)), (staged(slots + 1), staged(rows), staged(lens))]
     arrays = PlanCapture.plan_parts(staged(np.array([0, 3, 5, 6], np.int32)), staged(np.arange(7)), groups)
@@ -283,7 +279,7 @@ def test_a_device_step_is_held_until_its_copies_land_and_later_frames_wait_behin
     assert (recorder.held, recorder.captured) == (0, 5)
     recorder.close(step=2, timeout=30)
     assert [e.waited for e in events] == [0, 0, 0]  # the engine thread never waited for the device
-    assert pool.given_back == 3 * len(captures[0].plan.arrays)  # every pinned buffer reused
+    assert pool.given_back == len(captures)  # every step's pinned buffer back in the pool
 
     index = RequestIndex()
     expected = [c.record(index, False) for c in captures]

@@ -1,0 +1,228 @@
+"""A device engine's plan copies: held until they land, or waited for at the step's end.
+
+Model Runner V2 builds block tables and slot mappings on the device; the probe
+stages them to pinned host buffers without synchronising (producer/staging.py)
+and the step's frame is written once the copies have landed. The copies queue
+behind whatever the stream already holds: with async scheduling that is the
+previous step's forward pass. This drives the real MRV2 probe
+(`MRV2RunnerProbe._capture_mrv2_plan`, `_after_step`) over device tensors
+shaped as `prepare_attn` returns them, around a stand-in forward pass of a set
+length on the same stream, the host one step ahead as vLLM's async scheduling
+keeps it, and measures side by side, in alternating rounds:
+
+* held (`max_held` 8, the default): the engine thread's probe time per step
+  and the wall time per step;
+* waited (`max_held` 0, as before): the same, each step's end waiting for its
+  copies.
+
+It also checks every frame read back from the ring against what the device
+held when the copy was queued (the next step rewrites the same device
+tensors before the copy has run on the host's clock).
+
+    python bench/device_staging.py [--steps 400] [--forward-ms 8] [--requests 64] [--groups 4]
+
+Needs torch with an accelerator (CUDA, or any backend of torch.accelerator);
+`--device cpu` runs the same loop on the host (no copies are staged there),
+to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from kvledger.producer.capture import StepCapture
+from kvledger.producer.config import TraceAction, TraceConfig
+from kvledger.producer.frames import FrameKind, read_frame, unpack_parts
+from kvledger.producer.records import RankIdentity
+from kvledger.producer.ring_recorder import MAX_HELD, RingRecorder
+from kvledger.producer.vllm_mrv2 import MRV2RunnerProbe
+
+MAX_BLOCKS = 256
+PAD = 8  # CUDA-graph padding of the token count
+
+
+def scheduler_output(req_ids: list[str]) -> SimpleNamespace:
+    """A decode step's SchedulerOutput, as far as the probe reads it."""
+    cached = SimpleNamespace(
+        req_ids=req_ids, new_block_ids=[None] * len(req_ids), num_computed_tokens=[0] * len(req_ids)
+    )
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=dict.fromkeys(req_ids, 1),
+        finished_req_ids=set(),
+    )
+
+
+class Engine:
+    """Device tensors as MRV2's `prepare_attn` leaves them, rewritten each step on the stream."""
+
+    def __init__(self, device: torch.device, num_reqs: int, groups: int):
+        self.device, self.num_reqs, self.groups = device, num_reqs, groups
+        self.padded = -(-num_reqs // PAD) * PAD
+        rng = np.random.default_rng(0)
+        self.lens = rng.integers(1, MAX_BLOCKS, size=(groups, num_reqs)).astype(np.int32)
+        self.host_rows = np.arange(num_reqs * MAX_BLOCKS, dtype=np.int32).reshape(num_reqs, -1)
+        self.base_rows = torch.from_numpy(self.host_rows).to(device)
+        self.tables = [torch.zeros(self.padded, MAX_BLOCKS, dtype=torch.int32, device=device) for _ in range(groups)]
+        self.slots = torch.zeros(groups, self.padded, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.padded, dtype=torch.int64, device=device)
+        self.req_ids = [f"req-{i}" for i in range(num_reqs)]
+        self.runner = SimpleNamespace(
+            device=device,
+            block_tables=SimpleNamespace(num_blocks=SimpleNamespace(np=self.lens)),
+        )
+        self.batch = SimpleNamespace(
+            num_reqs=num_reqs,
+            num_tokens=num_reqs,
+            num_tokens_after_padding=self.padded,
+            idx_mapping_np=np.arange(num_reqs),
+            query_start_loc_np=np.arange(num_reqs + 1, dtype=np.int32),
+            positions=self.positions,
+            req_ids=self.req_ids,
+        )
+
+    def prepare(self, step: int) -> tuple[list, torch.Tensor]:
+        """The step's gather and slot-mapping kernels: every value says which step wrote it."""
+        for g, table in enumerate(self.tables):
+            table[: self.num_reqs].copy_(self.base_rows + (step * 1000 + g))
+        self.slots.copy_(torch.arange(self.padded, device=self.device) + step * 10_000)
+        self.positions.copy_(torch.arange(self.padded, device=self.device) + step)
+        return self.tables, self.slots
+
+    def expected(self, step: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, slots) of `group` as the plan must carry them at `step`."""
+        width = int(self.lens[group].max())
+        rows = self.host_rows[:, :width] + (step * 1000 + group)  # never a device sync: it would pace the loop
+        return rows, np.arange(self.padded) + step * 10_000
+
+
+_MATMUL_N = 8192
+_MATMUL: list = []  # (operand, ms per product), made once
+
+
+def forward(device: torch.device, ms: float) -> None:
+    """A stand-in forward pass of about `ms` on the current stream: bf16 matrix products."""
+    if device.type == "cpu":
+        return
+    if not _MATMUL:
+        a = torch.ones(_MATMUL_N, _MATMUL_N, dtype=torch.bfloat16, device=device)
+        start, end = torch.Event(device=device, enable_timing=True), torch.Event(device=device, enable_timing=True)
+        torch.mm(a, a)
+        start.record()
+        for _ in range(10):
+            torch.mm(a, a)
+        end.record()
+        end.synchronize()
+        _MATMUL.append((a, start.elapsed_time(end) / 10))
+    a, per_product = _MATMUL[0]
+    for _ in range(max(1, round(ms / per_product))):
+        torch.mm(a, a)
+
+
+def run(engine: Engine, steps: int, forward_ms: float, max_held: int) -> dict[str, list[float]]:
+    """Per step, in us: the probes' time at the step's start, plan, end and in all (what Health
+    reports), and the wall time. Checks every frame against the device."""
+    config = TraceConfig(enabled=True, action=TraceAction.RECORD, snapshot_interval=0, ring_bytes=1 << 26)
+    probe = MRV2RunnerProbe(engine.runner, config)
+    probe.recorder = RingRecorder(RankIdentity("bench", 0, 0, 0, 1), config, spawn=False, max_held=max_held)
+    stream_events: list = []
+    times: dict[str, list[float]] = {k: [] for k in ("start", "plan", "end", "probes", "wall")}
+    checked = 0
+    clock = time.perf_counter_ns
+    try:
+        for _ in range(steps):
+            started, probe_ns = clock(), probe.recorder.probe_ns
+            probe._guard(probe._before_step, scheduler_output(engine.req_ids))
+            t0 = clock()
+            result = engine.prepare(probe.step)
+            t1 = clock()
+            probe._guard(probe._capture_mrv2_plan, engine.batch, result)
+            t2 = clock()
+            forward(engine.device, forward_ms)
+            if engine.device.type != "cpu":
+                done = torch.Event(device=engine.device)
+                done.record(torch.accelerator.current_stream(engine.device))
+                stream_events.append(done)
+            t3 = clock()
+            probe._guard(probe._after_step)
+            t4 = clock()
+            # Async scheduling: the host waits for the step before this one, never for this one.
+            if len(stream_events) >= 2:
+                stream_events[-2].synchronize()
+            for key, ns in (("start", t0 - started), ("plan", t2 - t1), ("end", t4 - t3)):
+                times[key].append(ns / 1000)
+            times["probes"].append((probe.recorder.probe_ns - probe_ns) / 1000)  # what Health reports
+            times["wall"].append((clock() - started) / 1000)
+            checked += check_frames(probe.recorder.ring, engine)
+        probe.recorder.drain(wait=True)
+        checked += check_frames(probe.recorder.ring, engine)
+        assert not probe._broken, "the probe failed; see the log"
+        assert checked == steps, f"{checked} of {steps} steps read back"
+    finally:
+        probe.recorder.ring.close(unlink=True)
+    return times
+
+
+def check_frames(ring, engine: Engine) -> int:
+    """Read the ring's frames; each step's plan must hold what its step wrote on the device."""
+    n = 0
+    for record in ring.records():
+        frame = read_frame(bytes(record))
+        record.release()
+        if frame.kind is not FrameKind.STEP:
+            continue
+        capture = StepCapture.from_parts(frame.parts)
+        qsl, positions, *groups = unpack_parts(capture.plan.part())
+        assert np.array_equal(qsl, np.arange(engine.num_reqs + 1)), f"step {capture.step}: query starts"
+        step = capture.step
+        assert np.array_equal(positions, np.arange(engine.num_reqs) + step), f"step {step}: positions"
+        for g in range(engine.groups):
+            slots, rows, lens = groups[3 * g : 3 * g + 3]
+            want_rows, want_slots = engine.expected(step, g)
+            assert np.array_equal(lens, engine.lens[g]), f"step {step} group {g}: row lengths"
+            assert np.array_equal(rows.reshape(want_rows.shape), want_rows), f"step {step} group {g}: rows"
+            assert np.array_equal(slots, want_slots), f"step {step} group {g}: slots"
+        n += 1
+    return n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of each arm")
+    parser.add_argument("--forward-ms", type=float, default=8.0)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--device", default=None, help="default: the accelerator torch finds")
+    args = parser.parse_args()
+    if args.device is None:
+        if not torch.accelerator.is_available():
+            raise SystemExit("no accelerator here: this benchmark measures device copies (--device cpu checks it)")
+        args.device = torch.accelerator.current_accelerator().type
+    device = torch.device(args.device)
+    engine = Engine(device, args.requests, args.groups)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    print(f"{name}: {args.requests} requests, {args.groups} KV groups, forward pass {args.forward_ms} ms")
+    arms = {"held": MAX_HELD, "waited": 0}
+    found: dict[str, dict[str, list[float]]] = {a: {} for a in arms}
+    run(engine, 20, args.forward_ms, MAX_HELD)  # warm up: pinned buffers, kernels, caches
+    for r in range(args.rounds):
+        for arm in arms if r % 2 == 0 else reversed(arms):
+            for key, values in run(engine, args.steps, args.forward_ms, arms[arm]).items():
+                found[arm].setdefault(key, []).extend(values[10:])
+    print(f"every frame read back matched the device ({args.rounds * 2} runs of {args.steps} steps)")
+    print("us per step, median (p99):")
+    print(f"{'arm':>7} {'step start':>16} {'plan':>16} {'step end':>16} {'probes':>16} {'wall':>16}")
+    for arm, times in found.items():
+        cells = [f"{np.median(times[k]):.1f} ({np.percentile(times[k], 99):.0f})" for k in times]
+        print(f"{arm:>7} " + " ".join(f"{c:>16}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
