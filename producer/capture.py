@@ -19,10 +19,14 @@ import numpy as np
 from kvledger.producer import records
 from kvledger.producer.frames import pack, pack_parts, step_input_record, unpack, unpack_parts
 from kvledger.producer.staging import Staged
+from kvledger.schemas import pack_i32
 
 _EMPTY = np.zeros(0, np.int64)
-_NIL = msgspec.msgpack.encode(None)
-_unpack_step = msgspec.msgpack.Decoder(tuple[int, str, msgspec.Raw, object, object]).decode  # the blob left encoded
+_NIL = msgspec.Raw(msgspec.msgpack.encode(None))
+# A step frame's header (`StepCapture.to_parts`), its scheduler's blob and the plan's ids left encoded.
+_PlanHeader = tuple[msgspec.Raw, Any, Any, Any, Any, Any]
+_read_step = msgspec.msgpack.Decoder(tuple[int, str, msgspec.Raw, _PlanHeader | None, Any]).decode
+_BATCHES_KEPT = 8  # a step's batch in the scheduler's order and in the runner's, and a few past ones
 
 
 class RequestIndex:
@@ -31,6 +35,9 @@ class RequestIndex:
     def __init__(self) -> None:
         self._index: dict[str, int] = {}
         self._next = 0
+        # Id lists as the frames carry them (MessagePack) -> their indices and those packed: a batch
+        # seen again (most decode steps) is looked up whole. Emptied when an id is forgotten.
+        self._batches: dict[bytes, tuple[list[int], bytes]] = {}
 
     def __call__(self, req_id: str) -> int:
         index = self._index.get(req_id)
@@ -44,11 +51,23 @@ class RequestIndex:
         found = [get(r) for r in req_ids]
         return found if None not in found else [self(r) for r in req_ids]
 
+    def batch(self, encoded: msgspec.Raw | bytes) -> tuple[list[int], bytes]:
+        """The indices of a MessagePack list of ids (`many`), and them packed as int32."""
+        key = bytes(encoded)
+        found = self._batches.get(key)
+        if found is None:
+            indices = self.many(unpack(key))
+            if len(self._batches) >= _BATCHES_KEPT:
+                self._batches.clear()
+            found = self._batches[key] = (indices, pack_i32(indices))
+        return found
+
     def get(self, req_id: str) -> int | None:
         return self._index.get(req_id)
 
     def forget(self, req_id: str) -> None:
-        self._index.pop(req_id, None)
+        if self._index.pop(req_id, None) is not None:
+            self._batches.clear()  # a batch naming it would now give it a new index
 
 
 @dataclass
@@ -128,7 +147,8 @@ class PlanCapture:
 
     def record(self, index: RequestIndex, full_rows: bool) -> dict:
         qsl, positions, *rest = unpack_parts(self.part())
-        first = positions[qsl[:-1]] if self.has_positions else np.zeros(0, np.int64)
+        starts = qsl[:-1]
+        first = positions[starts] if self.has_positions else _EMPTY
         group_records = []
         for k, gid in enumerate(self.group_ids):
             slots, rows, lens = rest[3 * k : 3 * k + 3]
@@ -136,7 +156,10 @@ class PlanCapture:
             num_real = min(self.num_tokens, len(slots))
             group_records.append(records.group_plan_from_table(gid, slots, num_real, table, lens, full_rows))
         drafts = [d.record(self.draft_group) for d in self.drafts] or None
-        return records.step_plan(index.many(self.req_ids), np.diff(qsl), first, group_records, drafts)
+        # A recorder reads the ids still encoded (`from_parts`): a batch seen before is looked up whole.
+        ids = self.req_ids
+        req_indices = index.batch(ids)[1] if isinstance(ids, msgspec.Raw) else index.many(ids)
+        return records.step_plan(req_indices, qsl[1:] - starts, first, group_records, drafts)
 
     # -- the wire form: a small header, the plan's part, then the drafter's arrays -----------------
     def to_parts(self) -> tuple[tuple, list]:
@@ -217,14 +240,14 @@ class StepCapture:
 
     @classmethod
     def from_parts(cls, parts: list[np.ndarray]) -> StepCapture:
-        step, kind, raw, plan_header, reasons = _unpack_step(parts[0])
+        # The scheduler's blob and the plan's ids are read later, as they are (no copy, no strings).
+        step, kind, scheduler, plan_header, reasons = _read_step(parts[0])
         arrays, content = parts[1:], None
         if reasons is not None:
             arrays, (groups, blocks, digests) = arrays[:-3], arrays[-3:]
             content = ContentCapture(groups, blocks, Staged.host(digests), reasons)
         plan = PlanCapture.from_parts(plan_header, arrays) if plan_header is not None else None
-        scheduler = bytes(raw)
-        return cls(step, kind, scheduler if scheduler != _NIL else None, plan, content)
+        return cls(step, kind, None if scheduler == _NIL else scheduler, plan, content)
 
 
 @dataclass

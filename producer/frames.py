@@ -22,6 +22,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from itertools import compress, repeat
+from operator import is_not
 from typing import Any
 
 import msgspec
@@ -29,6 +31,7 @@ import numpy as np
 
 from kvledger.producer import _hotpath, records
 from kvledger.producer.ring import Ring
+from kvledger.schemas import pack_i32
 
 
 class FrameKind(IntEnum):
@@ -46,6 +49,7 @@ class PartType(IntEnum):
 
 _DTYPES = {PartType.U8: np.dtype(np.uint8), PartType.I32: np.dtype(np.int32), PartType.I64: np.dtype(np.int64)}
 _OF_DTYPE = {dtype: part for part, dtype in _DTYPES.items()}
+_PART_DTYPES = {int(part): dtype for part, dtype in _DTYPES.items()}  # by a type word's low byte
 _HEAD = struct.Struct("<3Q")
 _WORD = struct.Struct("<Q")
 
@@ -105,7 +109,7 @@ def _read_parts(buffer, n: int, words_at: int) -> list[np.ndarray]:
     """The `n` parts whose type words start at byte `words_at`, as views into `buffer`."""
     parts, offset = [], words_at + 8 * n
     for word in struct.unpack_from(f"<{n}Q", buffer, words_at):
-        dtype = _DTYPES[PartType(word & 0xFF)]
+        dtype = _PART_DTYPES[word & 0xFF]
         count = word >> 8
         parts.append(np.frombuffer(buffer, dtype, count, offset))
         offset += (count * dtype.itemsize + 7) & ~7
@@ -171,32 +175,55 @@ def scheduler_payload(so: Any) -> bytes:
     )
 
 
+# The recorder's reading of a payload: the batch's ids and tokens per request stay encoded (a batch
+# seen before is looked up whole: `capture.RequestIndex.batch`, `_scheduled_column`).
+_read_payload = msgspec.msgpack.Decoder(
+    tuple[list, msgspec.Raw, list, list, list, msgspec.Raw, list, list, list, list]
+).decode
+_last_scheduled: tuple[bytes, bytes, bytes] = (b"", b"", b"")
+
+
+def _scheduled_column(req_ids: bytes, num_scheduled: bytes) -> bytes:
+    """The tokens scheduled per cached request, packed: the last step's when its ids and counts were
+    these (every request decoding one token, say)."""
+    global _last_scheduled
+    ids, counts, column = _last_scheduled
+    if ids != req_ids or counts != num_scheduled:
+        get = unpack(num_scheduled).get
+        column = pack_i32([get(r, 0) for r in unpack(req_ids)])
+        _last_scheduled = (req_ids, num_scheduled, column)
+    return column
+
+
 def step_input_record(payload, index) -> dict:
     """The StepInput record of a `scheduler_payload` (the recorder's share); `index` gives the
     requests their dense indices, in the order the step names them."""
-    new, req_ids, resumed_ids, new_block_ids, computed, num_scheduled, finished, preempted, zero, copies = unpack(
-        payload
-    )
+    new, ids, resumed_ids, new_block_ids, computed, counts, finished, preempted, zero, copies = _read_payload(payload)
+    ids, counts = bytes(ids), bytes(counts)
+    num_scheduled = unpack(counts) if new else {}
     new_reqs = [
         records.new_request(index(req_id), req_id, blocks, num_computed, prompt, num_scheduled.get(req_id, 0))
         for req_id, blocks, num_computed, prompt in new
     ]
-    indices = index.many(req_ids)
+    indices, packed = index.batch(ids)
     resumed = {index(r) for r in resumed_ids}
-    # A resumed request's blocks replace its row, so its groups count even when empty.
+    if len(new_block_ids) != len(indices):
+        raise ValueError(f"{len(new_block_ids)} new block lists for {len(indices)} cached requests")
+    # Only requests that got blocks (a few per step) are visited; a resumed request's blocks replace
+    # its row, so its groups count even when empty.
+    got = compress(range(len(indices)), map(is_not, new_block_ids, repeat(None)))
     appends = [
-        (i, group, blocks)
-        for i, groups in zip(indices, new_block_ids, strict=True)
-        if groups is not None
-        for group, blocks in enumerate(groups)
-        if blocks or i in resumed
+        (indices[k], group, blocks)
+        for k in got
+        for group, blocks in enumerate(new_block_ids[k])
+        if blocks or indices[k] in resumed
     ]
     finished = sorted(finished)
     for req_id in finished:
         index.forget(req_id)
     return records.step_input(
         new_reqs=new_reqs,
-        cached_columns=(indices, computed, [num_scheduled.get(r, 0) for r in req_ids]),
+        cached_columns=(packed, computed, _scheduled_column(ids, counts)),
         resumed=[i for i in indices if i in resumed] if resumed else [],
         appends=appends,
         finished=finished,

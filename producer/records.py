@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvledger.schemas import pack_digests, pack_i32, pack_i64
+from kvledger.schemas import pack_digests, pack_i32
 from kvledger.schemas.packing import length_term, mix_blocks, pack_u64, position_weights
 from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH, RANK_INFO, SNAPSHOT, STEP
 
@@ -37,6 +37,27 @@ def envelope(rank: RankIdentity, seq: int, emitted_at_us: int, body_name: str, b
         "emitted_at_us": emitted_at_us,
         "body": (body_name, body),
     }
+
+
+# A Step's optional parts, by the names of their union branches.
+_BRANCHES = (("input", "kvledger.StepInput"), ("plan", "kvledger.StepPlan"), ("content", "kvledger.BlockDigests"))
+
+
+def avro_datum(event: dict) -> dict:
+    """`event` as the Avro writer takes it fastest, written to the same bytes: a Step's optional parts
+    name their union's branch (fastavro's tuple notation), so none is validated against each branch
+    to find it (a third of a decode step's encoding). The event itself is left as the checks read it."""
+    name, body = event["body"]
+    if name != STEP:
+        return event
+    named = dict(body)
+    for field, branch in _BRANCHES:
+        if body[field] is not None:
+            named[field] = (branch, body[field])
+    plan = body["plan"]
+    if plan is not None and plan["draft_writes"] is not None:
+        named["plan"] = ("kvledger.StepPlan", {**plan, "draft_writes": ("array", plan["draft_writes"])})
+    return {**event, "body": (name, named)}
 
 
 def kv_group(group_id: int, kind: str, block_size: int, num_blocks: int, sliding_window: int | None = None) -> dict:
@@ -157,14 +178,36 @@ def config_declarations(vllm_config) -> list[tuple[str, bool, str | None]]:
 def slot_runs(slot_mapping: np.ndarray) -> bytes:
     """Compress a slot mapping into packed (start, length) runs (see the schema)."""
     slots = np.asarray(slot_mapping, dtype=np.int64)
-    if slots.size == 0:
+    n = slots.size
+    if n == 0:
         return b""
-    prev, cur = slots[:-1], slots[1:]
-    continues = ((prev >= 0) & (cur == prev + 1)) | ((prev < 0) & (cur < 0))
-    starts = np.flatnonzero(np.concatenate([[True], ~continues]))
-    lengths = np.diff(np.append(starts, slots.size))
-    run_starts = np.where(slots[starts] < 0, -1, slots[starts])
-    return pack_i64(np.column_stack([run_starts, lengths]).ravel())
+    # A slot one past its predecessor (int64 wrapping, as ever) keeps `slot - position`: a run of
+    # real slots has one key. After padding (any negative slot), a run goes on while padding does.
+    key, padding = slots - _positions(n), slots < 0
+    ends = np.where(padding[:-1], ~padding[1:], key[1:] != key[:-1]).nonzero()[0]  # of each run but the last
+    runs = np.empty((ends.size + 1, 2), np.int64)
+    if ends.size == n - 1:  # every slot a run of its own (requests decoding a token each)
+        np.maximum(slots, -1, out=runs[:, 0])
+        runs[:, 1] = 1
+        return runs.tobytes()
+    starts = runs[:, 1]  # the runs' first positions, overwritten by their lengths below
+    starts[0] = 0
+    np.add(ends, 1, out=starts[1:])
+    np.maximum(slots[starts], -1, out=runs[:, 0])  # every padding run starts at -1
+    starts[:-1] = ends - starts[:-1] + 1
+    starts[-1] = n - starts[-1]
+    return runs.tobytes()
+
+
+_arange = np.arange(0, dtype=np.int64)
+
+
+def _positions(n: int) -> np.ndarray:
+    """0 .. n-1, a view of an array made once (grown as needed)."""
+    global _arange
+    if n > _arange.size:
+        _arange = np.arange(max(n, 2 * _arange.size), dtype=np.int64)
+    return _arange[:n]
 
 
 def row_digests(rows: Sequence[np.ndarray]) -> np.ndarray:
@@ -183,14 +226,30 @@ def row_digests(rows: Sequence[np.ndarray]) -> np.ndarray:
         return sums + lens.astype(np.uint64) * np.uint64(length_term(1))
 
 
+_LENGTH_TERM = np.uint64(length_term(1))
+_WEIGHT_ROWS_MAX = 256  # widths up to this take their rows' weights from a table made once (~0.5 MiB)
+_weight_rows = np.zeros((1, 0), np.uint64)
+
+
+def _row_weights(width: int, lens: np.ndarray) -> np.ndarray:
+    """Per row i, the weights of positions 0 .. width-1, zero from lens[i] on."""
+    global _weight_rows
+    if width > _WEIGHT_ROWS_MAX:
+        return np.where(_positions(width) < lens[:, None], position_weights(0, width), np.uint64(0))
+    if width >= _weight_rows.shape[0]:  # row l of the table: the weights of a row of length l
+        size = min(max(width, 2 * _weight_rows.shape[1]), _WEIGHT_ROWS_MAX)
+        _weight_rows = np.tril(np.broadcast_to(position_weights(0, size), (size + 1, size)), -1)
+    # A length outside 0 .. width takes the nearest: a negative one no weights, a longer one all.
+    return _weight_rows[: width + 1, :width].take(lens, axis=0, mode="clip")
+
+
 def table_digests(table: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Digests of the rows `table[i, :lens[i]]` of a 2-D block table, without a Python loop."""
-    width = table.shape[1]
-    lens = np.asarray(lens, dtype=np.int64)
-    with np.errstate(over="ignore"):
-        terms = mix_blocks(table) * position_weights(0, width)
-        terms[np.arange(width) >= lens[:, None]] = 0
-        return terms.sum(axis=1, dtype=np.uint64) + lens.astype(np.uint64) * np.uint64(length_term(1))
+    lens = np.asarray(lens)
+    # uint64 arithmetic wraps without a warning; einsum multiplies and sums each row in one pass.
+    sums = np.einsum("ij,ij->i", mix_blocks(table), _row_weights(table.shape[1], lens))
+    sums += np.multiply(lens, _LENGTH_TERM, dtype=np.uint64, casting="unsafe")  # a length taken mod 2^64
+    return sums
 
 
 def group_plan_from_table(
@@ -268,7 +327,8 @@ def step_input(
     """A StepInput record.
 
     cached: (req_index, num_computed_tokens, num_scheduled_tokens) per cached request, or the
-    same as three columns in `cached_columns` (cheaper for a runner that holds them so);
+    same as three columns in `cached_columns` (cheaper for a runner that holds them so; a column
+    may come packed already, as int32 bytes);
     appends: (req_index, group_id, block ids) per cached request and group that got blocks.
     """
     if cached_columns is None:
@@ -276,26 +336,35 @@ def step_input(
     indices, computed, scheduled = cached_columns
     return {
         "new_reqs": list(new_reqs),
-        "cached_req_indices": pack_i32(indices),
-        "cached_num_computed_tokens": pack_i32(computed),
-        "cached_num_scheduled_tokens": pack_i32(scheduled),
-        "resumed_req_indices": pack_i32(resumed),
-        "append_req_indices": pack_i32([a[0] for a in appends]),
-        "append_group_ids": pack_i32([a[1] for a in appends]),
-        "append_counts": pack_i32([len(a[2]) for a in appends]),
-        "append_block_ids": pack_i32(np.concatenate([np.asarray(a[2], np.int64) for a in appends]) if appends else []),
+        "cached_req_indices": _i32(indices),
+        "cached_num_computed_tokens": _i32(computed),
+        "cached_num_scheduled_tokens": _i32(scheduled),
+        "resumed_req_indices": _i32(resumed),
+        "append_req_indices": _i32([a[0] for a in appends]),
+        "append_group_ids": _i32([a[1] for a in appends]),
+        "append_counts": _i32([len(a[2]) for a in appends]),
+        "append_block_ids": _i32(np.concatenate([np.asarray(a[2], np.int64) for a in appends]) if appends else []),
         "finished_req_ids": list(finished),
         "preempted_req_ids": list(preempted),
-        "block_ids_to_zero": pack_i32(blocks_to_zero),
-        "block_copies": pack_i32(np.asarray(block_copies, np.int64).reshape(-1)),
+        "block_ids_to_zero": _i32(blocks_to_zero),
+        "block_copies": _i32(np.asarray(block_copies, np.int64).reshape(-1)) if len(block_copies) else b"",
     }
+
+
+def _i32(values) -> bytes:
+    """`pack_i32`, for a column that may come packed already; an empty list is packed at once."""
+    if isinstance(values, bytes):
+        return values
+    if isinstance(values, list | tuple) and not values:
+        return b""
+    return pack_i32(values)
 
 
 def step_plan(
     req_indices, num_tokens, first_positions, groups: list[dict], draft_writes: list[dict] | None = None
 ) -> dict:
     return {
-        "req_indices": pack_i32(req_indices),
+        "req_indices": _i32(req_indices),
         "num_tokens": pack_i32(num_tokens),
         "first_positions": pack_i32(first_positions),
         "groups": groups,

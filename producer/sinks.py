@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.producer.config import RegistrySpec, SinkSpec
+from kvledger.producer.records import avro_datum
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.schemas.files import Retention, SegmentWriter
 from kvledger.schemas.registry import batch_raw
@@ -71,7 +72,7 @@ class FileSink:
         batches: dict[tuple, list[dict]] = {}
         for event in events:
             key = (event["engine_id"], event["dp_rank"], event["tp_rank"], event["pp_rank"], event["incarnation"])
-            batches.setdefault(key, []).append(event)
+            batches.setdefault(key, []).append(avro_datum(event))
         for key, batch in batches.items():
             writer = self._writers.get(key)
             if writer is None:
@@ -238,7 +239,7 @@ class KafkaSink:
         now = time.monotonic()
         for event in events:
             key = event["engine_id"].encode()
-            body = self.codec.body(event)
+            body = self.codec.body(avro_datum(event))
             pending = self._pending.get(key)
             if pending is None:
                 pending = self._pending[key] = _Pending(since=now)

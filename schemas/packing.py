@@ -57,13 +57,17 @@ def expand_slot_runs(data: bytes) -> np.ndarray:
 _P = np.uint64(0x100000001B3)
 _K = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
+_SHIFT = np.uint64(31)
 _powers = np.cumprod(np.full(1 << 12, _P, dtype=np.uint64), dtype=np.uint64)
 
 
 def mix_blocks(block_ids: np.ndarray) -> np.ndarray:
     """Scramble block ids (any int array) into uint64 so nearby ids differ widely."""
-    x = (block_ids.astype(np.int64) + 1).astype(np.uint64) * _M1
-    return x ^ (x >> np.uint64(31))
+    # (id + 1) * M1 as id * M1 + M1, in place: one array for the whole mix (ids taken mod 2^64, as ever).
+    x = np.multiply(block_ids, _M1, dtype=np.uint64, casting="unsafe")
+    x += _M1
+    x ^= x >> _SHIFT
+    return x
 
 
 def position_weights(start: int, stop: int) -> np.ndarray:
