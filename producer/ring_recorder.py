@@ -48,7 +48,10 @@ _RINGS = itertools.count()
 SUPERVISE_EVERY = 64  # steps between checks that the recorder is alive (a pidfd poll each)
 RESPAWN_AFTER_S = 1.0  # a recorder that dies sooner after its start waits this long for the next
 MIN_RING_BYTES = 1 << 20
-MAX_HELD = 8  # frames held for device copies in flight (a step or two of an async engine) before waiting
+# Frames held for device copies in flight (a step or two of an async engine) or for a transfer's
+# digest (hashing a transfer of 10^2 blocks of MBs takes tens of steps) before the oldest is waited
+# for: as many as the probe's pinned buffers (staging.StagingPool), each held step keeps one.
+MAX_HELD = 64
 START_TIMEOUT_S = 60.0  # a recorder not attached by then is taken for dead
 # One thread each for the numeric libraries: a recorder's work is small and must not spin cores.
 RECORDER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -164,8 +167,8 @@ class RingRecorder:
 
     def __init__(self, identity: RankIdentity, config: TraceConfig, *, spawn: bool = True, max_held: int = MAX_HELD):
         """`spawn=False`: no recorder process; the caller reads the ring (benchmarks).
-        `max_held`: frames held for device copies before the oldest is waited for (0: every
-        step's copies are waited for at its end)."""
+        `max_held`: frames held for device copies or digests before the oldest is waited for (0:
+        every step's copies are waited for at its end)."""
         self.identity = identity
         self.config = config
         self.captured = 0  # frames offered (sequence numbers spent)
@@ -286,6 +289,14 @@ class RingRecorder:
             self._hold(FrameKind.BODY, None, lambda: [body_part(body)])
             return None
         return self._frame(FrameKind.BODY, [body_part(body)])
+
+    def body_when(self, ready: Callable[[], bool], make: Callable[[], tuple[str, dict]]) -> None:
+        """A record built by `make` once `ready()` (a connector event waiting for its transfer's
+        digest): held, with every frame after it, until then."""
+        if not self._held and ready():
+            self._frame(FrameKind.BODY, [body_part(make())])
+        else:
+            self._hold(FrameKind.BODY, ready, lambda: [body_part(make())])
 
     def step(self, capture: StepCapture) -> None:
         if self._held:

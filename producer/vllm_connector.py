@@ -26,7 +26,15 @@ the same ones): when a sampled send or receive completes, the probe hashes
 the bytes of the transferred blocks exactly as the connector moves them
 (an adapter knows where they are) and carries the per-block digests in the
 completion event. Both completions are seen on the engine thread before the
-scheduler learns of them, so the blocks cannot have changed hands yet.
+scheduler learns of them, so the blocks cannot have changed hands yet: the
+engine thread copies the blocks' bytes there and then (a gather; on a device
+it is only queued, into pinned host memory), and the hashing runs on a digest
+thread (hashlib releases the interpreter lock on buffers of 2 KiB and more).
+The completion event waits for its digest in the rank's queue of held frames,
+with every frame after it, so the ring keeps the rank's order
+(`ring_recorder.RingRecorder.body_when`). The bytes do not cross the ring to
+the recorder: at production sizes a transfer moves MBs to GBs, more than a
+ring holds, and the engine thread would copy them a second time.
 """
 
 from __future__ import annotations
@@ -34,16 +42,19 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvledger.producer import records
 from kvledger.producer.config import TraceConfig
+from kvledger.producer.staging import Staged, StagingFull, StagingPool
 
 log = logging.getLogger("kvledger.producer")
 
 Body = tuple[str, dict]
-Record = Callable[[Body | Callable[[], Body]], None]  # the rank's capture path
+# The rank's capture path: a body (or what builds it), and what says when it can be built.
+Record = Callable[..., None]
 Capability = tuple[str, bool, str | None]  # (name, available, reason), as RankInfo carries them
 CONNECTOR_API = ("bind_connector_metadata", "get_transfer_results", "get_block_ids_with_load_errors")
 
@@ -163,10 +174,25 @@ def sampled(transfer_id: str, fraction: float) -> bool:
 
 
 class BlockDigester:
-    """Hashes, per block, the KV bytes a transfer of these block ids moves (see records.transfer_digest)."""
+    """Per block, the KV bytes a transfer of these block ids moves (see records.transfer_digest):
+    copied on the engine thread (`copy`), hashed elsewhere (`hash`)."""
 
-    def digest(self, block_ids: list[list[int]]) -> bytes:
+    def copy(self, block_ids: list[list[int]]) -> Any:
+        """The blocks' bytes, copied now (on a device: the copy queued, never waited for)."""
         raise NotImplementedError
+
+    def hash(self, copied: Any) -> bytes:
+        """The transfer's digest of what `copy` took; any thread."""
+        raise NotImplementedError
+
+
+@dataclass
+class CopiedBlocks:
+    """A transfer's blocks as `MooncakeRegions.copy` took them: per region that holds a group's
+    blocks, its rows (one per block, all its bytes in that region), in group then region order."""
+
+    block_ids: list[list[int]]
+    rows: list[tuple[int, Staged]]  # (group, its blocks' rows in one region)
 
 
 class MooncakeRegions(BlockDigester):
@@ -179,6 +205,7 @@ class MooncakeRegions(BlockDigester):
         self.worker = worker
         self._views: list[tuple[Any, tuple[int, ...]]] | None = None
         self.layout = b""
+        self.staging = StagingPool(max_in_flight=4)  # a device's pinned copies of transfers in flight
 
     def _regions(self) -> list[tuple[Any, tuple[int, ...]]]:
         """(bytes of region as [block, byte] view, groups) per region; built once, after registration."""
@@ -208,22 +235,34 @@ class MooncakeRegions(BlockDigester):
         self._views = views
         return views
 
-    def digest(self, block_ids: list[list[int]]) -> bytes:
+    def copy(self, block_ids: list[list[int]]) -> CopiedBlocks:
         import torch
 
         regions = self._regions()
         per_logical = getattr(self.worker, "_physical_blocks_per_logical_kv_block", 1)
-        digests: list[int] = []
+        groups, gathered = [], []
         for group, blocks in enumerate(block_ids):
-            hashes = [hashlib.blake2b(digest_size=8) for _ in blocks]
+            if not blocks:
+                continue
             ids = torch.tensor(blocks, dtype=torch.int64)
             if per_logical > 1:  # kernel blocks of each logical block, as the connector expands them
                 ids = (ids[:, None] * per_logical + torch.arange(per_logical)).reshape(-1)
-            for view, groups in regions:
-                if group not in groups or not blocks:
-                    continue
-                rows = view[ids.to(view.device)].cpu().numpy().reshape(len(blocks), -1)
-                for h, row in zip(hashes, rows, strict=True):
+            for view, region_groups in regions:
+                if group in region_groups:
+                    groups.append(group)
+                    gathered.append(view[ids.to(view.device)].view(len(blocks), -1))  # a gather: a copy
+        if all(t.is_cpu for t in gathered):  # the gather was the copy
+            staged = [Staged.host(t.numpy()) for t in gathered]
+        else:
+            staged = self.staging.stage_all(gathered)
+        return CopiedBlocks(block_ids, list(zip(groups, staged, strict=True)))
+
+    def hash(self, copied: CopiedBlocks) -> bytes:
+        digests: list[int] = []
+        for group, blocks in enumerate(copied.block_ids):
+            hashes = [hashlib.blake2b(digest_size=8) for _ in blocks]
+            for _, rows in (r for r in copied.rows if r[0] == group):
+                for h, row in zip(hashes, rows.numpy(), strict=True):
                     h.update(row)
             # The null block holds nothing transferable; its bytes differ between engines.
             digests += [int.from_bytes(h.digest(), "little") if b else 0 for b, h in zip(blocks, hashes, strict=True)]
@@ -268,6 +307,7 @@ class ConnectorProbe:
         self.invalid: set[int] = set()
         self._completions: Completions | None = None
         self._broken = False
+        self._hasher: ThreadPoolExecutor | None = None  # the digest thread, started by the first digest
 
     def attach(self) -> list[Capability]:
         missing = [m for m in CONNECTOR_API if not callable(getattr(self.connector, m, None))]
@@ -312,16 +352,33 @@ class ConnectorProbe:
             self._broken = True
             log.exception("kv_trace: connector probe failed; this rank stops recording transfers")
 
-    def _digest(self, transfer: Transfer | None) -> bytes | None:
-        """Per-block digests of a completed transfer's blocks, when it is sampled. On the engine
-        thread, before the scheduler learns of the completion, so no other request has them yet."""
+    def _digest(self, transfer: Transfer | None) -> Future | None:
+        """The digest of a completed transfer's blocks, when it is sampled: its bytes copied now
+        (before the scheduler learns of the completion, so no other request has them yet), hashed
+        on the digest thread."""
         if self.digester is None or transfer is None or not transfer.transfer_id:
             return None
         if not sampled(transfer.transfer_id, self.digest_fraction):
             return None
         try:
-            return self.digester.digest(transfer.block_ids)
+            copied = self.digester.copy(transfer.block_ids)
+        except StagingFull as exc:  # the digest thread is behind: this transfer goes undigested
+            log.warning("kv_trace: transfer %s not digested: %s", transfer.transfer_id, exc)
+            return None
         except Exception:  # a layout we misread: no digests from here on, the rest keeps recording
+            log.exception("kv_trace: transfer digests disabled on this rank")
+            self.digester = None
+            return None
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvledger-digest")
+        return self._hasher.submit(self.digester.hash, copied)
+
+    def _digest_of(self, pending: Future) -> bytes | None:
+        """The digest the thread computed (waits for it); None, and no digests from here on,
+        if hashing failed."""
+        try:
+            return pending.result()
+        except Exception:
             log.exception("kv_trace: transfer digests disabled on this rank")
             self.digester = None
             return None
@@ -384,7 +441,7 @@ class ConnectorProbe:
         *,
         blocks: list[list[int]] | None = None,
         detail: str | None = None,
-        digest: bytes | None = None,
+        digest: Future | None = None,
     ) -> None:
         step, name = self.current_step(), self.name
         req = req_id if transfer is None else transfer.req_id
@@ -395,10 +452,17 @@ class ConnectorProbe:
             "block_ids": blocks if blocks is not None else (transfer.block_ids if transfer else []),
             "detail": detail or (transfer.detail if transfer else None),
             "num_tokens": self.num_tokens.get(req) if req and transfer and transfer.kind == "SEND_INTENT" else None,
-            "digest": digest,
         }
-        # Built at once and sent through the ring as a body; the block lists are our own copies.
-        self.record(lambda: records.connector_event(step, name, kind, **fields))
+        # Sent through the ring as a body; the block lists are our own copies. An event with a
+        # digest is built once the digest thread is done, and held in the rank's order until then.
+        if digest is None:
+            self.record(lambda: records.connector_event(step, name, kind, **fields, digest=None))
+        else:
+
+            def with_digest() -> Body:
+                return records.connector_event(step, name, kind, **fields, digest=self._digest_of(digest))
+
+            self.record(with_digest, ready=digest.done)
 
 
 def attach_connector_probe(runner: Any, record: Record, current_step: Callable[[], int]) -> list[Capability]:

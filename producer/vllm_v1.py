@@ -356,8 +356,12 @@ class V1RunnerProbe:
             body = sent.record(self.recorder.dropped, 0, 0)
             self._checker.apply(records.envelope(self.recorder.identity, sent.captured, 0, *body))
 
-    def _record(self, body) -> None:
-        """A built record (or a function building one: a connector's event, built now)."""
+    def _record(self, body, ready: Callable[[], bool] | None = None) -> None:
+        """A built record, or a function building one: a connector's event, built now, or once
+        `ready` says so (a transfer's digest, hashed off the engine thread; `raise` waits for it)."""
+        if ready is not None and self._checker is None:
+            self.recorder.body_when(ready, body)
+            return
         body = body() if callable(body) else body
         seq = self.recorder.body(body)
         if self._checker is not None:  # raise: check on the engine thread, before the step returns

@@ -22,7 +22,7 @@ import pytest
 from kvledger.producer import records
 from kvledger.producer.capture import PlanCapture, RequestIndex, SnapshotCapture, StepCapture
 from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
-from kvledger.producer.frames import pack_parts, scheduler_payload
+from kvledger.producer.frames import FrameKind, body_of, pack_parts, read_frame, scheduler_payload
 from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
@@ -308,4 +308,20 @@ def test_held_frames_are_bounded_and_the_rank_close_waits_for_the_rest(tmp_path)
     recorder.flush(timeout=0)
     assert recorder.held == 0 and all(e.waited == 1 for e in events)
     assert recorder.captured == 6
+    recorder.ring.close(unlink=True)
+
+
+def test_a_record_waiting_for_its_digest_holds_the_frames_after_it(tmp_path):
+    recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
+    hashed: list[bytes] = []
+    info = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")
+    recorder.body_when(lambda: bool(hashed), lambda: ("kvledger.RankInfo", {**info[1], "vllm_version": hashed[0]}))
+    recorder.step(StepCapture(0, "REAL", scheduler_payload(scheduler_output(0)), plan(1)))  # a host plan, ready
+    assert (recorder.held, recorder.captured) == (2, 0)  # the step waits behind the record
+    hashed.append("y")
+    recorder.step(StepCapture(1, "REAL", scheduler_payload(scheduler_output(1)), plan(3)))
+    assert (recorder.held, recorder.captured) == (0, 3)
+    frames = [read_frame(bytes(r)) for r in recorder.ring.records()]
+    assert [(f.kind, f.seq) for f in frames] == [(FrameKind.BODY, 0), (FrameKind.STEP, 1), (FrameKind.STEP, 2)]
+    assert body_of(frames[0].parts[0])[1]["vllm_version"] == "y"  # built once ready
     recorder.ring.close(unlink=True)

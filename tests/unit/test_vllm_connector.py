@@ -7,80 +7,24 @@ expired sends, connectors no adapter knows, and missing attach targets.
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
+import subprocess
 from types import SimpleNamespace
+
+import pytest
 
 from kvledger.producer import records
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.vllm_connector import ConnectorProbe, MooncakeAdapter, adapter_for
 from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec, unpack_i32
-
-
-@dataclass
-class PullReqMeta:  # vLLM's, same fields the adapter reads
-    d_req_id: str
-    transfer_id: str
-    local_block_ids: list[list[int]]
-    remote_engine_id: str
-
-
-@dataclass
-class Metadata:
-    reqs_to_send: dict = field(default_factory=dict)
-    reqs_to_recv: dict = field(default_factory=dict)
-    reqs_not_processed: set = field(default_factory=set)
-
-
-@dataclass
-class Results:  # KVConnectorTransferResults
-    finished_sending: set = field(default_factory=set)
-    finished_recving: set = field(default_factory=set)
-    failed_recving: set = field(default_factory=set)
-
-
-class Worker:
-    """MooncakeConnectorWorker's sending side: sent requests, and sends that expired."""
-
-    def __init__(self):
-        self.finished_sending_reqs: set[str] = set()
-        self.expiring: set[str] = set()
-
-    async def fetch_finished_sending_reqs(self) -> set[str]:
-        finished, self.finished_sending_reqs = self.finished_sending_reqs | self.expiring, set()
-        self.expiring = set()
-        return finished
-
-
-class V1Connector:
-    """The three v1 worker methods the runner calls each step, on a Mooncake-like worker."""
-
-    def __init__(self):
-        self.connector_worker = Worker()
-        self.bound = None
-        self.next_results = Results()
-        self.next_invalid: set[int] = set()
-
-    def bind_connector_metadata(self, metadata):
-        self.bound = metadata
-
-    def get_transfer_results(self, finished_req_ids):
-        sent = asyncio.run(self.connector_worker.fetch_finished_sending_reqs())
-        results, self.next_results = self.next_results, Results()
-        results.finished_sending |= sent
-        return results
-
-    def get_block_ids_with_load_errors(self):
-        invalid, self.next_invalid = self.next_invalid, set()
-        return invalid
-
-
-class MooncakeConnector(V1Connector):
-    """Named like vLLM's, as the adapter matches by class name (no vLLM import needed)."""
-
-
-class OtherConnector(V1Connector):
-    pass
+from tests.e2e.conftest import vllm_python
+from tests.unit.connector_standins import (
+    Metadata,
+    MooncakeConnector,
+    OtherConnector,
+    PullReqMeta,
+    Results,
+    step,
+)
 
 
 class Recording:
@@ -102,12 +46,6 @@ def probe_on(connector) -> tuple[ConnectorProbe, Recording, list]:
     recording = Recording()
     probe = ConnectorProbe(connector, adapter_for(connector), recording, lambda: 7)
     return probe, recording, probe.attach()
-
-
-def step(connector, metadata=None):
-    connector.bind_connector_metadata(metadata or Metadata())
-    connector.get_transfer_results(set())
-    connector.get_block_ids_with_load_errors()
 
 
 def test_a_send_is_recorded_from_intent_to_completion():
@@ -249,3 +187,65 @@ def test_prompt_length_from_either_runner():
     )
     assert _prompt_tokens(v1)("a") == 3 and _prompt_tokens(v1)("b") is None
     assert _prompt_tokens(mrv2)("a") == 7 and _prompt_tokens(mrv2)("b") is None
+
+
+DIGEST_SCRIPT = """
+import hashlib, threading
+import torch
+from kvledger.producer import records
+from kvledger.producer.vllm_connector import ConnectorProbe, adapter_for
+from tests.unit.connector_standins import Metadata, MooncakeConnector, step
+
+# Two layers' KV caches as Mooncake registers them: per region a base, a block stride and the
+# bytes a block moves, all of group 0; every byte tells its layer, block and offset.
+caches = [torch.arange(16 * 256, dtype=torch.int64).to(torch.uint8).view(16, 256) + layer for layer in (0, 7)]
+connector = MooncakeConnector()
+worker = connector.connector_worker
+worker.device_kv_caches = {f"layer{i}": c for i, c in enumerate(caches)}
+worker.kv_caches_base_addr = [c.data_ptr() for c in caches]
+worker.block_len_per_layer = worker.kv_block_len_per_layer = [256, 256]
+worker.registered_group_indices = [0, 0]
+
+recorded = []  # (build, ready) as the rank's capture path takes them
+probe = ConnectorProbe(connector, adapter_for(connector), lambda body, ready=None: recorded.append((body, ready)),
+                       lambda: 3, digest_fraction=1.0)
+assert ("transfer_digests", True, None) in probe.attach()
+hashing, go_on = threading.Event(), threading.Event()
+hash_blocks = probe.digester.hash
+def held_hash(copied):  # the digest thread, held until the test lets it go
+    hashing.set()
+    go_on.wait(30)
+    return hash_blocks(copied)
+probe.digester.hash = held_hash
+
+step(connector, Metadata(reqs_to_send={"p1": ("t1", [[4, 0, 9]])}))
+worker.finished_sending_reqs.add("p1")
+engine = threading.current_thread()
+step(connector)  # SEND_DONE: the blocks' bytes copied on this thread, hashed on the digest thread
+body, ready = recorded[-1]
+assert hashing.wait(30) and ready is not None and not ready()  # held while the thread hashes
+want = []
+for block in (4, 0, 9):
+    h = hashlib.blake2b(digest_size=8)
+    for c in caches:
+        h.update(c[block].numpy().tobytes())
+    want.append(int.from_bytes(h.digest(), "little") if block else 0)  # the null block: no digest
+for c in caches:  # the scheduler frees the blocks and another request overwrites them
+    c[4] = 255
+    c[9] = 255
+go_on.set()
+for _ in range(3000):
+    if ready():
+        break
+    threading.Event().wait(0.01)
+name, fields = body()
+assert fields["kind"] == "SEND_DONE" and fields["digest"] == records.transfer_digest(probe.digester.layout, want)
+assert [t.name for t in threading.enumerate() if t.name.startswith("kvledger-digest")]  # hashed off this thread
+print("ok")
+"""
+
+
+@pytest.mark.vllm
+def test_a_transfer_is_copied_at_its_completion_and_hashed_off_the_engine_thread():
+    proc = subprocess.run([vllm_python(), "-c", DIGEST_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.stdout + proc.stderr)[-2000:]
