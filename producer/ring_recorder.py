@@ -185,6 +185,7 @@ class RingRecorder:
         # before it are) and the call that makes its parts.
         self._held: deque[tuple[FrameKind, Callable[[], bool] | None, Callable[[], list]]] = deque()
         self.max_held = max_held
+        self._writing = False  # inside a frame's write or the drain (a signal handler must not write)
         if spawn:
             self._spawn()
 
@@ -257,9 +258,13 @@ class RingRecorder:
     # end would stall the engine thread for that pass. Every frame after a held one is held behind
     # it, so the ring keeps the rank's order; each frame takes its seq when it is written.
     def _frame(self, kind: FrameKind, parts: list) -> int:
-        seq = self.captured
-        self.captured = seq + 1
-        write_frame(self.ring, kind, seq, time.time_ns() // 1000, parts)
+        writing, self._writing = self._writing, True
+        try:
+            seq = self.captured
+            self.captured = seq + 1
+            write_frame(self.ring, kind, seq, time.time_ns() // 1000, parts)
+        finally:
+            self._writing = writing
         return seq
 
     def _hold(self, kind: FrameKind, ready: Callable[[], bool] | None, parts: Callable[[], list]) -> None:
@@ -270,12 +275,16 @@ class RingRecorder:
         """Write the held frames whose copies have landed, in order; the oldest is waited for once
         more than `max_held` are held (or for all of them with `wait`)."""
         held = self._held
-        while held:
-            kind, ready, parts = held[0]
-            if not wait and len(held) <= self.max_held and ready is not None and not ready():
-                return
-            held.popleft()
-            self._frame(kind, parts())
+        writing, self._writing = self._writing, True
+        try:
+            while held:
+                kind, ready, parts = held[0]
+                if not wait and len(held) <= self.max_held and ready is not None and not ready():
+                    return
+                held.popleft()
+                self._frame(kind, parts())
+        finally:
+            self._writing = writing
 
     @property
     def held(self) -> int:
@@ -333,8 +342,11 @@ class RingRecorder:
 
     def flush(self, timeout: float = 0.25) -> bool:
         """Wait up to `timeout` seconds for the recorder to have read every frame (True when it
-        has). Never needed for safety: a recorder outlives its rank and drains the ring."""
-        self.drain(wait=True)
+        has). Never needed for safety: a recorder outlives its rank and drains the ring. Held
+        frames are written first, unless this interrupts a write (a signal handler's flush): the
+        ring has one writer, and the frames must keep their order."""
+        if not self._writing:
+            self.drain(wait=True)
         deadline = time.monotonic() + timeout
         while self.ring.pending and time.monotonic() < deadline:
             time.sleep(0.001)

@@ -325,3 +325,22 @@ def test_a_record_waiting_for_its_digest_holds_the_frames_after_it(tmp_path):
     assert [(f.kind, f.seq) for f in frames] == [(FrameKind.BODY, 0), (FrameKind.STEP, 1), (FrameKind.STEP, 2)]
     assert body_of(frames[0].parts[0])[1]["vllm_version"] == "y"  # built once ready
     recorder.ring.close(unlink=True)
+
+
+def test_a_flush_that_interrupts_a_write_leaves_the_held_frames_in_order(tmp_path):
+    recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
+    name, info = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")
+    landed = []
+
+    def interrupted() -> tuple[str, dict]:  # a signal handler's flush while the frame is written
+        recorder.flush(timeout=0)
+        return name, {**info, "vllm_version": "first"}
+
+    recorder.body_when(lambda: bool(landed), interrupted)
+    recorder.body_when(lambda: bool(landed), lambda: (name, {**info, "vllm_version": "second"}))
+    landed.append(True)
+    recorder.drain()
+    frames = [read_frame(bytes(r)) for r in recorder.ring.records()]
+    assert [(f.seq, body_of(f.parts[0])[1]["vllm_version"]) for f in frames] == [(0, "first"), (1, "second")]
+    assert recorder.held == 0
+    recorder.ring.close(unlink=True)
