@@ -20,11 +20,10 @@ from __future__ import annotations
 import numbers
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import IntEnum
 from itertools import compress, repeat
 from operator import is_not
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -50,6 +49,7 @@ class PartType(IntEnum):
 _DTYPES = {PartType.U8: np.dtype(np.uint8), PartType.I32: np.dtype(np.int32), PartType.I64: np.dtype(np.int64)}
 _OF_DTYPE = {dtype: part for part, dtype in _DTYPES.items()}
 _PART_DTYPES = {int(part): dtype for part, dtype in _DTYPES.items()}  # by a type word's low byte
+_KINDS = {int(kind): kind for kind in FrameKind}  # by a header word's low byte
 _HEAD = struct.Struct("<3Q")
 _WORD = struct.Struct("<Q")
 
@@ -69,8 +69,7 @@ def as_array(part: Any) -> Any:
     return np.ascontiguousarray(part)
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
+class Frame(NamedTuple):
     """One frame read from the ring; its parts are views into the ring (copy what must outlive it)."""
 
     kind: FrameKind
@@ -119,7 +118,7 @@ def _read_parts(buffer, n: int, words_at: int) -> list[np.ndarray]:
 def read_frame(record) -> Frame:
     """The frame in one ring record (a buffer: its parts are views into it)."""
     kind_parts, seq, at_us = _HEAD.unpack_from(record, 0)
-    return Frame(FrameKind(kind_parts & 0xFF), seq, at_us, _read_parts(record, kind_parts >> 8, _HEAD.size))
+    return Frame(_KINDS[kind_parts & 0xFF], seq, at_us, _read_parts(record, kind_parts >> 8, _HEAD.size))
 
 
 def unpack_parts(part) -> list[np.ndarray]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -184,7 +185,10 @@ def slot_runs(slot_mapping: np.ndarray) -> bytes:
     # A slot one past its predecessor (int64 wrapping, as ever) keeps `slot - position`: a run of
     # real slots has one key. After padding (any negative slot), a run goes on while padding does.
     key, padding = slots - _positions(n), slots < 0
-    ends = np.where(padding[:-1], ~padding[1:], key[1:] != key[:-1]).nonzero()[0]  # of each run but the last
+    breaks = key[1:] != key[:-1]
+    if padding.any():
+        breaks = np.where(padding[:-1], ~padding[1:], breaks)
+    ends = breaks.nonzero()[0]  # of each run but the last
     runs = np.empty((ends.size + 1, 2), np.int64)
     if ends.size == n - 1:  # every slot a run of its own (requests decoding a token each)
         np.maximum(slots, -1, out=runs[:, 0])
@@ -226,7 +230,10 @@ def row_digests(rows: Sequence[np.ndarray]) -> np.ndarray:
         return sums + lens.astype(np.uint64) * np.uint64(length_term(1))
 
 
+_I32 = np.dtype("<i4")
 _LENGTH_TERM = np.uint64(length_term(1))
+# Each row's products summed, in one pass (numpy 2's ufunc; einsum before it, slower to call).
+_row_dot = getattr(np, "vecdot", None) or (lambda a, b: np.einsum("ij,ij->i", a, b))
 _WEIGHT_ROWS_MAX = 256  # widths up to this take their rows' weights from a table made once (~0.5 MiB)
 _weight_rows = np.zeros((1, 0), np.uint64)
 
@@ -246,9 +253,8 @@ def _row_weights(width: int, lens: np.ndarray) -> np.ndarray:
 def table_digests(table: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Digests of the rows `table[i, :lens[i]]` of a 2-D block table, without a Python loop."""
     lens = np.asarray(lens)
-    # uint64 arithmetic wraps without a warning; einsum multiplies and sums each row in one pass.
-    sums = np.einsum("ij,ij->i", mix_blocks(table), _row_weights(table.shape[1], lens))
-    sums += np.multiply(lens, _LENGTH_TERM, dtype=np.uint64, casting="unsafe")  # a length taken mod 2^64
+    sums = _row_dot(mix_blocks(table), _row_weights(table.shape[1], lens))  # uint64: wraps, no warning
+    sums += lens.astype(np.uint64) * _LENGTH_TERM  # a length's int64 bits, as ever
     return sums
 
 
@@ -334,16 +340,20 @@ def step_input(
     if cached_columns is None:
         cached_columns = tuple(np.array(cached, dtype=np.int64).reshape(-1, 3).T)
     indices, computed, scheduled = cached_columns
+    # The appends' columns: one array of (req_index, group_id, count) rows, their blocks end to end.
+    heads = np.array([(a[0], a[1], len(a[2])) for a in appends], _I32).reshape(-1, 3) if appends else None
     return {
         "new_reqs": list(new_reqs),
         "cached_req_indices": _i32(indices),
         "cached_num_computed_tokens": _i32(computed),
         "cached_num_scheduled_tokens": _i32(scheduled),
         "resumed_req_indices": _i32(resumed),
-        "append_req_indices": _i32([a[0] for a in appends]),
-        "append_group_ids": _i32([a[1] for a in appends]),
-        "append_counts": _i32([len(a[2]) for a in appends]),
-        "append_block_ids": _i32(np.concatenate([np.asarray(a[2], np.int64) for a in appends]) if appends else []),
+        "append_req_indices": heads[:, 0].tobytes() if appends else b"",
+        "append_group_ids": heads[:, 1].tobytes() if appends else b"",
+        "append_counts": heads[:, 2].tobytes() if appends else b"",
+        "append_block_ids": pack_i32(np.fromiter(chain.from_iterable(a[2] for a in appends), np.int64))
+        if appends
+        else b"",
         "finished_req_ids": list(finished),
         "preempted_req_ids": list(preempted),
         "block_ids_to_zero": _i32(blocks_to_zero),

@@ -57,15 +57,15 @@ def expand_slot_runs(data: bytes) -> np.ndarray:
 _P = np.uint64(0x100000001B3)
 _K = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
-_SHIFT = np.uint64(31)
+_ONE, _SHIFT = np.uint64(1), np.uint64(31)
 _powers = np.cumprod(np.full(1 << 12, _P, dtype=np.uint64), dtype=np.uint64)
 
 
 def mix_blocks(block_ids: np.ndarray) -> np.ndarray:
     """Scramble block ids (any int array) into uint64 so nearby ids differ widely."""
-    # (id + 1) * M1 as id * M1 + M1, in place: one array for the whole mix (ids taken mod 2^64, as ever).
-    x = np.multiply(block_ids, _M1, dtype=np.uint64, casting="unsafe")
-    x += _M1
+    x = block_ids.astype(np.uint64)  # the id's int64 bits, as ever (the arithmetic is mod 2^64)
+    x += _ONE  # in place: one array for the whole mix
+    x *= _M1
     x ^= x >> _SHIFT
     return x
 
