@@ -209,9 +209,10 @@ _arange = np.arange(0, dtype=np.int64)
 def _positions(n: int) -> np.ndarray:
     """0 .. n-1, a view of an array made once (grown as needed)."""
     global _arange
-    if n > _arange.size:
-        _arange = np.arange(max(n, 2 * _arange.size), dtype=np.int64)
-    return _arange[:n]
+    positions = _arange  # read once: another thread may grow it meanwhile
+    if n > positions.size:
+        positions = _arange = np.arange(max(n, 2 * positions.size), dtype=np.int64)
+    return positions[:n]
 
 
 def row_digests(rows: Sequence[np.ndarray]) -> np.ndarray:
@@ -243,11 +244,12 @@ def _row_weights(width: int, lens: np.ndarray) -> np.ndarray:
     global _weight_rows
     if width > _WEIGHT_ROWS_MAX:
         return np.where(_positions(width) < lens[:, None], position_weights(0, width), np.uint64(0))
-    if width >= _weight_rows.shape[0]:  # row l of the table: the weights of a row of length l
-        size = min(max(width, 2 * _weight_rows.shape[1]), _WEIGHT_ROWS_MAX)
-        _weight_rows = np.tril(np.broadcast_to(position_weights(0, size), (size + 1, size)), -1)
+    table = _weight_rows  # read once: another thread may grow it meanwhile
+    if width >= table.shape[0]:  # row l of the table: the weights of a row of length l
+        size = min(max(width, 2 * table.shape[1]), _WEIGHT_ROWS_MAX)
+        table = _weight_rows = np.tril(np.broadcast_to(position_weights(0, size), (size + 1, size)), -1)
     # A length outside 0 .. width takes the nearest: a negative one no weights, a longer one all.
-    return _weight_rows[: width + 1, :width].take(lens, axis=0, mode="clip")
+    return table[: width + 1, :width].take(lens, axis=0, mode="clip")
 
 
 def table_digests(table: np.ndarray, lens: np.ndarray) -> np.ndarray:

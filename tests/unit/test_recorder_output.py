@@ -34,6 +34,7 @@ from kvledger.producer.ring import Ring
 from kvledger.producer.sinks import FileSink
 from kvledger.producer.staging import Staged
 from kvledger.schemas import LEDGER_EVENT
+from kvledger.schemas.packing import length_term, position_weights
 from kvledger.stream_app.replay import iter_ledger
 
 GOLDEN = Path(__file__).with_name("recorder_golden.json")
@@ -297,6 +298,52 @@ def test_the_sinks_named_branches_change_no_byte(tmp_path):
     assert problems == [] and len(stored) == len(events)
     for event, back in zip(events, stored, strict=True):
         assert encoded(back) == encoded(event)
+
+
+def old_slot_runs(slots: np.ndarray) -> bytes:
+    """The slot runs as first written: the reference for any mapping, odd ones included."""
+    slots = np.asarray(slots, dtype=np.int64)
+    if slots.size == 0:
+        return b""
+    prev, cur = slots[:-1], slots[1:]
+    continues = ((prev >= 0) & (cur == prev + 1)) | ((prev < 0) & (cur < 0))
+    starts = np.flatnonzero(np.concatenate([[True], ~continues]))
+    lengths = np.diff(np.append(starts, slots.size))
+    run_starts = np.where(slots[starts] < 0, -1, slots[starts])
+    return np.column_stack([run_starts, lengths]).ravel().astype("<i8").tobytes()
+
+
+def old_table_digests(table: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """The row digests as first written (with the mix as first written)."""
+    width, lens = table.shape[1], np.asarray(lens, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        x = (table.astype(np.int64) + 1).astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+        terms = (x ^ (x >> np.uint64(31))) * position_weights(0, width)
+        terms[np.arange(width) >= lens[:, None]] = 0
+        return terms.sum(axis=1, dtype=np.uint64) + lens.astype(np.uint64) * np.uint64(length_term(1))
+
+
+def test_slot_runs_and_row_digests_match_their_first_form_on_any_input():
+    rng = np.random.default_rng(7)
+    edges = [-1, -5, 0, 1, 2, 3, 1 << 40, np.iinfo(np.int64).max, np.iinfo(np.int64).min]
+    for trial in range(2000):
+        n = int(rng.integers(0, 40))
+        slots = [
+            rng.integers(-3, 6, n),  # short runs, padding among them
+            np.cumsum(rng.integers(0, 3, n)) - 2,  # long runs
+            rng.choice(edges, n),  # int64's ends: a run wraps from its max to its min
+            np.where(rng.random(n) < 0.3, -1, np.arange(n) * 16 + 5),  # decoding requests, padded
+        ][trial % 4].astype(np.int64)
+        assert records.slot_runs(slots) == old_slot_runs(slots), slots
+        rows, width = int(rng.integers(0, 12)), int(rng.integers(0, 300 if trial % 50 == 0 else 30))
+        dtype = np.int32 if trial % 3 else np.int64
+        table = rng.integers(-5, 1 << 20, (rows, width)).astype(dtype)
+        if trial % 7 == 0:
+            table[:] = rng.choice([np.iinfo(dtype).min, np.iinfo(dtype).max, -1, 0], table.shape)
+        odd = trial % 5 == 0  # lengths past either end of a row
+        lens = rng.integers(-2 if odd else 0, width + (3 if odd else 1), rows).astype(np.int32)
+        got, want = records.table_digests(table, lens), old_table_digests(table, lens)
+        assert got.dtype == want.dtype and (got == want).all(), (table, lens)
 
 
 def main() -> None:
