@@ -148,7 +148,7 @@ class PlanCapture:
     def record(self, index: RequestIndex, full_rows: bool) -> dict:
         qsl, positions, *rest = unpack_parts(self.part())
         starts = qsl[:-1]
-        first = positions[starts] if self.has_positions else _EMPTY
+        first = positions.take(starts) if self.has_positions else _EMPTY
         group_records = []
         for k, gid in enumerate(self.group_ids):
             slots, rows, lens = rest[3 * k : 3 * k + 3]

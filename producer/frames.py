@@ -17,6 +17,7 @@ plan's arrays are gathered so in one compiled call when attention is about to re
 
 from __future__ import annotations
 
+import functools
 import numbers
 import struct
 from collections.abc import Sequence
@@ -48,7 +49,7 @@ class PartType(IntEnum):
 
 _DTYPES = {PartType.U8: np.dtype(np.uint8), PartType.I32: np.dtype(np.int32), PartType.I64: np.dtype(np.int64)}
 _OF_DTYPE = {dtype: part for part, dtype in _DTYPES.items()}
-_PART_DTYPES = {int(part): dtype for part, dtype in _DTYPES.items()}  # by a type word's low byte
+_PART_DTYPES = {int(part): (dtype, dtype.itemsize) for part, dtype in _DTYPES.items()}  # by a type word's low byte
 _KINDS = {int(kind): kind for kind in FrameKind}  # by a header word's low byte
 _HEAD = struct.Struct("<3Q")
 _WORD = struct.Struct("<Q")
@@ -107,12 +108,17 @@ def prefix_max(array: np.ndarray, n: int) -> int:
 def _read_parts(buffer, n: int, words_at: int) -> list[np.ndarray]:
     """The `n` parts whose type words start at byte `words_at`, as views into `buffer`."""
     parts, offset = [], words_at + 8 * n
-    for word in struct.unpack_from(f"<{n}Q", buffer, words_at):
-        dtype = _PART_DTYPES[word & 0xFF]
+    for word in _words(n).unpack_from(buffer, words_at):
+        dtype, itemsize = _PART_DTYPES[word & 0xFF]
         count = word >> 8
         parts.append(np.frombuffer(buffer, dtype, count, offset))
-        offset += (count * dtype.itemsize + 7) & ~7
+        offset += (count * itemsize + 7) & ~7
     return parts
+
+
+@functools.cache
+def _words(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}Q")
 
 
 def read_frame(record) -> Frame:

@@ -184,9 +184,10 @@ def slot_runs(slot_mapping: np.ndarray) -> bytes:
         return b""
     # A slot one past its predecessor (int64 wrapping, as ever) keeps `slot - position`: a run of
     # real slots has one key. After padding (any negative slot), a run goes on while padding does.
-    key, padding = slots - _positions(n), slots < 0
+    key = slots - _positions(n)
     breaks = key[1:] != key[:-1]
-    if padding.any():
+    if slots.min() < 0:
+        padding = slots < 0
         breaks = np.where(padding[:-1], ~padding[1:], breaks)
     ends = breaks.nonzero()[0]  # of each run but the last
     runs = np.empty((ends.size + 1, 2), np.int64)
@@ -197,7 +198,7 @@ def slot_runs(slot_mapping: np.ndarray) -> bytes:
     starts = runs[:, 1]  # the runs' first positions, overwritten by their lengths below
     starts[0] = 0
     np.add(ends, 1, out=starts[1:])
-    np.maximum(slots[starts], -1, out=runs[:, 0])  # every padding run starts at -1
+    np.maximum(slots.take(starts), -1, out=runs[:, 0])  # every padding run starts at -1
     starts[:-1] = ends - starts[:-1] + 1
     starts[-1] = n - starts[-1]
     return runs.tobytes()
