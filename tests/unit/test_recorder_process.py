@@ -223,16 +223,6 @@ class CopyEvent:
         self.done = True
 
 
-class PinnedBuffer:
-    """The part of a pinned host tensor that `Staged.numpy` reads."""
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-
-    def numpy(self) -> np.ndarray:
-        return self.array
-
-
 class Pool:
     def __init__(self) -> None:
         self.given_back = 0
@@ -249,7 +239,7 @@ def device_plan(step: int, event: CopyEvent, pool: Pool) -> PlanCapture:
     lease = Lease(pool, "a pinned buffer", 8, event)  # one per step, shared by its 8 copies
 
     def staged(array: np.ndarray) -> Staged:
-        return Staged(PinnedBuffer(array), lease)
+        return Staged(array, lease)  # its place in the pinned buffer
 
     groups = [(staged(slots), staged(rows), staged(lens)), (staged(slots + 1), staged(rows), staged(lens))]
     arrays = PlanCapture.plan_parts(staged(np.array([0, 3, 5, 6], np.int32)), staged(np.arange(7)), groups)
