@@ -198,6 +198,7 @@ def frames(seed: int) -> list[tuple[FrameKind, list]]:
         snapshot_interval=40,
     )
     out.append((FrameKind.BODY, [body_part(info)]))
+    out.append((FrameKind.STEP, StepCapture(0, "WARMUP", None, None).to_parts()))  # neither input nor plan
     for step in range(STEPS):
         so, batch, num_scheduled = engine.next()
         plan = engine.plan(batch, num_scheduled, pad=step % 3)
@@ -212,6 +213,8 @@ def frames(seed: int) -> list[tuple[FrameKind, list]]:
                 Staged.host(np.array([rng.randint(-(1 << 63), (1 << 63) - 1) for _ in range(k)], np.int64)),
                 [rng.choice(("SEALED", "READ", "RELEASED", "ZEROED")) for _ in range(k)],
             )
+        if step % 31 == 12:  # a step whose plan was not captured
+            plan = None
         out.append((FrameKind.STEP, StepCapture(step, "REAL", scheduler_payload(so), plan, content).to_parts()))
         if step % 29 == 9:  # a padded run without requests
             dummy = pack_parts(PlanCapture.dummy_parts([np.full(8, -1, np.int64), np.array([-1, -1, 5], np.int64)]))
