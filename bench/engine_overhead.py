@@ -21,6 +21,7 @@
   adds is its overhead over the 0 row's, with the digests per step and ledger bytes per step.
 
     python bench/engine_overhead.py [--python .venv-vllm/bin/python] [--rounds 10] [--kv-events-pairs 6]
+    python bench/engine_overhead.py --ab-only --requests 64 --rounds 60
     python bench/engine_overhead.py --content-only [--rounds 10]
 """
 
@@ -105,13 +106,16 @@ def main() -> None:
     parser.add_argument("--ab-only", action="store_true", help="only the tracing on/off pairs")
     parser.add_argument("--kv-events-pairs", type=int, default=6, help="engine pairs for vLLM's KV events (0: none)")
     parser.add_argument("--content-only", action="store_true", help="only the content digests' table")
+    parser.add_argument(
+        "--requests", type=int, nargs="+", default=[64, 256], help="running requests of the on/off pairs' rows"
+    )
     args = parser.parse_args()
     if args.content_only:
         content_table(args.python, args.rounds)
         return
     if not args.ab_only:
         probe_table(args.python)
-    ab_table(args.python, args.rounds)
+    ab_table(args.python, args.rounds, args.requests)
     content_table(args.python, args.rounds)
     if args.kv_events_pairs:
         kv_events_table(args.python, args.kv_events_pairs)
@@ -127,24 +131,33 @@ def probe_table(python: str) -> None:
         print(f"{requests:>8} {probe_us:>14.1f} {per_step:>8.0f} {per_request:>10.1f}{mark}")
 
 
-def ab_table(python: str, rounds: int) -> None:
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """A distribution-free ~95 % interval for the median: the order statistics n/2 -+ 1.96 sqrt(n)/2."""
+    ordered, n = sorted(values), len(values)
+    half = 0.98 * n**0.5
+    return ordered[max(int(n / 2 - half), 0)], ordered[min(int(n / 2 + half), n - 1)]
+
+
+def ab_table(python: str, rounds: int, request_counts: list[int]) -> None:
     print(f"\ntracing paused/resumed in turn in one engine per row, {rounds} pairs each, file sink")
     print(
-        f"{'action':>7} {'requests':>8} {'tokens/s off':>12} {'on':>7} {'overhead':>9} {'spread':>17} "
+        f"{'action':>7} {'requests':>8} {'tokens/s off':>12} {'on':>7} {'overhead':>9} {'spread':>17} {'95% CI':>15} "
         f"{'engine CPU us/step':>18} {'spread':>17} {'probes us/step':>14} {'recorder CPU us/step':>20}"
     )
     for action in ("record", "log"):
-        for requests in (64, 256):
+        for requests in request_counts:
             ab = ab_runs(python, requests, rounds, action)
             overheads = [1 - on.rate / off.rate for off, on in ab]
             added = [(on.cpu_per_step - off.cpu_per_step) * 1e6 for off, on in ab]
             probes = statistics.median(on.probes_per_step * 1e6 for _, on in ab)
             recorder = statistics.median((on.recorder_per_step - off.recorder_per_step) * 1e6 for off, on in ab)
-            mark = f"  (targets <= {TARGET_OVERHEAD:.0%} at 64, <= {TARGET_CPU_US[requests]:.0f} us)"
+            cpu_target = f"<= {TARGET_CPU_US[requests]:.0f} us" if requests in TARGET_CPU_US else "no CPU target"
+            mark = f"  (targets <= {TARGET_OVERHEAD:.0%} at 64, {cpu_target})"
             print(
                 f"{action:>7} {requests:>8} {statistics.median(r.rate for r, _ in ab):>12,.0f} "
                 f"{statistics.median(r.rate for _, r in ab):>7,.0f} {statistics.median(overheads):>+9.1%} "
-                f"{min(overheads):>+8.1%}..{max(overheads):>+6.1%} {statistics.median(added):>18.1f} "
+                f"{min(overheads):>+8.1%}..{max(overheads):>+6.1%} "
+                f"{'{:+.1%}..{:+.1%}'.format(*median_interval(overheads)):>15} {statistics.median(added):>18.1f} "
                 f"{min(added):>8.1f}..{max(added):>7.1f} {probes:>14.1f} {recorder:>20.1f}{mark}"
             )
 
