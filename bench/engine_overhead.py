@@ -142,7 +142,7 @@ def ab_table(python: str, rounds: int, request_counts: list[int]) -> None:
     print(f"\ntracing paused/resumed in turn in one engine per row, {rounds} pairs each, file sink")
     print(
         f"{'action':>7} {'requests':>8} {'tokens/s off':>12} {'on':>7} {'overhead':>9} {'spread':>17} {'95% CI':>15} "
-        f"{'engine CPU us/step':>18} {'spread':>17} {'probes us/step':>14} {'recorder CPU us/step':>20}"
+        f"{'engine CPU us/step':>18} {'spread':>17} {'95% CI':>15} {'probes us/step':>14} {'recorder CPU us/step':>20}"
     )
     for action in ("record", "log"):
         for requests in request_counts:
@@ -158,7 +158,8 @@ def ab_table(python: str, rounds: int, request_counts: list[int]) -> None:
                 f"{statistics.median(r.rate for _, r in ab):>7,.0f} {statistics.median(overheads):>+9.1%} "
                 f"{min(overheads):>+8.1%}..{max(overheads):>+6.1%} "
                 f"{'{:+.1%}..{:+.1%}'.format(*median_interval(overheads)):>15} {statistics.median(added):>18.1f} "
-                f"{min(added):>8.1f}..{max(added):>7.1f} {probes:>14.1f} {recorder:>20.1f}{mark}"
+                f"{min(added):>8.1f}..{max(added):>7.1f} {'{:.0f}..{:.0f}'.format(*median_interval(added)):>15} "
+                f"{probes:>14.1f} {recorder:>20.1f}{mark}"
             )
 
 
