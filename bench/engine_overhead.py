@@ -116,6 +116,8 @@ def main() -> None:
     if not args.ab_only:
         probe_table(args.python)
     ab_table(args.python, args.rounds, args.requests)
+    if args.ab_only:
+        return
     content_table(args.python, args.rounds)
     if args.kv_events_pairs:
         kv_events_table(args.python, args.kv_events_pairs)
