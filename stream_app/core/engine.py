@@ -762,6 +762,12 @@ class Ledger:
             if any(after < step < before for after, before in group.lost.get(rank, ())):
                 self.coverage.unchecked["rank_records_lost"] += 1
                 continue
+            slot = self.ranks.get(self._key_of(engine_id, dp, *rank))
+            if slot is not None and slot.closed and slot.last_step < step:
+                # It said it shut down first (a shutdown reaches the ranks one by one, and the group's
+                # last step can be an empty one that only tells the workers what finished).
+                self.coverage.unchecked["rank_closed_before_step"] += 1
+                continue
             self.coverage.unchecked["rank_missing_steps"] += 1
             if group.missing_since.get(rank) is None:
                 group.missing_since[rank] = step

@@ -295,3 +295,27 @@ def test_a_watermark_mid_stream_settles_once_and_late_records_are_counted_not_he
     found = [v for e in late for v in ledger.apply(e)] + ledger.settle_held() + ledger.finish()
     assert found == []  # rank 0 reported every step: never missing
     assert ledger.coverage.unchecked["rank_late_after_settle"] > 0
+
+
+def test_a_rank_that_closed_before_a_step_is_not_missing_from_it():
+    """A shutdown that reaches one rank before the group's last (empty) step: that rank said it
+    was done, so the step it never ran is unchecked for it, not a rank gone missing."""
+    cfg = dataclasses.replace(REALISTIC, faults=(), steps=60, close_at_end=True)
+    events = simulate(cfg).events
+    last = cfg.steps - 1
+    dropped = next(
+        i
+        for i, e in enumerate(events)
+        if e["tp_rank"] == 1 and e["body"][0] == "kvledger.Step" and e["body"][1]["step"] == last
+    )
+    closed_early = events[:dropped] + events[dropped + 1 :]
+    for e in closed_early[dropped:]:  # the rank's closing Health: one event fewer, one step earlier
+        if e["tp_rank"] == 1:
+            e["seq"] -= 1
+            e["body"][1].update(step=last - 1, events_captured=e["body"][1]["events_captured"] - 1)
+    ledger = Ledger()
+    assert _run(closed_early, ledger) == []
+    assert ledger.coverage.unchecked["rank_closed_before_step"] == 1
+    # Without its closing Health (killed, not shut down), the same absence is a rank gone missing.
+    killed = [e for e in closed_early if not (e["tp_rank"] == 1 and e["body"][1].get("closing"))]
+    assert [(v.kind, v.tp_rank, v.step) for v in _run(killed)] == [("rank_missing", 1, last)]

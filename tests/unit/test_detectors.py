@@ -81,6 +81,9 @@ def configs(draw, min_ranks: int = 1) -> SimConfig:
 @given(configs())
 def test_valid_streams_are_silent_and_fully_checked(config: SimConfig):
     sim = simulate(config)
+    # A low arrival rate over few steps can bring no request at all (seed 907: none in 40 steps).
+    steps = (e["body"][1] for e in sim.events if e["body"][0] == "kvledger.Step")
+    assume(any((step.get("input") or {}).get("new_reqs") for step in steps))
     violations, ledger = run_ledger(sim.events)
     assert violations == []
     assert ledger.coverage.unchecked == Counter()
