@@ -145,6 +145,7 @@ class RankSlot:
     gap_after_step: int | None = None  # last step seen before a sequence gap, until the next step
     declared: Declared | None = None  # configurations the checks do not model (from RankInfo)
     closed: bool = False  # the rank said it shut down (Health.closing): nothing more comes from it
+    closed_step: int | None = None  # the step its closing Health named: it began no later one
 
 
 @dataclass
@@ -302,7 +303,8 @@ class Ledger:
                 slot.state.apply_connector(body)
         elif isinstance(body, Health):
             slot.events_dropped = body.events_dropped
-            slot.closed = slot.closed or body.closing
+            if body.closing and not slot.closed:
+                slot.closed, slot.closed_step = True, body.step
         if isinstance(body, _TRANSFER_BODIES):
             self._transfers(key, event, out)
         return out
@@ -763,7 +765,7 @@ class Ledger:
                 self.coverage.unchecked["rank_records_lost"] += 1
                 continue
             slot = self.ranks.get(self._key_of(engine_id, dp, *rank))
-            if slot is not None and slot.closed and slot.last_step < step:
+            if slot is not None and slot.closed_step is not None and slot.closed_step < step:
                 # It said it shut down first (a shutdown reaches the ranks one by one, and the group's
                 # last step can be an empty one that only tells the workers what finished).
                 self.coverage.unchecked["rank_closed_before_step"] += 1
