@@ -153,7 +153,11 @@ def test_two_tensor_parallel_ranks(tmp_path, engine):
     engine(traced(clean, tp=2, max_tokens=12, num_blocks=64, content_digests=1.0))
     result = replay(clean / "ledger")
     assert result.violations == [] and len(result.streams) == 2
-    assert result.ledger.coverage.checks["rank_compare"] == result.ledger.steps // 2 > 10
+    # A shutdown can reach the first stage before the group's last, empty step (finished ids only):
+    # that stage said it closed, so the step it never ran is unchecked for it, never a missing rank.
+    closed_first = result.ledger.coverage.unchecked["rank_closed_before_step"]
+    assert closed_first <= 1
+    assert result.ledger.coverage.checks["rank_compare"] == (result.ledger.steps + closed_first) // 2 > 10
     assert result.ledger.coverage.checks["content_verified"] > 0 and not result.unchecked, result.unchecked
 
     faulty = tmp_path / "faulty"
@@ -172,7 +176,11 @@ def test_two_pipeline_stages(tmp_path, engine):
     result = replay(clean / "ledger")
     assert result.violations == []
     assert sorted((s.tp, s.pp) for s in discover(clean / "ledger")) == [(0, 0), (0, 1)]
-    assert result.ledger.coverage.checks["rank_compare"] == result.ledger.steps // 2 > 10
+    # A shutdown can reach the first stage before the group's last, empty step (finished ids only):
+    # that stage said it closed, so the step it never ran is unchecked for it, never a missing rank.
+    closed_first = result.ledger.coverage.unchecked["rank_closed_before_step"]
+    assert closed_first <= 1
+    assert result.ledger.coverage.checks["rank_compare"] == (result.ledger.steps + closed_first) // 2 > 10
     assert result.ledger.coverage.checks["write"] > 0
 
     faulty = tmp_path / "faulty"
