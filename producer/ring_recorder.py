@@ -185,7 +185,7 @@ class RingRecorder:
         # before it are) and the call that makes its parts.
         self._held: deque[tuple[FrameKind, Callable[[], bool] | None, Callable[[], list]]] = deque()
         self.max_held = max_held
-        self._writing = False  # inside a frame's write or the drain (a signal handler must not write)
+        self._writing = False  # inside the drain (a signal handler's flush must not write then)
         if spawn:
             self._spawn()
 
@@ -258,22 +258,24 @@ class RingRecorder:
     # end would stall the engine thread for that pass. Every frame after a held one is held behind
     # it, so the ring keeps the rank's order; each frame takes its seq when it is written.
     def _frame(self, kind: FrameKind, parts: list) -> int:
-        writing, self._writing = self._writing, True
-        try:
-            seq = self.captured
-            self.captured = seq + 1
-            write_frame(self.ring, kind, seq, time.time_ns() // 1000, parts)
-        finally:
-            self._writing = writing
+        seq = self.captured
+        self.captured = seq + 1
+        write_frame(self.ring, kind, seq, time.time_ns() // 1000, parts)
         return seq
 
-    def _hold(self, kind: FrameKind, ready: Callable[[], bool] | None, parts: Callable[[], list]) -> None:
+    def _offer(self, kind: FrameKind, parts: Callable[[], list], ready: Callable[[], bool] | None = None) -> int | None:
+        """A frame written now (its seq), or held behind those held already or until `ready()`
+        (None; `ready` None: ready once those before it are)."""
+        if not self._held and (ready is None or ready()):
+            return self._frame(kind, parts())
         self._held.append((kind, ready, parts))
         self.drain()
+        return None
 
     def drain(self, wait: bool = False) -> None:
         """Write the held frames whose copies have landed, in order; the oldest is waited for once
-        more than `max_held` are held (or for all of them with `wait`)."""
+        more than `max_held` are held (or for all of them with `wait`). Only a drain writes while
+        frames are held, so only a drain is marked as writing (see `flush`)."""
         held = self._held
         writing, self._writing = self._writing, True
         try:
@@ -294,46 +296,31 @@ class RingRecorder:
     def body(self, body: tuple[str, dict]) -> int | None:
         """A built record (RankInfo, connector events; everything in `raise` mode). Its seq, or
         None while frames are held before it (never in `raise` mode: it holds no step)."""
-        if self._held:
-            self._hold(FrameKind.BODY, None, lambda: [body_part(body)])
-            return None
-        return self._frame(FrameKind.BODY, [body_part(body)])
+        return self._offer(FrameKind.BODY, lambda: [body_part(body)])
 
     def body_when(self, ready: Callable[[], bool], make: Callable[[], tuple[str, dict]]) -> None:
         """A record built by `make` once `ready()` (a connector event waiting for its transfer's
         digest): held, with every frame after it, until then."""
-        if not self._held and ready():
-            self._frame(FrameKind.BODY, [body_part(make())])
-        else:
-            self._hold(FrameKind.BODY, ready, lambda: [body_part(make())])
+        self._offer(FrameKind.BODY, lambda: [body_part(make())], ready)
 
     def step(self, capture: StepCapture) -> None:
-        if self._held:
-            self.drain()
-        if self._held or not capture.ready():
-            self._hold(FrameKind.STEP, capture.ready, capture.to_parts)
-        else:
-            self._frame(FrameKind.STEP, capture.to_parts())
+        self._offer(FrameKind.STEP, capture.to_parts, capture.ready)
 
     def snapshot(self, capture: SnapshotCapture) -> None:
-        if self._held:
-            self._hold(FrameKind.SNAPSHOT, None, capture.to_parts)
-        else:
-            self._frame(FrameKind.SNAPSHOT, capture.to_parts())
+        self._offer(FrameKind.SNAPSHOT, capture.to_parts)
 
     def health(self, step: int, closing: bool = False) -> HealthCapture | None:
         """A Health record; the recorder adds what it lost and the ring dropped. Returns the
         rank's counts as sent (`captured` is also the frame's seq: every earlier frame took one),
         or None while frames are held before it (its counts are taken when it is written)."""
-        if self._held:
-            self._hold(FrameKind.HEALTH, None, lambda: self._health(step, closing).to_parts())
-            return None
-        capture = self._health(step, closing)
-        self._frame(FrameKind.HEALTH, capture.to_parts())
-        return capture
+        sent: list[HealthCapture] = []
 
-    def _health(self, step: int, closing: bool) -> HealthCapture:
-        return HealthCapture(step, self.captured, self.probe_ns, closing)
+        def parts() -> list:  # the counts as of its writing
+            sent.append(HealthCapture(step, self.captured, self.probe_ns, closing))
+            return sent[0].to_parts()
+
+        self._offer(FrameKind.HEALTH, parts)
+        return sent[0] if sent else None
 
     @property
     def dropped(self) -> int:
@@ -343,7 +330,7 @@ class RingRecorder:
     def flush(self, timeout: float = 0.25) -> bool:
         """Wait up to `timeout` seconds for the recorder to have read every frame (True when it
         has). Never needed for safety: a recorder outlives its rank and drains the ring. Held
-        frames are written first, unless this interrupts a write (a signal handler's flush): the
+        frames are written first, unless this interrupts the drain (a signal handler's flush): the
         ring has one writer, and the frames must keep their order."""
         if not self._writing:
             self.drain(wait=True)

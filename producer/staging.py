@@ -32,12 +32,12 @@ class Lease:
     """A pinned buffer lent to the copies staged together, behind one event: back in the pool
     once each copy is read."""
 
-    def __init__(self, pool: StagingPool, buffer: Any, copies: int, event: Any = None):
+    def __init__(self, pool: StagingPool, buffer: Any, copies: int, event: Any):
         self.pool = pool
         self.buffer = buffer
         self.copies = copies
         self.event = event
-        self.landed = event is None  # known complete: its copies ask the device no more
+        self.landed = False  # known complete: its copies ask the device no more
 
     def ready(self) -> bool:
         if not self.landed:
@@ -124,31 +124,28 @@ class StagingPool:
         by_kind: dict[tuple[Any, Any], list[int]] = {}  # (dtype, device): joined together
         for i, t in enumerate(tensors):
             by_kind.setdefault((t.dtype, t.device), []).append(i)
-        joined, places, end = [], [0] * len(tensors), 0
+        places: list[tuple[int, int]] = [(0, 0)] * len(tensors)  # each tensor's bytes in the buffer
+        joined, end = [], 0
         for (dtype, _), members in by_kind.items():
             flat = [tensors[i].reshape(-1) for i in members]  # a view, or a copy of a strided slice
             together = flat[0] if len(flat) == 1 else torch.cat(flat)
-            size = np.dtype(_NUMPY[dtype]).itemsize
-            start, at = end, end
+            start = at = end
             for i in members:
-                places[i] = at
-                at += tensors[i].numel() * size
-            joined.append((together, start, at - start))
+                places[i] = (at, at + tensors[i].numel() * _NUMPY[dtype].itemsize)
+                at = places[i][1]
+            joined.append((together, start, at))
             end = -(-at // _ALIGN) * _ALIGN
         buffer, host = self._take(end)
-        for together, start, nbytes in joined:
-            buffer[start : start + nbytes].view(together.dtype).copy_(together, non_blocking=True)
+        for together, start, stop in joined:
+            buffer[start:stop].view(together.dtype).copy_(together, non_blocking=True)
         device = next(t.device for t in tensors if not t.is_cpu)
         event = torch.Event(device=device)
         event.record(torch.accelerator.current_stream(device))
         lease = Lease(self, (buffer, host), len(tensors), event)
         # The host's places as numpy views (cheaper than torch's) of the pinned buffer's bytes.
         return [
-            Staged(
-                host[at : at + t.numel() * np.dtype(_NUMPY[t.dtype]).itemsize].view(_NUMPY[t.dtype]).reshape(t.shape),
-                lease,
-            )
-            for t, at in zip(tensors, places, strict=True)
+            Staged(host[start:stop].view(_NUMPY[t.dtype]).reshape(t.shape), lease)
+            for t, (start, stop) in zip(tensors, places, strict=True)
         ]
 
     def _take(self, nbytes: int) -> tuple[Any, np.ndarray]:

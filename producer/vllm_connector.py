@@ -453,16 +453,14 @@ class ConnectorProbe:
             "detail": detail or (transfer.detail if transfer else None),
             "num_tokens": self.num_tokens.get(req) if req and transfer and transfer.kind == "SEND_INTENT" else None,
         }
+
         # Sent through the ring as a body; the block lists are our own copies. An event with a
         # digest is built once the digest thread is done, and held in the rank's order until then.
-        if digest is None:
-            self.record(lambda: records.connector_event(step, name, kind, **fields, digest=None))
-        else:
+        def build() -> Body:
+            hashed = self._digest_of(digest) if digest is not None else None
+            return records.connector_event(step, name, kind, **fields, digest=hashed)
 
-            def with_digest() -> Body:
-                return records.connector_event(step, name, kind, **fields, digest=self._digest_of(digest))
-
-            self.record(with_digest, ready=digest.done)
+        self.record(build, ready=digest.done if digest is not None else None)
 
 
 def attach_connector_probe(runner: Any, record: Record, current_step: Callable[[], int]) -> list[Capability]:
