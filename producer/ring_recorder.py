@@ -304,7 +304,8 @@ class RingRecorder:
         self._offer(FrameKind.BODY, lambda: [body_part(make())], ready)
 
     def step(self, capture: StepCapture) -> None:
-        self._offer(FrameKind.STEP, capture.to_parts, capture.ready)
+        header = capture.header()  # now, even if the frame is held: see StepCapture.header
+        self._offer(FrameKind.STEP, lambda: [header, *capture.array_parts()], capture.ready)
 
     def snapshot(self, capture: SnapshotCapture) -> None:
         self._offer(FrameKind.SNAPSHOT, capture.to_parts)

@@ -46,7 +46,7 @@ from kvledger.producer.capture import (
 )
 from kvledger.producer.config import TraceAction, TraceConfig, resolve_engine_id
 from kvledger.producer.content import GroupRows, SealTracker, digest_blocks, group_pages
-from kvledger.producer.frames import as_array, pack_parts, prefix_max, scheduler_payload
+from kvledger.producer.frames import as_array, pack_parts, prefix_max, scheduler_fields
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring_recorder import SUPERVISE_EVERY, RingRecorder
 from kvledger.producer.staging import Staged, StagingFull, StagingPool
@@ -119,7 +119,7 @@ class V1RunnerProbe:
         self.staging = StagingPool()
         # Every buffer the plan reads is host memory (a CPU engine): copied at once, in one call.
         self._on_host = getattr(getattr(runner, "device", None), "type", "cpu") == "cpu"
-        self._made: dict[int, tuple[Any, Any]] = {}  # id(persistent runner object) -> (it, what `_kept` made of it)
+        self._layout: PlanLayout | None = None  # where the plan is read, resolved once per input batch
         self._dummy_kind: str | None = None
         self._broken = False
         # Set by kvledger.producer.plugin.pause_tracing: steps are counted, nothing recorded
@@ -301,16 +301,14 @@ class V1RunnerProbe:
             return
         if self.content is not None:
             self.content.before_step(scheduler_output, self.runner.requests)
-        # Encoded now: the runner adopts some of its block-id lists as request state and
-        # extends them in place on later steps.
-        self._input = scheduler_payload(scheduler_output)
+        self._input = scheduler_output  # its fields are encoded with the step's frame
 
     def _after_step(self) -> None:
         if self._input is None:  # paused when the step began
             return
-        step, payload = self.step, self._input
+        step, scheduler_output = self.step, self._input
         self._input = None
-        self._record_step("REAL", payload)
+        self._record_step("REAL", scheduler_fields(scheduler_output))
         interval = self.config.snapshot_interval
         # A respawned recorder records under a new incarnation: announce the rank and resync now.
         respawned = step % SUPERVISE_EVERY == 0 and self.recorder.supervise()
@@ -332,7 +330,7 @@ class V1RunnerProbe:
         if not self.paused:
             self._record_step(kind, None)
 
-    def _record_step(self, kind: str, scheduler: bytes | None) -> None:
+    def _record_step(self, kind: str, scheduler: tuple | None) -> None:
         """Record this step with the plan captured during it: as a frame the recorder builds, or
         built here in raise mode."""
         plan, self._plan = self._plan, None
@@ -376,23 +374,20 @@ class V1RunnerProbe:
         if self.paused or not slot_mappings or num_reqs is None or num_tokens is None:
             return
         runner = self.runner
-        batch, gids = runner.input_batch, sorted(slot_mappings)
+        batch = runner.input_batch
+        layout = self._layout
+        if layout is None or not layout.serves(batch, runner.positions, slot_mappings):
+            layout = self._layout = PlanLayout.of(runner, sorted(slot_mappings))
         if self._dummy_kind is not None:  # the batch's rows belong to real requests, not to this run
-            slots = [self._slots(batch.block_table[gid], slot_mappings[gid]) for gid in gids]
-            self._plan = PlanCapture.of_dummy_run(gids, self._copy(PlanCapture.dummy_parts(slots)))
+            slots = [g.slots(slot_mappings[g.gid]) for g in layout.groups]
+            self._plan = PlanCapture.of_dummy_run(layout.gids, self._copy(PlanCapture.dummy_parts(slots)))
             return
-        groups = []
-        for gid in gids:
-            table = batch.block_table[gid]
-            lens = table.num_blocks_per_row
-            width = prefix_max(lens, num_reqs)  # rows are far shorter than the table
-            rows = self._rows(table, num_reqs, width)
-            groups.append((self._slots(table, slot_mappings[gid]), rows, (lens, num_reqs)))
-        positions = self._prefix(runner.positions, num_tokens)
-        arrays = self._copy(PlanCapture.plan_parts((runner.query_start_loc.np, num_reqs + 1), positions, groups))
+        groups = [g.parts(slot_mappings[g.gid], num_reqs) for g in layout.groups]
+        qsl = (runner.query_start_loc.np, num_reqs + 1)
+        arrays = self._copy(PlanCapture.plan_parts(qsl, layout.positions_prefix(num_tokens), groups))
         if self.content is not None and self._input is not None and self._content is None:
             self._content = self.content.digest(batch, num_reqs, self.staging)
-        self._plan = PlanCapture(batch.req_ids[:num_reqs], num_tokens, gids, arrays)
+        self._plan = PlanCapture(batch.req_ids[:num_reqs], num_tokens, layout.gids, arrays)
 
     def _copy(self, parts: list) -> Any:
         """The plan's parts (host arrays, prefixes of them, tensors) copied now: on the host
@@ -404,34 +399,6 @@ class V1RunnerProbe:
         tensors = [p for p in parts if hasattr(p, "is_cpu")]
         staged = iter(self.staging.stage_all(tensors) if tensors else ())  # one buffer, one event
         return [next(staged) if hasattr(p, "is_cpu") else np.array(as_array(p)) for p in parts]
-
-    def _kept(self, key: Any, make: Callable[[], Any]) -> Any:
-        """A value made once per persistent runner object `key` (again if vLLM replaces it)."""
-        kept = self._made.get(id(key))
-        if kept is None or kept[0] is not key:
-            kept = self._made[id(key)] = (key, make())
-        return kept[1]
-
-    def _prefix(self, tensor: Any, n: int) -> Any:
-        """`tensor[:n]` of a persistent buffer: on the host through a numpy view made once (a
-        torch slice and its `.numpy()` cost several times the copy)."""
-        view = self._kept(tensor, lambda: tensor.numpy() if tensor.is_cpu else None)
-        return (view, n) if view is not None else tensor[:n]
-
-    def _rows(self, table: Any, num_reqs: int, width: int) -> Any:
-        """The rows attention reads: the block table's device tensor, committed from the CPU
-        mirror before this step's slot mappings were built (a mirror that drifted misleads)."""
-        view = self._kept(table.block_table, lambda: _host_view(table.get_device_tensor(1 << 30)))  # all rows
-        return (view, num_reqs, width) if view is not None else table.get_device_tensor(num_reqs)[:, :width]
-
-    def _slots(self, table: Any, slots: Any) -> Any:
-        """A group's slot mapping: on the host a prefix of its block table's persistent buffer
-        when it is one (vLLM slices it so), through a numpy view made once."""
-        buffer = getattr(table, "slot_mapping", None)  # a CpuGpuBuffer
-        kept = self._kept(buffer, lambda: _pointed_view(getattr(buffer, "gpu", None)))
-        if kept is not None and slots.data_ptr() == kept[0] and slots.dtype is kept[1] and slots.is_contiguous():
-            return kept[2], slots.shape[0]
-        return slots
 
     # -- content digests of sealed blocks ----------------------------------------------------------
     def _attach_content(self) -> list[tuple[str, bool, str | None]]:
@@ -593,6 +560,72 @@ def _pointed_view(tensor: Any) -> tuple[int, Any, np.ndarray] | None:
     if tensor is None or not tensor.is_cpu or tensor.dim() != 1 or not tensor.is_contiguous():
         return None
     return tensor.data_ptr(), tensor.dtype, tensor.numpy()
+
+
+@dataclass
+class GroupLayout:
+    """Where one KV cache group's plan is read: its block table's persistent buffers, with numpy
+    views of those in host memory made once (a torch slice and its `.numpy()` cost several times
+    the copy)."""
+
+    gid: int
+    table: Any  # vLLM's BlockTable of the group
+    lens: np.ndarray  # the rows' lengths (host)
+    rows: np.ndarray | None  # every row attention reads (the device tensor's view; None on a device)
+    slot_buffer: tuple[int, Any, np.ndarray] | None  # the slot mapping's buffer (`_pointed_view`)
+
+    @classmethod
+    def of(cls, gid: int, table: Any) -> GroupLayout:
+        # The rows attention reads: the device tensor, committed from the CPU mirror before this
+        # step's slot mappings were built (a mirror that drifted misleads).
+        rows = _host_view(table.get_device_tensor(1 << 30))  # all rows
+        buffer = getattr(table, "slot_mapping", None)  # a CpuGpuBuffer
+        return cls(gid, table, table.num_blocks_per_row, rows, _pointed_view(getattr(buffer, "gpu", None)))
+
+    def slots(self, slots: Any) -> Any:
+        """The slot mapping attention got: on the host a prefix of the buffer's view when it is one
+        (vLLM slices it so), else the tensor itself."""
+        kept = self.slot_buffer
+        if kept is not None and slots.data_ptr() == kept[0] and slots.dtype is kept[1] and slots.is_contiguous():
+            return kept[2], slots.shape[0]
+        return slots
+
+    def parts(self, slots: Any, num_reqs: int) -> tuple[Any, Any, Any]:
+        """(slot mapping, rows, row lengths) as `PlanCapture.plan_parts` takes a group's."""
+        width = prefix_max(self.lens, num_reqs)  # rows are far shorter than the table
+        if self.rows is not None:
+            rows = (self.rows, num_reqs, width)
+        else:
+            rows = self.table.get_device_tensor(num_reqs)[:, :width]
+        return self.slots(slots), rows, (self.lens, num_reqs)
+
+
+@dataclass
+class PlanLayout:
+    """Where a V1 runner's plan is read, resolved once per input batch (vLLM replaces the batch,
+    and its block tables with it, when it reinitialises the KV cache)."""
+
+    batch: Any  # the runner's InputBatch these buffers belong to
+    positions: Any  # the runner's positions buffer (a tensor)
+    positions_view: np.ndarray | None  # its numpy view on the host
+    gids: list[int]  # the KV cache groups with a slot mapping, in order
+    groups: list[GroupLayout]
+
+    @classmethod
+    def of(cls, runner: Any, gids: list[int]) -> PlanLayout:
+        batch, positions = runner.input_batch, runner.positions
+        groups = [GroupLayout.of(gid, batch.block_table[gid]) for gid in gids]
+        return cls(batch, positions, _host_view(positions), gids, groups)
+
+    def serves(self, batch: Any, positions: Any, slot_mappings: dict) -> bool:
+        """Whether this layout is the runner's now, for these groups."""
+        if batch is not self.batch or positions is not self.positions or len(slot_mappings) != len(self.gids):
+            return False
+        return all(gid in slot_mappings for gid in self.gids)
+
+    def positions_prefix(self, n: int) -> Any:
+        view = self.positions_view
+        return (view, n) if view is not None else self.positions[:n]
 
 
 def unmodelled_drafter(drafter: Any) -> str | None:
