@@ -22,7 +22,7 @@ import pytest
 from kvledger.producer import records
 from kvledger.producer.capture import PlanCapture, RequestIndex, SnapshotCapture, StepCapture
 from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
-from kvledger.producer.frames import FrameKind, body_of, pack_parts, read_frame, scheduler_payload
+from kvledger.producer.frames import FrameKind, body_of, pack_parts, read_frame, scheduler_fields, scheduler_payload
 from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
@@ -285,6 +285,26 @@ def test_a_device_step_is_held_until_its_copies_land_and_later_frames_wait_behin
     ]
     assert [e["body"] for e in events_written if e["body"][0] == "kvledger.Step"] == expected
     assert events_written[2]["body"][1]["events_captured"] == 2  # its counts as written, after step 0 and the body
+
+
+def test_a_held_step_carries_the_block_lists_as_they_were_when_it_was_recorded(tmp_path):
+    # The probe hands over the scheduler's own lists (encoded with the frame's header); the runner
+    # adopts some as request state and extends them in place on the next step, while a device
+    # step's frame may still be held for its copies.
+    pool, event = Pool(), CopyEvent()
+    so = scheduler_output(2)
+    expected = StepCapture(2, "REAL", scheduler_payload(so), plan(3)).record(RequestIndex(), False)
+    recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
+    recorder.step(StepCapture(2, "REAL", scheduler_fields(so), device_plan(2, event, pool)))
+    assert recorder.held == 1
+    so.scheduled_new_reqs[0].block_ids[0].extend([77, 78])  # the next step's appends, in place
+    so.scheduled_cached_reqs.new_block_ids[0][0].append(79)
+    event.done = True
+    recorder.drain()
+    [frame] = [read_frame(bytes(r)) for r in recorder.ring.records()]
+    written = StepCapture.from_parts(frame.parts).record(RequestIndex(), False)
+    assert written[1]["input"] == expected[1]["input"]
+    recorder.ring.close(unlink=True)
 
 
 def test_held_frames_are_bounded_and_the_rank_close_waits_for_the_rest(tmp_path):
