@@ -214,8 +214,8 @@ class StepCapture:
     step: int
     kind: str  # REAL, DUMMY, PROFILE, WARMUP
     # The scheduler's fields (REAL steps): as the probe took them (`frames.scheduler_fields`), or
-    # encoded (a `frames.scheduler_payload`, as a frame carries them: the same bytes either way).
-    scheduler: tuple | bytes | None
+    # still encoded, as a frame carries them (the same bytes either way).
+    scheduler: tuple | msgspec.Raw | None
     plan: PlanCapture | None
     content: ContentCapture | None = None
 
@@ -237,10 +237,9 @@ class StepCapture:
         """The frame's first part, encoded at once: the scheduler's fields go in with it, in one
         encode, while the runner has not yet changed their lists (see `frames.scheduler_fields`),
         even when the frame waits for device copies."""
-        scheduler = msgspec.Raw(self.scheduler) if isinstance(self.scheduler, bytes) else self.scheduler
         plan = self.plan.header() if self.plan is not None else None
         reasons = self.content.reasons if self.content is not None else None
-        return pack((self.step, self.kind, scheduler, plan, reasons))
+        return pack((self.step, self.kind, self.scheduler, plan, reasons))
 
     def array_parts(self) -> list:
         """The frame's other parts: the plan's, then the content digests' (waits for the device)."""

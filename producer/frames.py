@@ -177,11 +177,6 @@ def scheduler_fields(so: Any) -> tuple:
     )
 
 
-def scheduler_payload(so: Any) -> bytes:
-    """`scheduler_fields`, encoded on their own: what a frame's header carries of them."""
-    return pack(scheduler_fields(so))
-
-
 # The recorder's reading of a payload: the batch's ids and tokens per request stay encoded (a batch
 # seen before is looked up whole: `capture.RequestIndex.batch`, `_scheduled_column`).
 _read_payload = msgspec.msgpack.Decoder(
@@ -203,7 +198,7 @@ def _scheduled_column(req_ids: bytes, num_scheduled: bytes) -> bytes:
 
 
 def step_input_record(payload, index) -> dict:
-    """The StepInput record of a `scheduler_payload` (the recorder's share); `index` gives the
+    """The StepInput record of encoded `scheduler_fields` (the recorder's share); `index` gives the
     requests their dense indices, in the order the step names them."""
     new, ids, resumed_ids, new_block_ids, computed, counts, finished, preempted, zero, copies = _read_payload(payload)
     ids, counts = bytes(ids), bytes(counts)

@@ -619,9 +619,7 @@ class PlanLayout:
 
     def serves(self, batch: Any, positions: Any, slot_mappings: dict) -> bool:
         """Whether this layout is the runner's now, for these groups."""
-        if batch is not self.batch or positions is not self.positions or len(slot_mappings) != len(self.gids):
-            return False
-        return all(gid in slot_mappings for gid in self.gids)
+        return batch is self.batch and positions is self.positions and slot_mappings.keys() == set(self.gids)
 
     def positions_prefix(self, n: int) -> Any:
         view = self.positions_view

@@ -144,8 +144,13 @@ class RankSlot:
     events_dropped: int = 0
     gap_after_step: int | None = None  # last step seen before a sequence gap, until the next step
     declared: Declared | None = None  # configurations the checks do not model (from RankInfo)
-    closed: bool = False  # the rank said it shut down (Health.closing): nothing more comes from it
-    closed_step: int | None = None  # the step its closing Health named: it began no later one
+    # The step its closing Health named (it began no later one); None while it runs.
+    closed_step: int | None = None
+
+    @property
+    def closed(self) -> bool:
+        """The rank said it shut down (Health.closing): nothing more comes from it."""
+        return self.closed_step is not None
 
 
 @dataclass
@@ -304,7 +309,7 @@ class Ledger:
         elif isinstance(body, Health):
             slot.events_dropped = body.events_dropped
             if body.closing and not slot.closed:
-                slot.closed, slot.closed_step = True, body.step
+                slot.closed_step = body.step
         if isinstance(body, _TRANSFER_BODIES):
             self._transfers(key, event, out)
         return out

@@ -352,7 +352,7 @@ def ledger_from_record(engine_id: str, rec: Record) -> Ledger:
         slot = RankSlot(srec["incarnation"], srec["next_seq"], info=info)
         slot.desynced, slot.last_step = srec["desynced"], srec["last_step"]
         slot.events_dropped, slot.gap_after_step = srec["events_dropped"], srec["gap_after_step"]
-        slot.closed, slot.closed_step = srec["closed"], srec["closed_step"]
+        slot.closed_step = srec["closed_step"]  # `closed` is written for readers; it follows from this
         slot.declared = Declared.of(slot.info) if slot.info is not None else None
         table = srec["table"]
         if table is not None and slot.info is None:

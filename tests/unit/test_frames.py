@@ -11,10 +11,11 @@ from kvledger.producer import records
 from kvledger.producer.capture import RequestIndex
 from kvledger.producer.frames import (
     FrameKind,
+    pack,
     pack_parts,
     prefix_max,
     read_frame,
-    scheduler_payload,
+    scheduler_fields,
     step_input_record,
     unpack_parts,
     write_frame,
@@ -97,7 +98,7 @@ def test_a_step_input_written_as_a_frame_reads_back_as_the_same_record(tmp_path)
     for step in range(6):
         so = scheduler_output(step)
         expected = reference_step_input(so, drain_index)
-        assert write_frame(ring, FrameKind.STEP, step, 1000 + step, [scheduler_payload(so)])
+        assert write_frame(ring, FrameKind.STEP, step, 1000 + step, [pack(scheduler_fields(so))])
         # The runner adopts block-id lists as request state and extends them in place later:
         # the frame holds them as they were when the step began.
         for r in so.scheduled_new_reqs:

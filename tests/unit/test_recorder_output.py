@@ -26,7 +26,7 @@ from kvledger.producer.capture import (
     SnapshotCapture,
     StepCapture,
 )
-from kvledger.producer.frames import FrameKind, body_part, pack_parts, scheduler_payload, write_frame
+from kvledger.producer.frames import FrameKind, body_part, pack_parts, scheduler_fields, write_frame
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.recorder_loop import FrameReader
 from kvledger.producer.records import RankIdentity
@@ -215,7 +215,7 @@ def frames(seed: int) -> list[tuple[FrameKind, list]]:
             )
         if step % 31 == 12:  # a step whose plan was not captured
             plan = None
-        out.append((FrameKind.STEP, StepCapture(step, "REAL", scheduler_payload(so), plan, content).to_parts()))
+        out.append((FrameKind.STEP, StepCapture(step, "REAL", scheduler_fields(so), plan, content).to_parts()))
         if step % 29 == 9:  # a padded run without requests
             dummy = pack_parts(PlanCapture.dummy_parts([np.full(8, -1, np.int64), np.array([-1, -1, 5], np.int64)]))
             out.append(

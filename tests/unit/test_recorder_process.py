@@ -22,7 +22,7 @@ import pytest
 from kvledger.producer import records
 from kvledger.producer.capture import PlanCapture, RequestIndex, SnapshotCapture, StepCapture
 from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
-from kvledger.producer.frames import FrameKind, body_of, pack_parts, read_frame, scheduler_fields, scheduler_payload
+from kvledger.producer.frames import FrameKind, body_of, pack_parts, read_frame, scheduler_fields
 from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
@@ -78,7 +78,7 @@ def plan(step: int) -> PlanCapture:
 
 
 def test_what_the_recorder_writes_is_what_the_rank_would_have_built(tmp_path):
-    captures = [StepCapture(s, "REAL", scheduler_payload(scheduler_output(s)), plan(s)) for s in range(5)]
+    captures = [StepCapture(s, "REAL", scheduler_fields(scheduler_output(s)), plan(s)) for s in range(5)]
     dummy = PlanCapture.of_dummy_run([0], PlanCapture.dummy_parts([Staged.host(np.full(4, -1))]))
     captures.append(StepCapture(5, "DUMMY", None, dummy))
     snapshot = SnapshotCapture.of_rows(5, ["r4-0", "r4-1"], [3, 9], [[[1, 2], [3]], [[7], []]])
@@ -249,8 +249,7 @@ def device_plan(step: int, event: CopyEvent, pool: Pool) -> PlanCapture:
 def test_a_device_step_is_held_until_its_copies_land_and_later_frames_wait_behind_it(tmp_path):
     pool, events = Pool(), [CopyEvent() for _ in range(3)]
     captures = [
-        StepCapture(s, "REAL", scheduler_payload(scheduler_output(s)), device_plan(s, events[s], pool))
-        for s in range(3)
+        StepCapture(s, "REAL", scheduler_fields(scheduler_output(s)), device_plan(s, events[s], pool)) for s in range(3)
     ]
     transfer = (
         "kvledger.RankInfo",
@@ -293,7 +292,7 @@ def test_a_held_step_carries_the_block_lists_as_they_were_when_it_was_recorded(t
     # step's frame may still be held for its copies.
     pool, event = Pool(), CopyEvent()
     so = scheduler_output(2)
-    expected = StepCapture(2, "REAL", scheduler_payload(so), plan(3)).record(RequestIndex(), False)
+    expected = StepCapture(2, "REAL", scheduler_fields(so), plan(3)).record(RequestIndex(), False)
     recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
     recorder.step(StepCapture(2, "REAL", scheduler_fields(so), device_plan(2, event, pool)))
     assert recorder.held == 1
@@ -326,10 +325,10 @@ def test_a_record_waiting_for_its_digest_holds_the_frames_after_it(tmp_path):
     hashed: list[bytes] = []
     info = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")
     recorder.body_when(lambda: bool(hashed), lambda: ("kvledger.RankInfo", {**info[1], "vllm_version": hashed[0]}))
-    recorder.step(StepCapture(0, "REAL", scheduler_payload(scheduler_output(0)), plan(1)))  # a host plan, ready
+    recorder.step(StepCapture(0, "REAL", scheduler_fields(scheduler_output(0)), plan(1)))  # a host plan, ready
     assert (recorder.held, recorder.captured) == (2, 0)  # the step waits behind the record
     hashed.append("y")
-    recorder.step(StepCapture(1, "REAL", scheduler_payload(scheduler_output(1)), plan(3)))
+    recorder.step(StepCapture(1, "REAL", scheduler_fields(scheduler_output(1)), plan(3)))
     assert (recorder.held, recorder.captured) == (0, 3)
     frames = [read_frame(bytes(r)) for r in recorder.ring.records()]
     assert [(f.kind, f.seq) for f in frames] == [(FrameKind.BODY, 0), (FrameKind.STEP, 1), (FrameKind.STEP, 2)]
