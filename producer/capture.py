@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 
 from kvledger.producer import records
-from kvledger.producer.frames import pack, pack_parts, step_input_record, unpack, unpack_parts
+from kvledger.producer.frames import pack, pack_into, pack_parts, step_input_record, unpack, unpack_parts
 from kvledger.producer.staging import Staged
 from kvledger.schemas import pack_i32
 
@@ -237,9 +237,17 @@ class StepCapture:
         """The frame's first part, encoded at once: the scheduler's fields go in with it, in one
         encode, while the runner has not yet changed their lists (see `frames.scheduler_fields`),
         even when the frame waits for device copies."""
+        return pack(self._header())
+
+    def header_into(self, buffer: bytearray) -> bytearray:
+        """`header()` encoded into `buffer` (which then holds it alone), for a frame written now."""
+        pack_into(self._header(), buffer)
+        return buffer
+
+    def _header(self) -> tuple:
         plan = self.plan.header() if self.plan is not None else None
         reasons = self.content.reasons if self.content is not None else None
-        return pack((self.step, self.kind, self.scheduler, plan, reasons))
+        return (self.step, self.kind, self.scheduler, plan, reasons)
 
     def array_parts(self) -> list:
         """The frame's other parts: the plan's, then the content digests' (waits for the device)."""

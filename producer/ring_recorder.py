@@ -189,6 +189,7 @@ class RingRecorder:
         # before it are) and the call that makes its parts.
         self._held: deque[tuple[FrameKind, Callable[[], bool] | None, Callable[[], list]]] = deque()
         self.max_held = max_held
+        self._step_header = bytearray(1 << 16)  # a step frame's header, encoded in place (`step`)
         self._writing = False  # inside the drain (a signal handler's flush must not write then)
         if spawn:
             self._spawn()
@@ -277,14 +278,21 @@ class RingRecorder:
         write_frame(self.ring, kind, seq, time.time_ns() // 1000, parts)
         return seq
 
+    def _writes_now(self, ready: Callable[[], bool] | None) -> bool:
+        """Whether a frame offered now is written now: nothing is held before it and it is `ready()`
+        (`ready` None: ready once those before it are)."""
+        return not self._held and (ready is None or ready())
+
     def _offer(self, kind: FrameKind, parts: Callable[[], list], ready: Callable[[], bool] | None = None) -> int | None:
-        """A frame written now (its seq), or held behind those held already or until `ready()`
-        (None; `ready` None: ready once those before it are)."""
-        if not self._held and (ready is None or ready()):
+        """A frame written now (its seq), or held behind those held already or until `ready()` (None)."""
+        if self._writes_now(ready):
             return self._frame(kind, parts())
+        self._hold(kind, parts, ready)
+        return None
+
+    def _hold(self, kind: FrameKind, parts: Callable[[], list], ready: Callable[[], bool] | None) -> None:
         self._held.append((kind, ready, parts))
         self.drain()
-        return None
 
     def drain(self, wait: bool = False) -> None:
         """Write the held frames whose copies have landed, in order; the oldest is waited for once
@@ -318,8 +326,13 @@ class RingRecorder:
         self._offer(FrameKind.BODY, lambda: [body_part(make())], ready)
 
     def step(self, capture: StepCapture) -> None:
-        header = capture.header()  # now, even if the frame is held: see StepCapture.header
-        self._offer(FrameKind.STEP, lambda: [header, *capture.array_parts()], capture.ready)
+        # The header is encoded now, even when the frame is held (see StepCapture.header): into the
+        # step buffer when the frame is written at once, into bytes of its own when it waits.
+        if self._writes_now(capture.ready):
+            self._frame(FrameKind.STEP, [capture.header_into(self._step_header), *capture.array_parts()])
+            return
+        header = capture.header()
+        self._hold(FrameKind.STEP, lambda: [header, *capture.array_parts()], capture.ready)
 
     def snapshot(self, capture: SnapshotCapture) -> None:
         self._offer(FrameKind.SNAPSHOT, capture.to_parts)
