@@ -233,21 +233,18 @@ class StepCapture:
         plan, content = self.plan, self.content
         return (plan is None or plan.ready()) and (content is None or content.digests.ready())
 
-    def header(self) -> bytes:
+    def header(self, into: bytearray | None = None) -> bytes | bytearray:
         """The frame's first part, encoded at once: the scheduler's fields go in with it, in one
         encode, while the runner has not yet changed their lists (see `frames.scheduler_fields`),
-        even when the frame waits for device copies."""
-        return pack(self._header())
-
-    def header_into(self, buffer: bytearray) -> bytearray:
-        """`header()` encoded into `buffer` (which then holds it alone), for a frame written now."""
-        pack_into(self._header(), buffer)
-        return buffer
-
-    def _header(self) -> tuple:
+        even when the frame waits for device copies. Encoded `into` a buffer kept across steps
+        (which then holds it alone) for a frame written now."""
         plan = self.plan.header() if self.plan is not None else None
         reasons = self.content.reasons if self.content is not None else None
-        return (self.step, self.kind, self.scheduler, plan, reasons)
+        fields = (self.step, self.kind, self.scheduler, plan, reasons)
+        if into is None:
+            return pack(fields)
+        pack_into(fields, into)
+        return into
 
     def array_parts(self) -> list:
         """The frame's other parts: the plan's, then the content digests' (waits for the device)."""

@@ -57,8 +57,8 @@ _WORD = struct.Struct("<Q")
 
 
 def as_array(part: Any) -> Any:
-    """A part the compiled writer takes: a prefix sliced, other integer widths widened, strided
-    arrays copied."""
+    """A part the compiled writer takes: a prefix sliced, a host tensor viewed, other integer
+    widths widened, strided arrays copied."""
     if isinstance(part, tuple):  # (array, n) or (array, rows, cols)
         array, *counts = part
         if np.ndim(array) != len(counts) or min(counts) < 0 or any(map(int.__gt__, counts, np.shape(array))):
@@ -66,6 +66,7 @@ def as_array(part: Any) -> Any:
         part = array[: counts[0]] if len(counts) == 1 else array[: counts[0], : counts[1]]
     if isinstance(part, bytes | bytearray | memoryview):
         return part
+    part = np.asarray(part)  # a host tensor: its view
     if part.dtype not in _OF_DTYPE:
         part = part.astype(np.int64)
     return np.ascontiguousarray(part)

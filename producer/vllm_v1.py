@@ -394,8 +394,8 @@ class V1RunnerProbe:
         gathered into one frame part in one compiled call; on a device the tensors' copies
         started into one pinned buffer behind one event, without a stream synchronisation (the
         step's frame is written once they have landed)."""
-        if self._on_host:
-            return pack_parts([p.numpy() if hasattr(p, "is_cpu") else p for p in parts])
+        if self._on_host:  # a tensor among them (rare: a slot mapping not of its buffer) is viewed there
+            return pack_parts(parts)
         tensors = [p for p in parts if hasattr(p, "is_cpu")]
         staged = iter(self.staging.stage_all(tensors) if tensors else ())  # one buffer, one event
         return [next(staged) if hasattr(p, "is_cpu") else np.array(as_array(p)) for p in parts]
