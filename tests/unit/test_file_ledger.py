@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from kvledger.producer.sinks import FILE_LINGER_S
 from kvledger.producer.synthetic import SimConfig, simulate
 from kvledger.schemas.files import (
+    DEFLATE_LEVEL,
     EndMarker,
     LedgerPathError,
     ReadProblem,
@@ -84,6 +85,20 @@ def test_layout(tmp_path, events):
     assert rank_dir(tmp_path, "e1", 2, 1, 3) == tmp_path / "e1" / "dp2-tp1-pp3"
     [stream] = discover(tmp_path)
     assert (stream.engine_id, stream.dp, stream.tp, stream.pp) == ("e1", 2, 1, 3)
+
+
+def test_blocks_are_deflated_at_the_writers_level_and_read_back_whole(tmp_path, events):
+    sizes = {}
+    for level in (None, 9, DEFLATE_LEVEL, 1):
+        root = tmp_path / f"level-{level}"
+        kw = {} if level is None else {"compression_level": level}
+        write(root, events, batch=len(events), **kw)  # one block: the sizes differ by the codec's level only
+        [stream] = discover(root)
+        got, problems = read_all(stream.segments)
+        assert problems == [] and got == events
+        sizes[level] = sum(p.stat().st_size for p in stream.segments)
+    assert sizes[None] == sizes[DEFLATE_LEVEL]  # the default
+    assert sizes[9] < sizes[DEFLATE_LEVEL] < sizes[1], sizes
 
 
 @pytest.mark.parametrize("codec", ["deflate", "null"])
