@@ -276,6 +276,16 @@ def _nothing() -> None:
 SIDES = ("engine", "recorder")
 
 
+def skip_frames(probe: V1RunnerProbe) -> None:
+    """Release what the probes wrote, unread (the recorder's reading is not what is timed)."""
+    for record in probe.recorder.ring.records():
+        record.release()
+
+
+def forward_note(forward_us: float) -> str:
+    return f", each after a {forward_us:.0f} us stand-in forward pass" if forward_us else ""
+
+
 def serve(num_reqs: int, steps: int, side: str, forward_us: float) -> None:
     """One side of --baseline: a step each time a line arrives on stdin, its time in us back (the
     engine thread's, or the recorder's on the frame the step wrote)."""
@@ -292,8 +302,7 @@ def serve(num_reqs: int, steps: int, side: str, forward_us: float) -> None:
             if recorder is not None:
                 took = recorder.step()[0]
             else:
-                for record in probe.recorder.ring.records():  # the recorder's reading, untimed
-                    record.release()
+                skip_frames(probe)
             print(took / 1000, flush=True)
         assert not probe._broken, "the probe failed; see the log"
     finally:
@@ -315,7 +324,7 @@ def _side(checkout: Path, root: Path, num_reqs: int, steps: int, side: str, forw
 def compare(baseline: Path, steps: int, side: str, forward_us: float) -> None:
     here = Path(__file__).resolve().parents[1]
     what = "engine thread" if side == "engine" else "recorder"
-    after = f", each after a {forward_us:.0f} us stand-in forward pass" if forward_us else ""
+    after = forward_note(forward_us)
     print(f"{what} per decode step, this checkout vs {baseline}, {steps} steps in lockstep{after}")
     print(f"{'requests':>8} {'base median us':>15} {'this median us':>15} {'per-step difference, median':>28}")
     for num_reqs in (1, 16, 64, 256):
@@ -363,7 +372,7 @@ def paired(path: Path, steps: int, forward_us: float) -> None:
     variant = load_variant(path)
     torch.set_num_threads(1)
     forward = StandInForward(forward_us)
-    after = f", each after a {forward_us:.0f} us stand-in forward pass" if forward_us else ""
+    after = forward_note(forward_us)
     print(f"engine thread per decode step, {path.name}: B vs A on alternate steps, {steps} steps{after}")
     print(f"{'requests':>8} {'A median us':>12} {'B median us':>12} {'B - A, paired median':>22}")
     for num_reqs in (1, 16, 64, 256):
@@ -373,8 +382,7 @@ def paired(path: Path, steps: int, forward_us: float) -> None:
             for step, (so, kwargs) in enumerate(decode_steps(runner, num_reqs, steps)):
                 variant.setup(probe, step % 2 == 1)
                 times[step % 2].append(drive_step(probe, so, kwargs, forward))
-                for record in probe.recorder.ring.records():  # the recorder's reading, untimed
-                    record.release()
+                skip_frames(probe)
             assert not probe._broken, "the probe failed; see the log"
         finally:
             probe.recorder.ring.close(unlink=True)

@@ -254,8 +254,9 @@ class StepCapture:
             arrays += [c.groups, c.blocks, c.digests.numpy()]
         return arrays
 
-    def to_parts(self) -> list:
-        return [self.header(), *self.array_parts()]
+    def to_parts(self, header: bytes | bytearray | None = None) -> list:
+        """The frame's parts in order: its header (`header()`, or as encoded already), then the arrays."""
+        return [self.header() if header is None else header, *self.array_parts()]
 
     @classmethod
     def from_parts(cls, parts: list[np.ndarray]) -> StepCapture:

@@ -329,10 +329,10 @@ class RingRecorder:
         # The header is encoded now, even when the frame is held (see StepCapture.header): into the
         # step buffer when the frame is written at once, into bytes of its own when it waits.
         if self._writes_now(capture.ready):
-            self._frame(FrameKind.STEP, [capture.header(into=self._step_header), *capture.array_parts()])
+            self._frame(FrameKind.STEP, capture.to_parts(capture.header(into=self._step_header)))
             return
         header = capture.header()
-        self._hold(FrameKind.STEP, lambda: [header, *capture.array_parts()], capture.ready)
+        self._hold(FrameKind.STEP, lambda: capture.to_parts(header), capture.ready)
 
     def snapshot(self, capture: SnapshotCapture) -> None:
         self._offer(FrameKind.SNAPSHOT, capture.to_parts)
