@@ -26,6 +26,16 @@ def dev_stack(command: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([ROOT / "infra" / "dev-stack", command], env=env, capture_output=True, text=True, timeout=180)
 
 
+def _logs_of_parts_not_running(status: str, state: Path) -> str:
+    """The tail of each log of a part `status` does not list as running, so a failure says why."""
+    tails = []
+    for name in re.findall(r"^(\S+)\s+(?!running\s)", status, re.M):
+        log = state / f"{name}.log"
+        if log.exists():
+            tails.append(f"\n--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-60:]))
+    return "".join(tails)
+
+
 def test_demo_cluster_finds_the_fault_through_the_dev_stack(tmp_path):
     env = {
         **ENV,
@@ -45,7 +55,7 @@ def test_demo_cluster_finds_the_fault_through_the_dev_stack(tmp_path):
         )
         assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
         running = dev_stack("status", env)
-        assert running.returncode == 0, running.stdout
+        assert running.returncode == 0, running.stdout + _logs_of_parts_not_running(running.stdout, tmp_path / "stack")
         assert len(re.findall(r"^\S+\s+running\s+\S+$", running.stdout, re.M)) == 5, running.stdout
     finally:
         dev_stack("down", env)
