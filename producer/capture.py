@@ -279,7 +279,25 @@ class SnapshotCapture:
     req_ids: list[str]
     computed: list[int]
     lens: list[np.ndarray]  # per group: the rows' lengths, by request
-    blocks: list[np.ndarray]  # per group: the rows, concatenated
+    blocks: list[np.ndarray]  # per group: the rows, concatenated (cut from `rows` once they land)
+    # Per group `[requests, widest row]`, copies from a device still landing (MRV2); None once cut.
+    rows: list[Staged] | None = None
+
+    @classmethod
+    def of_staged(cls, step: int, req_ids: list[str], computed, lens: list[np.ndarray], rows: list[Staged]):
+        """From device rows being copied to the host: the frame waits for them (`ready`), the
+        engine thread never does."""
+        return cls(step, req_ids, [int(c) for c in computed], lens, [], rows)
+
+    def ready(self) -> bool:
+        """Whether its rows are on the host."""
+        return self.rows is None or all(r.ready() for r in self.rows)
+
+    def _cut_rows(self) -> None:
+        """Each group's blocks from its rows, the first `lens` of each (waits if they are still landing)."""
+        if self.rows is not None:
+            rows, self.rows = [r.numpy() for r in self.rows], None
+            self.blocks = [host[np.arange(host.shape[1]) < n[:, None]] for host, n in zip(rows, self.lens, strict=True)]
 
     @classmethod
     def of_rows(cls, step: int, req_ids: list[str], computed, rows: list[list]) -> SnapshotCapture:
@@ -294,6 +312,7 @@ class SnapshotCapture:
     def record(self, index: RequestIndex) -> tuple[str, dict]:
         # A request that arrived while tracing was paused gets its index here: after the
         # resync its later steps are checked, not counted as unknown.
+        self._cut_rows()
         starts = [np.concatenate([[0], np.cumsum(n)]) for n in self.lens]
         live = [
             (
@@ -307,6 +326,7 @@ class SnapshotCapture:
         return records.snapshot(self.step, live)
 
     def to_parts(self) -> list:
+        self._cut_rows()
         return [pack((self.step, self.req_ids, self.computed, len(self.lens))), *self.lens, *self.blocks]
 
     @classmethod

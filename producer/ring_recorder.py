@@ -335,7 +335,7 @@ class RingRecorder:
         self._hold(FrameKind.STEP, lambda: capture.to_parts(header), capture.ready)
 
     def snapshot(self, capture: SnapshotCapture) -> None:
-        self._offer(FrameKind.SNAPSHOT, capture.to_parts)
+        self._offer(FrameKind.SNAPSHOT, capture.to_parts, capture.ready)
 
     def health(self, step: int, closing: bool = False) -> HealthCapture | None:
         """A Health record; the recorder adds what it lost and the ring dropped. Returns the

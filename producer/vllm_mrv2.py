@@ -94,9 +94,11 @@ class MRV2RunnerProbe(V1RunnerProbe):
     def _snapshot(self) -> SnapshotCapture | None:
         """The live requests after this step, from MRV2's request state and device block tables.
 
-        One device gather and one device-to-host copy per group, waited for here (a snapshot
-        step only, every `snapshot_interval` steps). A request the rank never recorded (it
-        arrived while paused) gets its index from the snapshot: that is how the ledger learns it.
+        One device gather and one device-to-host copy per group, queued behind this step's
+        forward pass (a snapshot step only, every `snapshot_interval` steps) and never waited for:
+        the snapshot's frame is held until they land, like a step's. A request the rank never
+        recorded (it arrived while paused) gets its index from the snapshot: that is how the
+        ledger learns it.
         """
         states, tables = self.runner.req_states, self.runner.block_tables
         req_ids = list(states.req_id_to_index)
@@ -104,21 +106,22 @@ class MRV2RunnerProbe(V1RunnerProbe):
         computed = states.num_computed_tokens_np[slots].tolist()
         lens = tables.num_blocks.np[:, slots].copy()  # groups x requests
         try:
-            rows = [r.numpy() for r in self._stage_rows(tables.block_tables, slots, lens)]
+            rows = self._stage_rows(tables.block_tables, slots, lens)
         except StagingFull as exc:  # the recorder is behind: the next interval snapshots
             log.warning("kv_trace: step %d not snapshotted: %s", self.step, exc)
             return None
-        blocks = [host[np.arange(host.shape[1]) < n[:, None]] for host, n in zip(rows, lens, strict=True)]
-        return SnapshotCapture(self.step, req_ids, computed, list(lens), blocks)
+        return SnapshotCapture.of_staged(self.step, req_ids, computed, list(lens), rows)
 
     def _stage_rows(self, block_tables, slots: np.ndarray, lens: np.ndarray) -> list[Staged]:
         """Each group's rows of these request states, `[requests, longest row]`, staged to the host."""
         import torch
 
+        index = torch.from_numpy(slots)
         rows = []
         for gid, table in enumerate(block_tables):
             device_rows = table.gpu
-            index = torch.from_numpy(slots).to(device_rows.device)
+            if index.device != device_rows.device:  # from pinned memory: queued, not waited for
+                index = index.pin_memory().to(device_rows.device, non_blocking=True)
             width = int(lens[gid].max()) if slots.size else 0
             rows.append(device_rows.index_select(0, index)[:, :width])
         return self.staging.stage_all(rows)

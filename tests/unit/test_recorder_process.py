@@ -306,6 +306,28 @@ def test_a_held_step_carries_the_block_lists_as_they_were_when_it_was_recorded(t
     recorder.ring.close(unlink=True)
 
 
+def test_a_device_snapshot_is_held_until_its_rows_land_and_carries_what_the_host_would(tmp_path):
+    # MRV2 snapshots its live requests from the device's block tables: one gathered copy per
+    # group, queued behind the forward pass. The frame waits for them; the engine thread does not.
+    pool, event = Pool(), CopyEvent()
+    lease = Lease(pool, "a pinned buffer", 2, event)
+    full = np.array([[1, 2, 0], [3, 0, 0]], np.int32), np.array([[7, 0], [0, 0]], np.int32)  # padded rows
+    lens = [np.array([2, 1], np.int32), np.array([1, 0], np.int32)]
+    snapshot = SnapshotCapture.of_staged(5, ["r4-0", "r4-1"], [3, 9], lens, [Staged(r, lease) for r in full])
+    host = SnapshotCapture.of_rows(5, ["r4-0", "r4-1"], [3, 9], [[[1, 2], [3]], [[7], []]])
+    recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
+    recorder.snapshot(snapshot)
+    recorder.health(5)
+    assert (recorder.held, recorder.captured) == (2, 0)  # the Health waits behind it, in order
+    event.done = True
+    recorder.drain()
+    assert (recorder.held, recorder.captured) == (0, 2) and event.waited == 0 and pool.given_back == 1
+    frame, _ = [read_frame(bytes(r)) for r in recorder.ring.records()]
+    assert frame.kind is FrameKind.SNAPSHOT
+    assert SnapshotCapture.from_parts(frame.parts).record(RequestIndex()) == host.record(RequestIndex())
+    recorder.ring.close(unlink=True)
+
+
 def test_held_frames_are_bounded_and_the_rank_close_waits_for_the_rest(tmp_path):
     pool = Pool()
     events = [CopyEvent() for _ in range(6)]
