@@ -15,11 +15,16 @@ keeps it, and measures side by side, in alternating rounds:
 * waited (`max_held` 0, as before): the same, each step's end waiting for its
   copies.
 
+Every `--snapshot-every` steps the probe also snapshots the live requests from
+the device's block tables (`MRV2RunnerProbe._snapshot`: a gather and a copy per
+group, the frame held like a step's), counted in the step's end.
+
 It also checks every frame read back from the ring against what the device
 held when the copy was queued (the next step rewrites the same device
 tensors before the copy has run on the host's clock).
 
     python bench/device_staging.py [--steps 400] [--forward-ms 8] [--requests 64] [--groups 4]
+        [--snapshot-every 16]
 
 Needs torch with an accelerator (CUDA, or any backend of torch.accelerator);
 `--device cpu` runs the same loop on the host (no copies are staged there),
@@ -35,7 +40,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from kvledger.producer.capture import StepCapture
+from kvledger.producer.capture import SnapshotCapture, StepCapture
 from kvledger.producer.config import TraceAction, TraceConfig
 from kvledger.producer.frames import FrameKind, read_frame, unpack_parts
 from kvledger.producer.records import RankIdentity
@@ -73,9 +78,16 @@ class Engine:
         self.slots = torch.zeros(groups, self.padded, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.padded, dtype=torch.int64, device=device)
         self.req_ids = [f"req-{i}" for i in range(num_reqs)]
+        # Request states: request i in state i, its rows in row i of every group's device table.
         self.runner = SimpleNamespace(
             device=device,
-            block_tables=SimpleNamespace(num_blocks=SimpleNamespace(np=self.lens)),
+            block_tables=SimpleNamespace(
+                num_blocks=SimpleNamespace(np=self.lens), block_tables=[SimpleNamespace(gpu=t) for t in self.tables]
+            ),
+            req_states=SimpleNamespace(
+                req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
+                num_computed_tokens_np=np.arange(num_reqs, dtype=np.int32),
+            ),
         )
         self.batch = SimpleNamespace(
             num_reqs=num_reqs,
@@ -101,6 +113,11 @@ class Engine:
         rows = self.host_rows[:, :width] + (step * 1000 + group)  # never a device sync: it would pace the loop
         return rows, np.arange(self.padded) + step * 10_000
 
+    def expected_blocks(self, step: int, group: int) -> np.ndarray:
+        """The blocks of `group` a snapshot after `step` must carry: each request's row, its length long."""
+        rows = self.host_rows + (step * 1000 + group)
+        return np.concatenate([rows[i, :n] for i, n in enumerate(self.lens[group])])
+
 
 _MATMUL_N = 8192
 _MATMUL: list = []  # (operand, ms per product), made once
@@ -125,16 +142,23 @@ def forward(device: torch.device, ms: float) -> None:
         torch.mm(a, a)
 
 
-def run(engine: Engine, steps: int, forward_ms: float, max_held: int) -> dict[str, list[float]]:
-    """Per step, in us: the probes' time at the step's start, plan, end and in all (what Health
-    reports), and the wall time. Checks every frame against the device."""
+def run(engine: Engine, steps: int, forward_ms: float, max_held: int, snapshot_every: int) -> dict[str, list[float]]:
+    """Per step, in us: the probes' time at the step's start, plan, end (with a snapshot every
+    `snapshot_every` steps) and in all (what Health reports), and the wall time. Checks every
+    frame against the device."""
     config = TraceConfig(enabled=True, action=TraceAction.RECORD, snapshot_interval=0, ring_bytes=1 << 26)
     probe = MRV2RunnerProbe(engine.runner, config)
     probe.recorder = RingRecorder(RankIdentity("bench", 0, 0, 0, 1), config, spawn=False, max_held=max_held)
     stream_events: list = []
     times: dict[str, list[float]] = {k: [] for k in ("start", "plan", "end", "probes", "wall")}
-    checked = 0
+    checked = snapshots = 0
     clock = time.perf_counter_ns
+
+    def snapshot() -> None:  # what `_after_step` does every `snapshot_interval` steps (bar RankInfo: no vLLM)
+        capture = probe._snapshot()
+        if capture is not None:
+            probe.recorder.snapshot(capture)
+
     try:
         for _ in range(steps):
             started, probe_ns = clock(), probe.recorder.probe_ns
@@ -150,7 +174,11 @@ def run(engine: Engine, steps: int, forward_ms: float, max_held: int) -> dict[st
                 done.record(torch.accelerator.current_stream(engine.device))
                 stream_events.append(done)
             t3 = clock()
+            step = probe.step
             probe._guard(probe._after_step)
+            if snapshot_every and step % snapshot_every == snapshot_every - 1:
+                probe._guard(snapshot)
+                snapshots += 1
             t4 = clock()
             # Async scheduling: the host waits for the step before this one, never for this one.
             if len(stream_events) >= 2:
@@ -163,18 +191,21 @@ def run(engine: Engine, steps: int, forward_ms: float, max_held: int) -> dict[st
         probe.recorder.drain(wait=True)
         checked += check_frames(probe.recorder.ring, engine)
         assert not probe._broken, "the probe failed; see the log"
-        assert checked == steps, f"{checked} of {steps} steps read back"
+        assert checked == steps + snapshots, f"{checked} of {steps} steps and {snapshots} snapshots read back"
     finally:
         probe.recorder.ring.close(unlink=True)
     return times
 
 
 def check_frames(ring, engine: Engine) -> int:
-    """Read the ring's frames; each step's plan must hold what its step wrote on the device."""
+    """Read the ring's frames; each step's plan must hold what its step wrote on the device, each
+    snapshot the rows as its step left them."""
     n = 0
     for record in ring.records():
         frame = read_frame(bytes(record))
         record.release()
+        if frame.kind is FrameKind.SNAPSHOT:
+            n += check_snapshot(SnapshotCapture.from_parts(frame.parts), engine)
         if frame.kind is not FrameKind.STEP:
             continue
         capture = StepCapture.from_parts(frame.parts)
@@ -192,6 +223,15 @@ def check_frames(ring, engine: Engine) -> int:
     return n
 
 
+def check_snapshot(snapshot: SnapshotCapture, engine: Engine) -> int:
+    step = snapshot.step
+    assert snapshot.req_ids == engine.req_ids, f"snapshot {step}: requests"
+    for g in range(engine.groups):
+        assert np.array_equal(snapshot.lens[g], engine.lens[g]), f"snapshot {step} group {g}: row lengths"
+        assert np.array_equal(snapshot.blocks[g], engine.expected_blocks(step, g)), f"snapshot {step} group {g}: rows"
+    return 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
@@ -199,6 +239,7 @@ def main() -> None:
     parser.add_argument("--forward-ms", type=float, default=8.0)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--snapshot-every", type=int, default=16, help="steps between snapshots (0: none)")
     parser.add_argument("--device", default=None, help="default: the accelerator torch finds")
     args = parser.parse_args()
     if args.device is None:
@@ -208,13 +249,16 @@ def main() -> None:
     device = torch.device(args.device)
     engine = Engine(device, args.requests, args.groups)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    print(f"{name}: {args.requests} requests, {args.groups} KV groups, forward pass {args.forward_ms} ms")
+    print(
+        f"{name}: {args.requests} requests, {args.groups} KV groups, forward pass {args.forward_ms} ms, "
+        f"a snapshot every {args.snapshot_every or 'no'} steps"
+    )
     arms = {"held": MAX_HELD, "waited": 0}
     found: dict[str, dict[str, list[float]]] = {a: {} for a in arms}
-    run(engine, 20, args.forward_ms, MAX_HELD)  # warm up: pinned buffers, kernels, caches
+    run(engine, 20, args.forward_ms, MAX_HELD, args.snapshot_every)  # warm up: pinned buffers, kernels, caches
     for r in range(args.rounds):
         for arm in arms if r % 2 == 0 else reversed(arms):
-            for key, values in run(engine, args.steps, args.forward_ms, arms[arm]).items():
+            for key, values in run(engine, args.steps, args.forward_ms, arms[arm], args.snapshot_every).items():
                 found[arm].setdefault(key, []).extend(values[10:])
     print(f"every frame read back matched the device ({args.rounds * 2} runs of {args.steps} steps)")
     print("us per step, median (p99):")
