@@ -284,7 +284,9 @@ class SnapshotCapture:
     rows: list[Staged] | None = None
 
     @classmethod
-    def of_staged(cls, step: int, req_ids: list[str], computed, lens: list[np.ndarray], rows: list[Staged]):
+    def of_staged(
+        cls, step: int, req_ids: list[str], computed, lens: list[np.ndarray], rows: list[Staged]
+    ) -> SnapshotCapture:
         """From device rows being copied to the host: the frame waits for them (`ready`), the
         engine thread never does."""
         return cls(step, req_ids, [int(c) for c in computed], lens, [], rows)

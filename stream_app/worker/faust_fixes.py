@@ -29,11 +29,11 @@ which lost records about one run in seven before:
    compared it with its source topic's and refused the table for good
    (PartitionsMismatch). It reads as unknown now, as Faust's own check expects.
 5. Faust's livelock detector reads each assigned partition's position, and aiokafka
-   asserts on a position that is being reset (a seek to the beginning, as in 2, not
-   yet carried out by the fetcher): the detector's tick in that window crashed the
-   worker (AssertionError). Found by the dev stack's demo (tests/e2e/test_dev_stack.py),
-   about one run in two. Such a partition has nothing to verify until it has a
-   position again; the next tick checks it.
+   asserts on a position that is being reset (a partition just assigned, or sought to
+   its beginning as in 2, that the fetcher has not reset yet): a tick in that window
+   crashed the worker (AssertionError). Found by the dev stack's demo
+   (tests/e2e/test_dev_stack.py: once in CI, once in six runs here). Such a partition
+   has nothing to verify until it has a position again; the next tick checks it.
 """
 
 from __future__ import annotations
