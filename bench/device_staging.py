@@ -154,11 +154,6 @@ def run(engine: Engine, steps: int, forward_ms: float, max_held: int, snapshot_e
     checked = snapshots = 0
     clock = time.perf_counter_ns
 
-    def snapshot() -> None:  # what `_after_step` does every `snapshot_interval` steps (bar RankInfo: no vLLM)
-        capture = probe._snapshot()
-        if capture is not None:
-            probe.recorder.snapshot(capture)
-
     try:
         for _ in range(steps):
             started, probe_ns = clock(), probe.recorder.probe_ns
@@ -177,7 +172,7 @@ def run(engine: Engine, steps: int, forward_ms: float, max_held: int, snapshot_e
             step = probe.step
             probe._guard(probe._after_step)
             if snapshot_every and step % snapshot_every == snapshot_every - 1:
-                probe._guard(snapshot)
+                probe._guard(probe._record_snapshot)  # as `_after_step` does (its RankInfo needs vLLM)
                 snapshots += 1
             t4 = clock()
             # Async scheduling: the host waits for the step before this one, never for this one.

@@ -285,11 +285,11 @@ class SnapshotCapture:
 
     @classmethod
     def of_staged(
-        cls, step: int, req_ids: list[str], computed, lens: list[np.ndarray], rows: list[Staged]
+        cls, step: int, req_ids: list[str], computed: list[int], lens: list[np.ndarray], rows: list[Staged]
     ) -> SnapshotCapture:
         """From device rows being copied to the host: the frame waits for them (`ready`), the
         engine thread never does."""
-        return cls(step, req_ids, [int(c) for c in computed], lens, [], rows)
+        return cls(step, req_ids, computed, lens, [], rows)
 
     def ready(self) -> bool:
         """Whether its rows are on the host."""

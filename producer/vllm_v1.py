@@ -314,9 +314,7 @@ class V1RunnerProbe:
         respawned = step % SUPERVISE_EVERY == 0 and self.recorder.supervise()
         if respawned or (interval and step % interval == interval - 1):
             self._record(self._rank_info())
-            snapshot = self._snapshot()
-            if snapshot is not None:
-                self._record_snapshot(snapshot)
+            self._record_snapshot()
             self._record_health(step)
 
     def _before_dummy(self, kind: str) -> None:
@@ -341,7 +339,12 @@ class V1RunnerProbe:
         else:
             self._record(capture.record(self.index, self.config.full_rows))
 
-    def _record_snapshot(self, capture: SnapshotCapture) -> None:
+    def _record_snapshot(self) -> None:
+        """The live requests now (`_snapshot`), as a frame the recorder builds, or built here in
+        raise mode; none when the runner's rows could not be copied."""
+        capture = self._snapshot()
+        if capture is None:
+            return
         if self._checker is None:
             self.recorder.snapshot(capture)
         else:

@@ -15,7 +15,7 @@ from kvledger.producer.vllm_v1 import V1RunnerProbe
 
 def _new_bytes(recorder, capture: StepCapture) -> None:
     header = capture.header()
-    recorder._offer(FrameKind.STEP, lambda: [header, *capture.array_parts()], capture.ready)
+    recorder._offer(FrameKind.STEP, lambda: capture.to_parts(header), capture.ready)
 
 
 def setup(probe: V1RunnerProbe, variant_b: bool) -> None:
