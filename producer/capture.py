@@ -103,7 +103,7 @@ class PlanCapture:
     """What the hot path copied of one step's plan, when attention was about to read it (a view
     copied at the step's end would miss a row rewritten in between)."""
 
-    req_ids: list[str]
+    req_ids: list[str] | msgspec.Raw  # the runner's order; a `frames.RepeatedIds` encodes them ahead
     num_tokens: int
     group_ids: list[int]
     # The plan's arrays (`plan_parts`): on the host, gathered into one frame part when they were

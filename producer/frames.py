@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import numbers
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import IntEnum
 from itertools import compress, repeat
 from operator import is_not
@@ -160,17 +160,37 @@ def body_of(part) -> tuple[str, dict]:
     return name, body
 
 
+class RepeatedIds:
+    """A list of request ids that mostly repeats from step to step (a decoding batch's), as
+    MessagePack: encoded when it changes, else the last encoding. Comparing a repeated list costs
+    a pointer per id (the runner and the scheduler hand over the same string objects); encoding it
+    again, with the caches cold after a forward pass, several times that."""
+
+    __slots__ = ("_encoded", "_ids")
+
+    def __init__(self) -> None:
+        self._ids: list[str] | None = None  # a copy of the last list encoded
+        self._encoded = msgspec.Raw(b"")
+
+    def __call__(self, ids: list[str]) -> msgspec.Raw:
+        if ids != self._ids:
+            self._ids = list(ids)
+            self._encoded = msgspec.Raw(pack(self._ids))
+        return self._encoded
+
+
 # -- the step input ----------------------------------------------------------------------------------
-def scheduler_fields(so: Any) -> tuple:
+def scheduler_fields(so: Any, cached_ids: Callable[[list[str]], Any] | None = None) -> tuple:
     """The SchedulerOutput fields a StepInput is built from, as MessagePack encodes them (the
     lists themselves, not copies): encoded with the step's frame header, in one C-level call, by
     the end of the step. Not later: the runner adopts some of the block-id lists as request state
-    and extends them in place on later steps."""
+    and extends them in place on later steps. `cached_ids` (a `RepeatedIds`) encodes the cached
+    requests' ids ahead when given."""
     cached = so.scheduled_cached_reqs
     copies = getattr(so, "kv_cache_block_copies", None) or ()
     return (
         [(r.req_id, r.block_ids, r.num_computed_tokens, len(r.prompt_token_ids or ())) for r in so.scheduled_new_reqs],
-        cached.req_ids,
+        cached.req_ids if cached_ids is None else cached_ids(cached.req_ids),
         getattr(cached, "resumed_req_ids", None) or (),
         cached.new_block_ids,
         cached.num_computed_tokens,

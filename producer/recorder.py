@@ -1,7 +1,7 @@
 """Per-rank delivery: sequence numbers, a bounded buffer, a drain thread (in a rank's recorder
-process, `recorder_process`, and in the synthetic engine).
+process, `recorder_process`).
 
-The engine thread calls `capture` and goes on: it stamps the event, appends
+The recorder's reader calls `capture` and goes on: it stamps the event, appends
 it to a bounded buffer and returns. A full buffer drops the event and counts
 it, like a perf buffer's lost counter; nothing here blocks the engine or
 raises into it. A drain thread wraps events in their envelope and hands them
@@ -114,6 +114,10 @@ class RankRecorder:
             self.high_water = buffered + 1
         return seq
 
+    def wake(self) -> None:
+        """Have the drain thread hand what is buffered to the sink now, not at its next round."""
+        self._wake.set()
+
     @property
     def backlog(self) -> int:
         """Events buffered, not yet handed to the sink."""
@@ -181,7 +185,6 @@ class RankRecorder:
                     self.sink_failed += 1
                     continue
             batch.append(records.envelope(self.identity, seq, at_us, *body))
-            time.sleep(0)  # let the engine thread have the interpreter lock between events
         if not batch:
             return
         self._newest_us, self._unflushed = batch[-1]["emitted_at_us"], True

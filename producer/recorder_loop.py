@@ -33,10 +33,12 @@ from kvledger.producer.sinks import open_sink
 log = logging.getLogger("kvledger.producer")
 
 # Between looks at the ring while frames arrive. Each look finds the frames of several steps, built
-# back to back: on a host whose cores the engine keeps busy, the first frame of a look finds the
-# caches cold and the next ones warm (bench/engine_overhead.py, 64 requests, ~7 ms steps: the
-# recorder's CPU per step 307-359 us with looks every 10 ms, 186-206 us every 50 ms).
-POLL_S = 0.05
+# back to back and handed to the sink at once (`RankRecorder.wake`): on a host whose cores the
+# engine keeps busy, the first frame of a look finds the caches cold and the next ones warm (a
+# CPU engine, 64 requests, ~7 ms steps: the recorder's CPU per step 307-359 us with looks every
+# 10 ms, 186-206 us every 50 ms; 139-157 us every 50 ms and 131-135 us every 100 ms once its
+# drain thread no longer yielded after each record).
+POLL_S = 0.1
 # The rank counts as idle (its sink flushed, its end confirmed) once its newest record is this old:
 # longer than in an engine's own thread, as records reach the recorder up to a poll and a drain late.
 RANK_IDLE_S = 0.2
@@ -125,7 +127,12 @@ def run(ring_path: Path, ring: Ring, engine: ProcessWatch) -> int:
     observer = ViolationLogger() if config.action is TraceAction.LOG else None
     sink = open_sink(config.sink, config.kafka, config.schema_registry)
     recorder = RankRecorder(
-        identity_of(meta), sink, capacity=config.buffer_events, observer=observer, idle_after=RANK_IDLE_S
+        identity_of(meta),
+        sink,
+        capacity=config.buffer_events,
+        observer=observer,
+        idle_after=RANK_IDLE_S,
+        drain_interval=POLL_S,
     )
     reader = FrameReader(ring, recorder, config.full_rows)
     stopping = []
@@ -140,6 +147,7 @@ def run(ring_path: Path, ring: Ring, engine: ProcessWatch) -> int:
         now = time.monotonic()
         if n:
             last_frame = now
+            recorder.wake()
         elif done and ring.pending == 0:
             break
         time.sleep(POLL_S if now - last_frame < SLOW_POLL_AFTER_S else IDLE_POLL_S)

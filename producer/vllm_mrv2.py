@@ -89,7 +89,8 @@ class MRV2RunnerProbe(V1RunnerProbe):
             groups.append((slot_mappings[gid, :padded], table[:num_reqs, :width], lens))
         qsl = (input_batch.query_start_loc_np, num_reqs + 1)
         parts = PlanCapture.plan_parts(qsl, input_batch.positions[:num_tokens], groups)
-        self._plan = PlanCapture(list(input_batch.req_ids[:num_reqs]), num_tokens, gids, self._copy(parts))
+        ids = self._batch_ids(list(input_batch.req_ids[:num_reqs]))
+        self._plan = PlanCapture(ids, num_tokens, gids, self._copy(parts))
 
     def _snapshot(self) -> SnapshotCapture | None:
         """The live requests after this step, from MRV2's request state and device block tables.

@@ -46,7 +46,7 @@ from kvledger.producer.capture import (
 )
 from kvledger.producer.config import TraceAction, TraceConfig, resolve_engine_id
 from kvledger.producer.content import GroupRows, SealTracker, digest_blocks, group_pages
-from kvledger.producer.frames import as_array, pack_parts, prefix_max, scheduler_fields
+from kvledger.producer.frames import RepeatedIds, as_array, pack_parts, prefix_max, scheduler_fields
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring_recorder import SUPERVISE_EVERY, RingRecorder
 from kvledger.producer.staging import Staged, StagingFull, StagingPool
@@ -120,6 +120,9 @@ class V1RunnerProbe:
         # Every buffer the plan reads is host memory (a CPU engine): copied at once, in one call.
         self._on_host = getattr(getattr(runner, "device", None), "type", "cpu") == "cpu"
         self._layout: PlanLayout | None = None  # where the plan is read, resolved once per input batch
+        # The batch's request ids, in the runner's order and in the scheduler's: encoded only when
+        # they change (a decoding batch keeps them step after step).
+        self._batch_ids, self._scheduled_ids = RepeatedIds(), RepeatedIds()
         self._dummy_kind: str | None = None
         self._broken = False
         # Set by kvledger.producer.plugin.pause_tracing: steps are counted, nothing recorded
@@ -308,7 +311,7 @@ class V1RunnerProbe:
             return
         step, scheduler_output = self.step, self._input
         self._input = None
-        self._record_step("REAL", scheduler_fields(scheduler_output))
+        self._record_step("REAL", scheduler_fields(scheduler_output, self._scheduled_ids))
         interval = self.config.snapshot_interval
         # A respawned recorder records under a new incarnation: announce the rank and resync now.
         respawned = step % SUPERVISE_EVERY == 0 and self.recorder.supervise()
@@ -335,7 +338,7 @@ class V1RunnerProbe:
         content, self._content = self._content, None
         capture = StepCapture(self.step, kind, scheduler, self._with_drafts(kind, plan), content)
         if self._checker is None:
-            self.recorder.step(capture)
+            self.recorder.step(capture, copied=self._on_host)
         else:
             self._record(capture.record(self.index, self.config.full_rows))
 
@@ -390,7 +393,7 @@ class V1RunnerProbe:
         arrays = self._copy(PlanCapture.plan_parts(qsl, layout.positions_prefix(num_tokens), groups))
         if self.content is not None and self._input is not None and self._content is None:
             self._content = self.content.digest(batch, num_reqs, self.staging)
-        self._plan = PlanCapture(batch.req_ids[:num_reqs], num_tokens, layout.gids, arrays)
+        self._plan = PlanCapture(self._batch_ids(batch.req_ids[:num_reqs]), num_tokens, layout.gids, arrays)
 
     def _copy(self, parts: list) -> Any:
         """The plan's parts (host arrays, prefixes of them, tensors) copied now: on the host
@@ -613,16 +616,17 @@ class PlanLayout:
     positions_view: np.ndarray | None  # its numpy view on the host
     gids: list[int]  # the KV cache groups with a slot mapping, in order
     groups: list[GroupLayout]
+    gid_set: frozenset[int]  # the same, to compare a step's slot mappings with
 
     @classmethod
     def of(cls, runner: Any, gids: list[int]) -> PlanLayout:
         batch, positions = runner.input_batch, runner.positions
         groups = [GroupLayout.of(gid, batch.block_table[gid]) for gid in gids]
-        return cls(batch, positions, _host_view(positions), gids, groups)
+        return cls(batch, positions, _host_view(positions), gids, groups, frozenset(gids))
 
     def serves(self, batch: Any, positions: Any, slot_mappings: dict) -> bool:
         """Whether this layout is the runner's now, for these groups."""
-        return batch is self.batch and positions is self.positions and slot_mappings.keys() == set(self.gids)
+        return batch is self.batch and positions is self.positions and slot_mappings.keys() == self.gid_set
 
     def positions_prefix(self, n: int) -> Any:
         view = self.positions_view

@@ -11,6 +11,7 @@ from kvledger.producer import records
 from kvledger.producer.capture import RequestIndex
 from kvledger.producer.frames import (
     FrameKind,
+    RepeatedIds,
     pack,
     pack_parts,
     prefix_max,
@@ -108,6 +109,27 @@ def test_a_step_input_written_as_a_frame_reads_back_as_the_same_record(tmp_path)
         assert (frame.kind, frame.seq, frame.emitted_at_us) == (FrameKind.STEP, step, 1000 + step)
         assert step_input_record(frame.parts[0], engine_index) == expected, f"step {step}"
     assert engine_index._index == drain_index._index  # both gave out and forgot the same indices
+
+
+def test_repeated_ids_are_encoded_once_and_again_when_they_change():
+    ids = RepeatedIds()
+    batch = [f"req-{i}" for i in range(64)]
+    first = ids(batch)
+    assert bytes(first) == pack(batch)
+    assert ids(list(batch)) is first  # the same ids in a new list (the next step's): not encoded again
+    batch[7] = "req-new"  # a request replaced in place: the copy kept is not the list changed
+    assert bytes(ids(batch)) == pack(batch)
+    assert bytes(ids(batch[:10])) == pack(batch[:10])
+
+
+def test_a_step_with_its_ids_encoded_ahead_is_the_same_frame(tmp_path):
+    # The probe encodes the batch's ids once while they repeat: the frame's bytes, and so the
+    # record the recorder builds, are those of the ids encoded with the rest of the header.
+    cached_ids = RepeatedIds()
+    for step in range(6):
+        so = scheduler_output(step)
+        assert pack(scheduler_fields(so, cached_ids)) == pack(scheduler_fields(so)), f"step {step}"
+        assert pack(scheduler_fields(so, cached_ids)) == pack(scheduler_fields(so)), f"step {step}, again"
 
 
 def test_frames_carry_any_mix_of_buffers(tmp_path):

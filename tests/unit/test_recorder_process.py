@@ -15,11 +15,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from kvledger.producer import records
+from kvledger.producer import plugin, records
 from kvledger.producer.capture import PlanCapture, RequestIndex, SnapshotCapture, StepCapture
 from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
 from kvledger.producer.frames import FrameKind, body_of, pack_parts, read_frame, scheduler_fields
@@ -374,4 +375,20 @@ def test_a_flush_that_interrupts_a_write_leaves_the_held_frames_in_order(tmp_pat
     frames = [read_frame(bytes(r)) for r in recorder.ring.records()]
     assert [(f.seq, body_of(f.parts[0])[1]["vllm_version"]) for f in frames] == [(0, "first"), (1, "second")]
     assert recorder.held == 0
+    recorder.ring.close(unlink=True)
+
+
+def test_the_cost_counters_leave_out_their_own_wait_for_the_recorders(tmp_path, monkeypatch):
+    # bench/engine_overhead.py reads these after each arm: the wait for the recorders to read the
+    # arm's frames polls the ring every ms, CPU only the traced arm would spend and tracing never does.
+    recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
+    monkeypatch.setattr(plugin, "_probes", [SimpleNamespace(step=0, recorder=recorder)])
+    before, _, _, _ = plugin.process_counters()  # nothing to wait for
+    recorder.health(0)  # a frame nobody reads: the next counters wait their 2 s for it
+    started = time.process_time()
+    after, steps, _, _ = plugin.process_counters()
+    waited = time.process_time() - started
+    assert recorder.ring.pending and steps == 1
+    assert waited > 0.002, "the wait polled for 2 s: it takes CPU"
+    assert after - before < 0.25 * waited
     recorder.ring.close(unlink=True)
