@@ -34,6 +34,9 @@ log = logging.getLogger("kvledger.producer")
 
 class MRV2RunnerProbe(V1RunnerProbe):
     runner_name = "mrv2"
+    # Its plan's copies are still landing when it is captured (device rows): the frame would be held
+    # over the forward pass anyway, so it is offered at the step's end as before.
+    frame_at_plan = False
 
     def attach_points(self) -> list[tuple[AttachPoint, Any]]:
         return [

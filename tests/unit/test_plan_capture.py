@@ -48,3 +48,52 @@ print("ok")
 def test_the_plan_is_copied_from_the_runners_buffers_only_where_a_tensor_is_their_prefix():
     proc = subprocess.run([vllm_python(), "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.stdout + proc.stderr)[-2000:]
+
+
+WRITTEN_AT_PLAN = """
+from types import SimpleNamespace as NS
+import numpy as np, torch
+from kvledger.producer.capture import RequestIndex, StepCapture
+from kvledger.producer.config import TraceConfig
+from kvledger.producer.frames import read_frame
+from kvledger.producer.records import RankIdentity
+from kvledger.producer.ring_recorder import RingRecorder
+from kvledger.producer.vllm_v1 import V1RunnerProbe
+
+rows = np.zeros((4, 32), np.int32)
+device_rows = torch.from_numpy(rows)
+buffer = torch.arange(100, 164, dtype=torch.int64)
+table = NS(block_table=NS(np=rows), get_device_tensor=lambda n: device_rows[:n],
+           num_blocks_per_row=np.array([2, 3, 1, 0], np.int32), slot_mapping=NS(gpu=buffer, np=buffer.numpy()))
+runner = NS(device=torch.device("cpu"), input_batch=NS(block_table=[table], req_ids=["a", "b", "c", "d"]),
+            query_start_loc=NS(np=np.array([0, 2, 3, 5, 5], np.int32)), positions=torch.arange(7, 71))
+so = NS(scheduled_new_reqs=[], finished_req_ids=set(), preempted_req_ids=set(), new_block_ids_to_zero=None,
+        scheduled_cached_reqs=NS(req_ids=["a", "b", "c"], resumed_req_ids=set(), new_block_ids=[None, ([9],), None],
+                                 num_computed_tokens=[40, 50, 60]),
+        num_scheduled_tokens={"a": 2, "b": 1, "c": 2}, kv_cache_block_copies=())
+
+def step(at_plan):
+    rows[:3, :3] = [[1, 2, 0], [3, 4, 9], [6, 0, 0]]
+    probe = V1RunnerProbe(runner, TraceConfig(enabled=True, snapshot_interval=0))
+    probe.recorder = RingRecorder(RankIdentity("t", 0, 0, 0, 1), probe.config, spawn=False)
+    probe._frame_at_plan = at_plan
+    probe._before_step(so)
+    probe._capture_plan({"num_tokens": 5, "num_reqs": 3, "slot_mappings": {0: buffer[:5]}})
+    at_capture = probe.recorder.captured
+    rows[1, 2] = 77  # the forward pass and the runner's next changes: the frame holds what attention read
+    probe._after_step()
+    [frame] = [read_frame(bytes(r)) for r in probe.recorder.ring.records()]
+    probe.recorder.ring.close(unlink=True)
+    return at_capture, StepCapture.from_parts(frame.parts).record(RequestIndex(), False)
+
+early, late = step(True), step(False)
+assert (early[0], late[0]) == (1, 0), (early[0], late[0])  # written with its plan, or at the step's end
+assert early[1] == late[1] and early[1][1]["plan"] is not None and early[1][1]["input"] is not None
+print("ok")
+"""
+
+
+@pytest.mark.vllm
+def test_a_step_written_with_its_plan_is_the_frame_its_end_would_write():
+    proc = subprocess.run([vllm_python(), "-c", WRITTEN_AT_PLAN], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.stdout + proc.stderr)[-2000:]
