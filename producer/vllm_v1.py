@@ -18,8 +18,9 @@ drafter runs, closes the step. Without them the capability
 `drafter_kv_writes` is recorded unavailable and the rest still records.
 
 On the hot path the probes copy a few arrays and write the step as one frame
-into the rank's ring; building, packing and encoding happen in the rank's
-recorder process (`ring_recorder`). A probe never raises into the engine: a
+into the rank's ring, right at the plan's capture when nothing joins the step
+later (no drafter, no KV connector), else at the step's end; building, packing
+and encoding happen in the rank's recorder process (`ring_recorder`). A probe never raises into the engine: a
 failure is logged once and the probe stops recording.
 """
 
