@@ -3,6 +3,7 @@ its plan is captured (`V1RunnerProbe._frame_at_plan`, what the probe does now on
 drafter or a KV connector), while what it reads is still warm.
 
     .venv-vllm/bin/python bench/probe_hot_path.py --paired bench/variants/frame_at_plan.py --forward-us 3000
+    .venv-vllm/bin/python bench/engine_paired.py bench/variants/frame_at_plan.py
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ change (`frames.RepeatedIds`), the groups compared with a set made once, a host 
 without asking (what the probe does now).
 
     .venv-vllm/bin/python bench/probe_hot_path.py --paired bench/variants/repeated_ids.py --forward-us 3000
+    .venv-vllm/bin/python bench/engine_paired.py bench/variants/repeated_ids.py
 """
 
 from __future__ import annotations
