@@ -135,7 +135,7 @@ def process_counters() -> tuple[float, int, float, float]:
     its probes counted; seconds the probes spent on the engine thread; CPU seconds of the recorder
     processes)."""
     global _counting_s
-    # The wait polls the rings every ms until a recorder's next look (up to 50 ms: ~750 us of CPU
+    # The wait polls the rings every ms until a recorder's next look (up to 100 ms: ~1.5 ms of CPU
     # on a 2-core VM): the benchmark's own cost, not tracing's, and only the traced arm has it.
     started = time.process_time()
     flush_all(timeout=2.0)

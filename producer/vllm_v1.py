@@ -20,8 +20,9 @@ drafter runs, closes the step. Without them the capability
 On the hot path the probes copy a few arrays and write the step as one frame
 into the rank's ring, right at the plan's capture when nothing joins the step
 later (no drafter, no KV connector), else at the step's end; building, packing
-and encoding happen in the rank's recorder process (`ring_recorder`). A probe never raises into the engine: a
-failure is logged once and the probe stops recording.
+and encoding happen in the rank's recorder process (`ring_recorder`). A probe
+never raises into the engine: a failure is logged once and the probe stops
+recording.
 """
 
 from __future__ import annotations
@@ -119,9 +120,9 @@ class V1RunnerProbe:
         self._input: Any = None  # this step's SchedulerOutput, until its frame is written
         self._traced = False  # this step is recorded (tracing was not paused when it began)
         # The step's frame is written when its plan is captured, while what the probe reads is still
-        # warm in the caches, not at the step's end after the forward pass (15 us less of a 64-request
-        # step's ~65 in a CPU engine): set at attach when nothing else joins or precedes it later in
-        # the step (a drafter's passes, a KV connector's events).
+        # warm in the caches, not at the step's end after the forward pass (13-15 us less of a
+        # 64-request step's ~60 in a CPU engine): set at attach when nothing else joins or precedes
+        # it later in the step (a drafter's passes, a KV connector's events).
         self._frame_at_plan = False
         self._plan: PlanCapture | None = None
         self.staging = StagingPool()
