@@ -47,8 +47,7 @@ TARGET_CPU_US = {64: 30.0, 256: 60.0}  # engine-process CPU added per step
 TARGET_CONTENT = 0.01  # tokens/s cost content_digests 0.01 adds over tracing without digests
 
 
-def run(
-    python: str,
+def engine_spec(
     requests: int,
     max_tokens: int,
     ledger: Path | None,
@@ -57,7 +56,9 @@ def run(
     kv_events: str | None = None,
     prefix_caching: bool = False,
     content_digests: float = 0.0,
-) -> str:
+) -> dict:
+    """tests/e2e/engine_run.py's SPEC_JSON: `requests` requests of 8 prompt tokens, tracing to a file
+    ledger under `ledger` (None: off)."""
     spec = {
         "prompts": [[(7 * i + j) % 500 + 3 for j in range(8)] for i in range(requests)],
         "max_tokens": max_tokens,
@@ -76,6 +77,12 @@ def run(
             "action": action,
             "content_digests": content_digests,
         }
+    return spec
+
+
+def run(python: str, requests: int, max_tokens: int, ledger: Path | None, **options) -> str:
+    """Run tests/e2e/engine_run.py (`engine_spec`'s options) and return its output."""
+    spec = engine_spec(requests, max_tokens, ledger, **options)
     proc = subprocess.run(
         [python, str(ENGINE), json.dumps(spec)],
         capture_output=True,

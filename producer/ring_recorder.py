@@ -325,12 +325,10 @@ class RingRecorder:
         digest): held, with every frame after it, until then."""
         self._offer(FrameKind.BODY, lambda: [body_part(make())], ready)
 
-    def step(self, capture: StepCapture, copied: bool = False) -> None:
-        """A step's frame; `copied`: its arrays are all on the host already (a CPU engine's), so
-        it waits for no device."""
+    def step(self, capture: StepCapture) -> None:
         # The header is encoded now, even when the frame is held (see StepCapture.header): into the
         # step buffer when the frame is written at once, into bytes of its own when it waits.
-        if self._writes_now(None if copied else capture.ready):
+        if self._writes_now(capture.ready):
             self._frame(FrameKind.STEP, capture.to_parts(capture.header(into=self._step_header)))
             return
         header = capture.header()

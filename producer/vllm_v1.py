@@ -355,7 +355,7 @@ class V1RunnerProbe:
         content, self._content = self._content, None
         capture = StepCapture(self.step, kind, scheduler, self._with_drafts(kind, plan), content)
         if self._checker is None:
-            self.recorder.step(capture, copied=self._on_host)
+            self.recorder.step(capture)
         else:
             self._record(capture.record(self.index, self.config.full_rows))
 

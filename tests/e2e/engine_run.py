@@ -40,8 +40,9 @@ TINY_LLAMA = {
 }
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
+def start(spec: dict):
+    """The engine SPEC_JSON describes (its warm-up not run yet), its prompts and sampling
+    parameters: (llm, prompts, params)."""
     model = tempfile.mkdtemp(prefix="tiny-model-")
     with open(os.path.join(model, "config.json"), "w") as f:
         json.dump(spec.get("model") or TINY_LLAMA, f)  # a random-weight model of that config
@@ -82,6 +83,12 @@ def main() -> None:
     )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0, ignore_eos=True, detokenize=False)
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    return llm, prompts, params
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    llm, prompts, params = start(spec)
     for _ in range(spec.get("warmup", 0)):
         llm.generate(prompts, params, use_tqdm=False)
     if spec.get("ab_rounds"):  # tracing paused and resumed in turn, in this one engine

@@ -9,11 +9,12 @@ import pytest
 
 from tests.e2e.conftest import vllm_python
 
-SCRIPT = """
+# A runner's buffers as vLLM's V1 runner holds them: 4 rows of a block table, the slot mapping's
+# persistent buffer, query starts and positions.
+RUNNER = """
 from types import SimpleNamespace as NS
 import numpy as np, torch
 from kvledger.producer.config import TraceConfig
-from kvledger.producer.frames import unpack_parts
 from kvledger.producer.vllm_v1 import V1RunnerProbe
 
 rows = np.zeros((4, 32), np.int32)
@@ -23,6 +24,13 @@ table = NS(block_table=NS(np=rows), get_device_tensor=lambda n: device_rows[:n],
            num_blocks_per_row=np.array([2, 3, 1, 0], np.int32), slot_mapping=NS(gpu=buffer, np=buffer.numpy()))
 runner = NS(device=torch.device("cpu"), input_batch=NS(block_table=[table], req_ids=["a", "b", "c", "d"]),
             query_start_loc=NS(np=np.array([0, 2, 3, 5, 5], np.int32)), positions=torch.arange(7, 71))
+"""
+
+SCRIPT = (
+    RUNNER
+    + """
+from kvledger.producer.frames import unpack_parts
+
 probe = V1RunnerProbe(runner, TraceConfig(enabled=True))
 rows[:3, :3] = [[1, 2, 0], [3, 4, 5], [6, 0, 0]]
 
@@ -42,6 +50,7 @@ rows[1, 2] = 99  # rewritten after attention read it: the copy keeps what was re
 assert [a.tolist() for a in unpack_parts(probe._plan.part())][3] == first[3]
 print("ok")
 """
+)
 
 
 @pytest.mark.vllm
@@ -50,23 +59,14 @@ def test_the_plan_is_copied_from_the_runners_buffers_only_where_a_tensor_is_thei
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.stdout + proc.stderr)[-2000:]
 
 
-WRITTEN_AT_PLAN = """
-from types import SimpleNamespace as NS
-import numpy as np, torch
+WRITTEN_AT_PLAN = (
+    RUNNER
+    + """
 from kvledger.producer.capture import RequestIndex, StepCapture
-from kvledger.producer.config import TraceConfig
 from kvledger.producer.frames import read_frame
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring_recorder import RingRecorder
-from kvledger.producer.vllm_v1 import V1RunnerProbe
 
-rows = np.zeros((4, 32), np.int32)
-device_rows = torch.from_numpy(rows)
-buffer = torch.arange(100, 164, dtype=torch.int64)
-table = NS(block_table=NS(np=rows), get_device_tensor=lambda n: device_rows[:n],
-           num_blocks_per_row=np.array([2, 3, 1, 0], np.int32), slot_mapping=NS(gpu=buffer, np=buffer.numpy()))
-runner = NS(device=torch.device("cpu"), input_batch=NS(block_table=[table], req_ids=["a", "b", "c", "d"]),
-            query_start_loc=NS(np=np.array([0, 2, 3, 5, 5], np.int32)), positions=torch.arange(7, 71))
 so = NS(scheduled_new_reqs=[], finished_req_ids=set(), preempted_req_ids=set(), new_block_ids_to_zero=None,
         scheduled_cached_reqs=NS(req_ids=["a", "b", "c"], resumed_req_ids=set(), new_block_ids=[None, ([9],), None],
                                  num_computed_tokens=[40, 50, 60]),
@@ -91,6 +91,7 @@ assert (early[0], late[0]) == (1, 0), (early[0], late[0])  # written with its pl
 assert early[1] == late[1] and early[1][1]["plan"] is not None and early[1][1]["input"] is not None
 print("ok")
 """
+)
 
 
 @pytest.mark.vllm
