@@ -102,7 +102,7 @@ while True:
     out.write(f"{time.time()} {time.perf_counter() - t0}\\n")
     time.sleep(float(sys.argv[2]))
 """
-# The recorder's CPU during the outage, in cores: ~0.06 here in every window, before, during and
+# The recorder's CPU during the outage, in cores: 0.01-0.06 here in every window, before, during and
 # after; one spinning on failures takes a whole core.
 RECORDER_CORES = 0.3
 # The probes' time on the engine thread per step, across the outage vs. before it (Health's
