@@ -311,9 +311,17 @@ def stat_fields(pid: int) -> list[str]:
 
 
 def machine_seconds() -> list[float]:
-    """The machine's CPU seconds so far, all cores: [idle, stolen by the host's other guests]."""
+    """CPU seconds so far, all cores: [idle, stolen by the host's other guests, taken by the
+    engine's processes (those vLLM names VLLM::...)]."""
     ticks = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    return [int(ticks[3]) / os.sysconf("SC_CLK_TCK"), int(ticks[7]) / os.sysconf("SC_CLK_TCK")]
+    engine = 0.0
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "comm").read_text().startswith("VLLM::"):
+                engine += cpu_seconds(int(proc.name)) or 0.0
+        except OSError:
+            continue  # gone meanwhile
+    return [int(ticks[3]) / os.sysconf("SC_CLK_TCK"), int(ticks[7]) / os.sysconf("SC_CLK_TCK"), engine]
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -337,7 +345,7 @@ class OutageRun:
     caught_up_at: float  # the worker had applied everything captured before the broker returned
     samples: list[tuple[float, dict | None]]
     recorder_cpu: list[tuple[float, float]]  # the rank's recorder: (wall clock, its CPU seconds)
-    machine: list[tuple[float, list[float]]]  # (wall clock, the machine's idle and stolen CPU seconds)
+    machine: list[tuple[float, list[float]]]  # (wall clock, machine_seconds())
     pace: list[tuple[float, float]]  # (wall clock, seconds the machine took for PACE's fixed work)
     worker: Worker
     prefix: str
@@ -465,9 +473,10 @@ def cores(samples: list[tuple[float, float]], start: float, end: float) -> float
 
 
 def machine_cores(outage: OutageRun, start: float, end: float) -> str:
-    """The machine's idle and stolen cores between `start` and `end`: what else had it, if it was slow."""
-    idle, stolen = (cores([(t, m[i]) for t, m in outage.machine], start, end) for i in (0, 1))
-    return f"idle {idle:.2f}, stolen {stolen:.2f}"
+    """The machine's idle and stolen cores between `start` and `end`, and the engine's: what else
+    had the machine, and what the engine got of it, if it was slow."""
+    idle, stolen, engine = (cores([(t, m[i]) for t, m in outage.machine], start, end) for i in range(3))
+    return f"idle {idle:.2f}, stolen {stolen:.2f}, the engine's {engine:.2f}"
 
 
 def pace_in(paces_: list[tuple[float, float]], start: float, end: float) -> float:
