@@ -9,9 +9,10 @@ time per step on the engine thread (what Health reports) is taken around the
 runner's `execute_model`, and so is the engine thread's whole CPU time per step
 (forward pass and all: what the probes cost beyond their own time, the wrappers
 around them and the caches they leave colder, shows there). Printed: the median
-of each and the median of the paired differences (step 2k+1 against step 2k). Where `probe_hot_path.py
---paired` stands a loop of matrix products in for the forward pass, this runs
-the engine's own between the probes, which is what leaves their work cold.
+of each and the median of the paired differences (step 2k+1 against step 2k),
+with its ~95 % interval. Where `probe_hot_path.py --paired` stands a loop of
+matrix products in for the forward pass, this runs the engine's own between the
+probes, which is what leaves their work cold.
 
     .venv-vllm/bin/python bench/engine_paired.py bench/variants/frame_at_plan.py [--requests 64] [--rounds 4]
 """

@@ -502,6 +502,7 @@ def test_the_engine_runs_on_unaffected(outage):
         "during": (outage.down[1], outage.up[0]),
         "after": (outage.up[1], outage.stopped_at),
     }
+    # The rounds of each span; the last rounds after the outage end after the engine was told to stop.
     windows = {k: window(rounds_, a, b + 60 if k == "after" else b) for k, (a, b) in spans.items()}
     before, during, after = windows.values()
     rates = lambda rs: [r["tokens"] / (r["end"] - r["start"]) for r in rs]  # noqa: E731
