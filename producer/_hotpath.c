@@ -114,7 +114,16 @@ typedef struct {
     uint64_t type;
     Py_ssize_t rows, cols;   /* items copied: rows x cols */
     Py_ssize_t row_stride;   /* bytes between rows in the source */
+    PyObject *owner;         /* what `converter` made of the part, or NULL */
 } part_t;
+
+/* What makes a part this module refuses (another integer width, a strided view, a host tensor)
+ * one it takes: set once by the caller (frames.as_array), called only for such a part. */
+static PyObject *converter = NULL;
+
+static int refused(void) {
+    return converter != NULL && (PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_BufferError));
+}
 
 static Py_ssize_t count_arg(PyObject *spec, Py_ssize_t i) {
     Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(spec, i));
@@ -140,7 +149,7 @@ static int prefix_check(part_t *p) {
 
 /* Parse `spec`: a buffer (whole: contiguous, or 2-D with contiguous rows), (array, n) (its first n items) or (array, rows,
  * cols) (a 2-D array's top-left block). -1 with an exception set (the view released). */
-static int part_open(part_t *p, PyObject *spec) {
+static int part_open_as_is(part_t *p, PyObject *spec) {
     Py_ssize_t arity = PyTuple_Check(spec) ? PyTuple_GET_SIZE(spec) : 0;
     if (arity == 0) {
         if (PyObject_GetBuffer(spec, &p->view, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
@@ -197,12 +206,33 @@ fail:
     return -1;
 }
 
+/* `part_open_as_is`, or of what `converter` makes of a part refused so. */
+static int part_open(part_t *p, PyObject *spec) {
+    p->owner = NULL;
+    if (part_open_as_is(p, spec) == 0)
+        return 0;
+    if (!refused())
+        return -1;
+    PyErr_Clear();
+    PyObject *converted = PyObject_CallOneArg(converter, spec);
+    if (converted == NULL)
+        return -1;
+    if (part_open_as_is(p, converted) < 0) {
+        Py_DECREF(converted);
+        return -1;
+    }
+    p->owner = converted;
+    return 0;
+}
+
 static inline uint64_t part_items(const part_t *p) { return (uint64_t)(p->rows * p->cols); }
 static inline uint64_t part_bytes(const part_t *p) { return part_items(p) * (uint64_t)p->view.itemsize; }
 
 static void parts_release(part_t *parts, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++)
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyBuffer_Release(&parts[i].view);
+        Py_XDECREF(parts[i].owner);
+    }
 }
 
 /* Open every spec of `seq` (a sequence); the number opened, or -1 with all released. */
@@ -243,8 +273,9 @@ PyDoc_STRVAR(write_frame_doc,
              "Copy `parts` into the ring as one frame; False when the ring has no room (counted as\n"
              "dropped). A part is bytes or a uint8/int32/int64 array: whole (contiguous, or 2-D with\n"
              "contiguous rows), (array, n) for\n"
-             "its first n items, or (array, rows, cols) for a 2-D array's top-left block. TypeError for a\n"
-             "part of another type, BufferError for one not laid out so: the caller converts those.");
+             "its first n items, or (array, rows, cols) for a 2-D array's top-left block. A part of\n"
+             "another type or layout goes through the converter (set_converter), else TypeError or\n"
+             "BufferError.");
 
 static PyObject *write_frame(PyObject *self, PyObject *args) {
     PyObject *mapping, *specs;
@@ -307,25 +338,24 @@ static PyObject *pack_parts(PyObject *self, PyObject *specs) {
 
 PyDoc_STRVAR(prefix_max_doc,
              "prefix_max(array, n) -> int\n\n"
-             "The largest of a 1-D int32/int64 array's first n items (0 when n is 0): the widest row\n"
-             "of a block table, without a numpy reduction's fixed cost.");
+             "The largest of a 1-D integer array's first n items (0 when n is 0): the widest row of a\n"
+             "block table, without a numpy reduction's fixed cost.");
 
 static PyObject *prefix_max(PyObject *self, PyObject *args) {
     PyObject *array;
     Py_ssize_t n;
     if (!PyArg_ParseTuple(args, "On", &array, &n))
         return NULL;
-    part_t p;
     if (n < 0)
         return PyErr_Format(PyExc_ValueError, "a prefix cannot be negative");
-    if (PyObject_GetBuffer(array, &p.view, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
+    PyObject *spec = PyTuple_Pack(2, array, PyTuple_GET_ITEM(args, 1));
+    if (spec == NULL)
         return NULL;
-    p.type = (uint64_t)part_type(&p.view);
-    p.cols = n;
-    if (prefix_check(&p) < 0) {
-        PyBuffer_Release(&p.view);
+    part_t p;
+    int opened = part_open(&p, spec); /* another width is converted: an int32 or int64 prefix */
+    Py_DECREF(spec);
+    if (opened < 0)
         return NULL;
-    }
     long long best = 0;
     if (p.type == PART_I32) {
         const int32_t *v = p.view.buf;
@@ -336,11 +366,11 @@ static PyObject *prefix_max(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = 0; i < n; i++)
             best = v[i] > best ? v[i] : best;
     } else {
-        PyBuffer_Release(&p.view);
-        PyErr_SetString(PyExc_TypeError, "prefix_max takes an int32 or int64 array");
-        return NULL;
+        const uint8_t *v = p.view.buf;
+        for (Py_ssize_t i = 0; i < n; i++)
+            best = v[i] > best ? v[i] : best;
     }
-    PyBuffer_Release(&p.view);
+    parts_release(&p, 1);
     return PyLong_FromLongLong(best);
 }
 
@@ -369,7 +399,21 @@ static PyObject *write_record(PyObject *self, PyObject *args) {
     return PyBool_FromLong(room != NULL);
 }
 
+PyDoc_STRVAR(set_converter_doc,
+             "set_converter(fn)\n\n"
+             "What write_frame, pack_parts and prefix_max call with a part they refuse (another type,\n"
+             "another layout), to take what it returns instead; once, by the module that owns the rule.");
+
+static PyObject *set_converter(PyObject *self, PyObject *fn) {
+    if (!PyCallable_Check(fn))
+        return PyErr_Format(PyExc_TypeError, "a converter is callable");
+    Py_INCREF(fn);
+    Py_XSETREF(converter, fn);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"set_converter", set_converter, METH_O, set_converter_doc},
     {"write_frame", write_frame, METH_VARARGS, write_frame_doc},
     {"pack_parts", pack_parts, METH_O, pack_parts_doc},
     {"prefix_max", prefix_max, METH_VARARGS, prefix_max_doc},

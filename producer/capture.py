@@ -17,15 +17,41 @@ import msgspec
 import numpy as np
 
 from kvledger.producer import records
-from kvledger.producer.frames import pack, pack_into, pack_parts, step_input_record, unpack, unpack_parts
+from kvledger.producer.frames import pack, pack_parts, step_input_record, unpack, unpack_parts
 from kvledger.producer.staging import Staged
 from kvledger.schemas import pack_i32
 
 _EMPTY = np.zeros(0, np.int64)
 _NIL = msgspec.Raw(msgspec.msgpack.encode(None))
-# A step frame's header (`StepCapture.to_parts`), its scheduler's blob and the plan's ids left encoded.
-_PlanHeader = tuple[msgspec.Raw, Any, Any, Any, Any, Any]
-_read_step = msgspec.msgpack.Decoder(tuple[int, str, msgspec.Raw, _PlanHeader | None, Any]).decode
+
+
+# A step frame's header, as Structs: built on the engine thread by one C call each (a Python-level
+# constructor costs ~1.5 us there, cold after a forward pass), read back in the recorder by the same
+# declaration, with what it reads later left encoded.
+class PlanHeader(msgspec.Struct, array_like=True):
+    """What a step frame's header carries of the plan (nothing here waits for the device)."""
+
+    req_ids: msgspec.Raw  # the runner's order, encoded ahead (`frames.RepeatedIds`); read back encoded
+    num_tokens: int
+    group_ids: list[int]
+    has_positions: bool = True  # False for a dummy run: it serves no request
+    draft_group: int = -1  # the KV cache group the drafter's layers write
+    passes: list[tuple[int, int, bool, bool]] = []  # per drafter pass: index, real tokens, has positions, has qsl
+
+
+class StepHeader(msgspec.Struct, array_like=True):
+    """A step frame's header: the step, the scheduler's fields, the plan's, the digests' reasons."""
+
+    step: int
+    kind: str  # REAL, DUMMY, PROFILE, WARMUP
+    # `frames.scheduler_fields` as the probe took them (encoded with the header, see StepCapture.header),
+    # or already encoded; read back encoded (nil for none).
+    scheduler: msgspec.Raw
+    plan: PlanHeader | None
+    reasons: list[str] | None = None  # per content digest (ContentCapture.reasons)
+
+
+_read_step = msgspec.msgpack.Decoder(StepHeader).decode
 _BATCHES_KEPT = 8  # a step's batch in the scheduler's order and in the runner's, and a few past ones
 
 
@@ -162,10 +188,9 @@ class PlanCapture:
         return records.step_plan(req_indices, qsl[1:] - starts, first, group_records, drafts)
 
     # -- the wire form: a small header, the plan's part, then the drafter's arrays -----------------
-    def header(self) -> tuple:
-        """What the frame's header carries of the plan (nothing here waits for the device)."""
+    def header(self) -> PlanHeader:
         passes = [(d.pass_index, d.num_real, d.positions is not None, d.qsl is not None) for d in self.drafts]
-        return (self.req_ids, self.num_tokens, self.has_positions, self.group_ids, self.draft_group, passes)
+        return PlanHeader(self.req_ids, self.num_tokens, self.group_ids, self.has_positions, self.draft_group, passes)
 
     def array_parts(self) -> list:
         """The frame's parts; waits for a device copy still in flight."""
@@ -176,11 +201,10 @@ class PlanCapture:
         return arrays
 
     @classmethod
-    def from_parts(cls, header, arrays: list[np.ndarray]) -> PlanCapture:
-        req_ids, num_tokens, has_positions, group_ids, draft_group, passes = header
+    def from_parts(cls, header: PlanHeader, arrays: list[np.ndarray]) -> PlanCapture:
         plan, *rest = arrays
         drafts = []
-        for k, (pass_index, num_real, has_pos, has_qsl) in enumerate(passes):
+        for k, (pass_index, num_real, has_pos, has_qsl) in enumerate(header.passes):
             slots, pos, pass_qsl = rest[3 * k : 3 * k + 3]
             drafts.append(
                 DraftPassCapture(
@@ -191,7 +215,8 @@ class PlanCapture:
                     num_real,
                 )
             )
-        return cls(req_ids, num_tokens, group_ids, plan, has_positions, drafts, draft_group)
+        h = header
+        return cls(h.req_ids, h.num_tokens, h.group_ids, plan, h.has_positions, drafts, h.draft_group)
 
 
 @dataclass
@@ -233,18 +258,16 @@ class StepCapture:
         plan, content = self.plan, self.content
         return (plan is None or plan.ready()) and (content is None or content.digests.ready())
 
-    def header(self, into: bytearray | None = None) -> bytes | bytearray:
-        """The frame's first part, encoded at once: the scheduler's fields go in with it, in one
-        encode, while the runner has not yet changed their lists (see `frames.scheduler_fields`),
-        even when the frame waits for device copies. Encoded `into` a buffer kept across steps
-        (which then holds it alone) for a frame written now."""
+    def fields(self) -> StepHeader:
         plan = self.plan.header() if self.plan is not None else None
         reasons = self.content.reasons if self.content is not None else None
-        fields = (self.step, self.kind, self.scheduler, plan, reasons)
-        if into is None:
-            return pack(fields)
-        pack_into(fields, into)
-        return into
+        return StepHeader(self.step, self.kind, self.scheduler, plan, reasons)
+
+    def header(self) -> bytes:
+        """The frame's first part, encoded at once: the scheduler's fields go in with it, in one
+        encode, while the runner has not yet changed their lists (see `frames.scheduler_fields`),
+        even when the frame waits for device copies."""
+        return pack(self.fields())
 
     def array_parts(self) -> list:
         """The frame's other parts: the plan's, then the content digests' (waits for the device)."""
@@ -261,13 +284,13 @@ class StepCapture:
     @classmethod
     def from_parts(cls, parts: list[np.ndarray]) -> StepCapture:
         # The scheduler's blob and the plan's ids are read later, as they are (no copy, no strings).
-        step, kind, scheduler, plan_header, reasons = _read_step(parts[0])
+        h = _read_step(parts[0])
         arrays, content = parts[1:], None
-        if reasons is not None:
+        if h.reasons is not None:
             arrays, (groups, blocks, digests) = arrays[:-3], arrays[-3:]
-            content = ContentCapture(groups, blocks, Staged.host(digests), reasons)
-        plan = PlanCapture.from_parts(plan_header, arrays) if plan_header is not None else None
-        return cls(step, kind, None if scheduler == _NIL else scheduler, plan, content)
+            content = ContentCapture(groups, blocks, Staged.host(digests), h.reasons)
+        plan = PlanCapture.from_parts(h.plan, arrays) if h.plan is not None else None
+        return cls(h.step, h.kind, None if h.scheduler == _NIL else h.scheduler, plan, content)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import numbers
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from enum import IntEnum
 from itertools import compress, repeat
 from operator import is_not
@@ -31,7 +31,6 @@ import msgspec
 import numpy as np
 
 from kvledger.producer import _hotpath, records
-from kvledger.producer.ring import Ring
 from kvledger.schemas import pack_i32
 
 
@@ -81,30 +80,13 @@ class Frame(NamedTuple):
     parts: list[np.ndarray]
 
 
-def write_frame(ring: Ring, kind: FrameKind, seq: int, emitted_at_us: int, parts: Sequence[Any]) -> bool:
-    """Copy `parts` into the ring as one frame; False when it has no room (the ring counts it).
-    A part is bytes or a numpy integer array: whole, `(array, n)` for its first n items, or
-    `(array, rows, cols)` for a 2-D array's top-left block; each is copied once, into the ring."""
-    try:
-        return ring.write_frame(kind, seq, emitted_at_us, parts)
-    except (TypeError, BufferError):  # rare: a part of another width, or a strided view
-        return ring.write_frame(kind, seq, emitted_at_us, [as_array(p) for p in parts])
-
-
-def pack_parts(parts: Sequence[Any]) -> bytes:
-    """`parts` (as `write_frame` takes them) gathered into one part, in one compiled call."""
-    try:
-        return _hotpath.pack_parts(parts)
-    except (TypeError, BufferError):
-        return _hotpath.pack_parts([as_array(p) for p in parts])
-
-
-def prefix_max(array: np.ndarray, n: int) -> int:
-    """The largest of `array[:n]` (0 for none): one compiled loop, not a numpy reduction."""
-    try:
-        return _hotpath.prefix_max(array, n)
-    except (TypeError, BufferError):
-        return int(array[:n].max()) if n else 0
+# The compiled calls take a part they refuse as `as_array` makes it (they call it themselves): no
+# Python layer around them on the engine thread, where one costs ~1.5 us cold after a forward pass.
+_hotpath.set_converter(as_array)
+# pack_parts(parts) -> bytes: `parts` (as `Ring.write_frame` takes them) gathered into one part.
+pack_parts = _hotpath.pack_parts
+# prefix_max(array, n) -> int: the largest of `array[:n]` (0 for none), one compiled loop.
+prefix_max = _hotpath.prefix_max
 
 
 def _read_parts(buffer, n: int, words_at: int) -> list[np.ndarray]:

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import msgspec
 
-from kvledger.producer.capture import HealthCapture, SnapshotCapture, StepCapture
+from kvledger.producer.capture import HealthCapture, SnapshotCapture, StepCapture, StepHeader
 from kvledger.producer.config import TraceConfig
-from kvledger.producer.frames import FrameKind, body_part, write_frame
+from kvledger.producer.frames import FrameKind, body_part, pack, pack_into
 from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring, RingError, ring_dir
@@ -275,7 +275,7 @@ class RingRecorder:
     def _frame(self, kind: FrameKind, parts: list) -> int:
         seq = self.captured
         self.captured = seq + 1
-        write_frame(self.ring, kind, seq, time.time_ns() // 1000, parts)
+        self.ring.write_frame(kind, seq, time.time_ns() // 1000, parts)
         return seq
 
     def _writes_now(self, ready: Callable[[], bool] | None) -> bool:
@@ -326,13 +326,23 @@ class RingRecorder:
         self._offer(FrameKind.BODY, lambda: [body_part(make())], ready)
 
     def step(self, capture: StepCapture) -> None:
-        # The header is encoded now, even when the frame is held (see StepCapture.header): into the
-        # step buffer when the frame is written at once, into bytes of its own when it waits.
         if self._writes_now(capture.ready):
-            self._frame(FrameKind.STEP, capture.to_parts(capture.header(into=self._step_header)))
+            self.step_now(capture.fields(), capture.array_parts())
             return
+        # Encoded now, even though the frame waits (see StepCapture.header).
         header = capture.header()
         self._hold(FrameKind.STEP, lambda: capture.to_parts(header), capture.ready)
+
+    def step_now(self, header: StepHeader, parts: list) -> None:
+        """A step's frame of its header and its other parts, written now: the header
+        encoded into a buffer kept across steps, where a fresh bytes object's allocation, cold
+        after a forward pass, costs ~6 us. Held behind frames held already (encoded then)."""
+        if self._held:
+            header = pack(header)
+            self._hold(FrameKind.STEP, lambda: [header, *parts], None)
+            return
+        pack_into(header, self._step_header)
+        self._frame(FrameKind.STEP, [self._step_header, *parts])
 
     def snapshot(self, capture: SnapshotCapture) -> None:
         self._offer(FrameKind.SNAPSHOT, capture.to_parts, capture.ready)

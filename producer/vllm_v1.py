@@ -42,9 +42,11 @@ from kvledger.producer.capture import (
     ContentCapture,
     DraftPassCapture,
     PlanCapture,
+    PlanHeader,
     RequestIndex,
     SnapshotCapture,
     StepCapture,
+    StepHeader,
 )
 from kvledger.producer.config import TraceAction, TraceConfig, resolve_engine_id
 from kvledger.producer.content import GroupRows, SealTracker, digest_blocks, group_pages
@@ -124,6 +126,7 @@ class V1RunnerProbe:
         # 64-request step's ~60 in a CPU engine): set at attach when nothing else joins or precedes
         # it later in the step (a drafter's passes, a KV connector's events).
         self._frame_at_plan = False
+        self._writes_at_plan = False
         self._plan: PlanCapture | None = None
         self.staging = StagingPool()
         # Every buffer the plan reads is host memory (a CPU engine): copied at once, in one call.
@@ -184,6 +187,8 @@ class V1RunnerProbe:
         self.connector_capabilities = attach_connector_probe(self.runner, self._record, lambda: self.step)
         no_connector = getattr(self.runner.vllm_config, "kv_transfer_config", None) is None
         self._frame_at_plan = self.frame_at_plan and self._drafter is None and no_connector
+        # ... and written there of its pieces: its plan copied on the host, checked elsewhere, no digests.
+        self._writes_at_plan = self._frame_at_plan and self._on_host and self._checker is None and self.content is None
         self._record(self._rank_info())
 
     def capabilities(self) -> list[tuple[str, bool, str | None]]:
@@ -407,11 +412,21 @@ class V1RunnerProbe:
             return
         groups = [g.parts(slot_mappings[g.gid], num_reqs) for g in layout.groups]
         qsl = (runner.query_start_loc.np, num_reqs + 1)
-        arrays = self._copy(PlanCapture.plan_parts(qsl, layout.positions_prefix(num_tokens), groups))
+        parts = PlanCapture.plan_parts(qsl, layout.positions_prefix(num_tokens), groups)
+        ids = self._batch_ids(batch.req_ids[:num_reqs])
+        if self._writes_at_plan and self._input is not None:  # the runner builds one plan per step
+            # The step's frame now, of its pieces: what `_record_input_step` writes of a
+            # PlanCapture and a StepCapture, without building them (~20 us cold per step).
+            scheduler_output, self._input = self._input, None
+            fields = scheduler_fields(scheduler_output, self._scheduled_ids)
+            header = StepHeader(self.step, "REAL", fields, PlanHeader(ids, num_tokens, layout.gids))
+            self.recorder.step_now(header, [pack_parts(parts)])
+            return
+        arrays = self._copy(parts)
         if self.content is not None and self._input is not None and self._content is None:
             self._content = self.content.digest(batch, num_reqs, self.staging)
-        self._plan = PlanCapture(self._batch_ids(batch.req_ids[:num_reqs]), num_tokens, layout.gids, arrays)
-        if self._frame_at_plan and self._input is not None:  # the runner builds one plan per step
+        self._plan = PlanCapture(ids, num_tokens, layout.gids, arrays)
+        if self._frame_at_plan and self._input is not None:
             self._record_input_step()
 
     def _copy(self, parts: list) -> Any:

@@ -19,7 +19,6 @@ from kvledger.producer.frames import (
     scheduler_fields,
     step_input_record,
     unpack_parts,
-    write_frame,
 )
 from kvledger.producer.ring import Ring
 
@@ -99,7 +98,7 @@ def test_a_step_input_written_as_a_frame_reads_back_as_the_same_record(tmp_path)
     for step in range(6):
         so = scheduler_output(step)
         expected = reference_step_input(so, drain_index)
-        assert write_frame(ring, FrameKind.STEP, step, 1000 + step, [pack(scheduler_fields(so))])
+        assert ring.write_frame(FrameKind.STEP, step, 1000 + step, [pack(scheduler_fields(so))])
         # The runner adopts block-id lists as request state and extends them in place later:
         # the frame holds them as they were when the step began.
         for r in so.scheduled_new_reqs:
@@ -135,7 +134,7 @@ def test_a_step_with_its_ids_encoded_ahead_is_the_same_frame(tmp_path):
 def test_frames_carry_any_mix_of_buffers(tmp_path):
     ring = Ring.create(tmp_path / "ring", 4096)
     parts = [b"abc", np.arange(5, dtype=np.int64), np.zeros(0, np.int32), np.array([-1, 7], np.int32)]
-    assert write_frame(ring, FrameKind.STEP, 9, 10, parts)
+    assert ring.write_frame(FrameKind.STEP, 9, 10, parts)
     [record] = list(ring.records())
     frame = read_frame(record)
     assert bytes(frame.parts[0]) == b"abc" and frame.parts[1].tolist() == [0, 1, 2, 3, 4]
@@ -146,15 +145,15 @@ def test_parts_of_other_widths_are_widened_and_strided_views_copied(tmp_path):
     ring = Ring.create(tmp_path / "ring", 4096)
     rows = np.arange(12, dtype=np.int32).reshape(3, 4)
     parts = [np.array([3, 65535], np.uint16), rows[:, :2], np.array([True, False]), bytearray(b"xy")]
-    assert write_frame(ring, FrameKind.STEP, 1, 2, parts)
+    assert ring.write_frame(FrameKind.STEP, 1, 2, parts)
     frame = read_frame(next(ring.records()))
     assert frame.parts[0].dtype == np.int64 and frame.parts[0].tolist() == [3, 65535]
     assert frame.parts[1].dtype == np.int32 and frame.parts[1].tolist() == [0, 1, 4, 5, 8, 9]
     assert frame.parts[2].tolist() == [1, 0] and bytes(frame.parts[3]) == b"xy"
     # Alone, a column slice is copied row by row in the compiled call; a transposed view (rows not
     # contiguous) is made contiguous first.
-    assert write_frame(ring, FrameKind.STEP, 2, 3, [rows[:, 1:3]])
-    assert write_frame(ring, FrameKind.STEP, 3, 4, [rows.T])
+    assert ring.write_frame(FrameKind.STEP, 2, 3, [rows[:, 1:3]])
+    assert ring.write_frame(FrameKind.STEP, 3, 4, [rows.T])
     frames = [read_frame(r).parts[0].tolist() for r in ring.records()]  # the first frame still unread
     assert frames[1:] == [[1, 2, 5, 6, 9, 10], rows.T.ravel().tolist()]
 
@@ -171,7 +170,7 @@ def test_prefixes_and_blocks_are_copied_without_slicing_into_frames_and_packed_p
     assert width == 3 and [p.tolist() for p in packed] == expected
     assert [p.dtype for p in packed[:3]] == [np.int64, np.int32, np.int32]
     ring = Ring.create(tmp_path / "ring", 4096)
-    assert write_frame(ring, FrameKind.STEP, 1, 2, [*specs, pack_parts(specs)])
+    assert ring.write_frame(FrameKind.STEP, 1, 2, [*specs, pack_parts(specs)])
     frame = read_frame(next(ring.records()))
     assert [p.tolist() for p in frame.parts[:6]] == expected
     assert [p.tolist() for p in unpack_parts(frame.parts[6])] == expected  # a part of parts
@@ -197,7 +196,7 @@ def test_frames_wrap_and_a_full_ring_drops_them_counted(tmp_path):
     written = 0
     for seq in range(200):  # many laps: every frame crosses the end once in a while
         part = np.full(sizes[seq % 5], seq, np.int32)
-        assert write_frame(ring, FrameKind.STEP, seq, seq, [b"h" * (seq % 9), part])
+        assert ring.write_frame(FrameKind.STEP, seq, seq, [b"h" * (seq % 9), part])
         written += 1
         if seq % 3 == 2:  # the consumer lags a little, then reads all
             for record in ring.records():
@@ -207,5 +206,5 @@ def test_frames_wrap_and_a_full_ring_drops_them_counted(tmp_path):
     assert ring.published == written and ring.dropped == 0
     assert len(list(ring.records())) == 2  # the last two, still unread
     big = np.zeros(200, np.int32)
-    accepted = [write_frame(ring, FrameKind.STEP, 1000 + k, 0, [big]) for k in range(10)]
+    accepted = [ring.write_frame(FrameKind.STEP, 1000 + k, 0, [big]) for k in range(10)]
     assert accepted[0] and not all(accepted) and ring.dropped == accepted.count(False)

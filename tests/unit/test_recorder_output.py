@@ -26,7 +26,7 @@ from kvledger.producer.capture import (
     SnapshotCapture,
     StepCapture,
 )
-from kvledger.producer.frames import FrameKind, body_part, pack_parts, scheduler_fields, write_frame
+from kvledger.producer.frames import FrameKind, body_part, pack_parts, scheduler_fields
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.recorder_loop import FrameReader
 from kvledger.producer.records import RankIdentity
@@ -257,7 +257,7 @@ def recorded(tmp_path: Path, full_rows: bool, seed: int = 3) -> list[dict]:
     recorder = RankRecorder(RANK, sink, capacity=1 << 16, drain_interval=3600)
     reader = FrameReader(Ring.attach(path), recorder, full_rows)
     for seq, (kind, parts) in enumerate(frames(seed)):
-        assert write_frame(ring, kind, seq, 1_000_000 + 1000 * seq, parts)
+        assert ring.write_frame(kind, seq, 1_000_000 + 1000 * seq, parts)
         assert reader.read(8) == 1
     recorder.finish(5.0)
     assert recorder.sink_failed == 0
