@@ -167,16 +167,18 @@ def scheduler_fields(so: Any, cached_ids: Callable[[list[str]], Any] | None = No
     lists themselves, not copies): encoded with the step's frame header, in one C-level call, by
     the end of the step. Not later: the runner adopts some of the block-id lists as request state
     and extends them in place on later steps. `cached_ids` (a `RepeatedIds`) encodes the cached
-    requests' ids ahead when given."""
-    cached = so.scheduled_cached_reqs
+    requests' ids ahead when given. The tokens scheduled per request go as a list aligned with
+    the cached requests when they name exactly those, in their order (a step without new requests,
+    most of them): their ids are not encoded a second time."""
+    cached, new, counts = so.scheduled_cached_reqs, so.scheduled_new_reqs, so.num_scheduled_tokens
     copies = getattr(so, "kv_cache_block_copies", None) or ()
     return (
-        [(r.req_id, r.block_ids, r.num_computed_tokens, len(r.prompt_token_ids or ())) for r in so.scheduled_new_reqs],
+        [(r.req_id, r.block_ids, r.num_computed_tokens, len(r.prompt_token_ids or ())) for r in new],
         cached.req_ids if cached_ids is None else cached_ids(cached.req_ids),
         getattr(cached, "resumed_req_ids", None) or (),
         cached.new_block_ids,
         cached.num_computed_tokens,
-        so.num_scheduled_tokens,
+        list(counts.values()) if not new and list(counts) == cached.req_ids else counts,
         so.finished_req_ids,
         getattr(so, "preempted_req_ids", None) or (),
         getattr(so, "new_block_ids_to_zero", None) or (),
@@ -193,13 +195,14 @@ _last_scheduled: tuple[bytes, bytes, bytes] = (b"", b"", b"")
 
 
 def _scheduled_column(req_ids: bytes, num_scheduled: bytes) -> bytes:
-    """The tokens scheduled per cached request, packed: the last step's when its ids and counts were
-    these (every request decoding one token, say)."""
+    """The tokens scheduled per cached request, packed, of a dict by id or a list aligned with
+    the cached requests (`scheduler_fields`): the last step's when its ids and counts were these
+    (every request decoding one token, say)."""
     global _last_scheduled
     ids, counts, column = _last_scheduled
     if ids != req_ids or counts != num_scheduled:
-        get = unpack(num_scheduled).get
-        column = pack_i32([get(r, 0) for r in unpack(req_ids)])
+        found = unpack(num_scheduled)
+        column = pack_i32(found if isinstance(found, list) else [found.get(r, 0) for r in unpack(req_ids)])
         _last_scheduled = (req_ids, num_scheduled, column)
     return column
 

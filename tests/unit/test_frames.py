@@ -68,10 +68,11 @@ def new_req(req_id: str, blocks: tuple[list[int], ...], computed: int = 0, promp
     return SimpleNamespace(req_id=req_id, block_ids=blocks, num_computed_tokens=computed, prompt_token_ids=[1] * prompt)
 
 
-def scheduler_output(step: int):
+def scheduler_output(step: int, admitting: bool = True):
     """SchedulerOutputs shaped as vLLM's: admissions, decodes with appends, a preemption, a resume,
     finished requests, blocks to zero and block copies, over two KV cache groups."""
     new = [new_req(f"r{step}-{i}", ([10 * step + i, 10 * step + i + 1], [500 + i]), computed=16 * i) for i in range(2)]
+    new = new if admitting else []
     cached_ids = [f"r{s}-{i}" for s in range(step) for i in range(2)]
     new_blocks = [([7, 8], []) if k % 3 == 0 else None if k % 3 == 1 else ([], [9]) for k in range(len(cached_ids))]
     resumed = set(cached_ids[-1:]) if step == 3 else set()
@@ -108,6 +109,26 @@ def test_a_step_input_written_as_a_frame_reads_back_as_the_same_record(tmp_path)
         assert (frame.kind, frame.seq, frame.emitted_at_us) == (FrameKind.STEP, step, 1000 + step)
         assert step_input_record(frame.parts[0], engine_index) == expected, f"step {step}"
     assert engine_index._index == drain_index._index  # both gave out and forgot the same indices
+
+
+def test_a_decoding_step_sends_its_counts_aligned_with_the_cached_requests_and_reads_back_the_same(tmp_path):
+    # No new request and the counts naming the cached requests in their order: a list, not the ids
+    # again; counts in another order (or naming a new request) stay a dict. Both read back alike.
+    ring = Ring.create(tmp_path / "ring", 1 << 16)
+    reader = Ring.attach(tmp_path / "ring")
+    engine_index, drain_index = RequestIndex(), RequestIndex()
+    for step, admitting, reordered in ((0, True, False), (3, True, False), (4, False, False), (5, False, True)):
+        so = scheduler_output(step, admitting)
+        if reordered:
+            so.num_scheduled_tokens = dict(reversed(so.num_scheduled_tokens.items()))
+        so.num_scheduled_tokens = {r: n + k for k, (r, n) in enumerate(so.num_scheduled_tokens.items())}
+        expected = reference_step_input(so, drain_index)
+        fields = scheduler_fields(so)
+        aligned = not admitting and not reordered
+        assert isinstance(fields[5], list) is aligned, f"step {step}"
+        assert ring.write_frame(FrameKind.STEP, step, 0, [pack(fields)])
+        [record] = list(reader.records())
+        assert step_input_record(read_frame(record).parts[0], engine_index) == expected, f"step {step}"
 
 
 def test_repeated_ids_are_encoded_once_and_again_when_they_change():
