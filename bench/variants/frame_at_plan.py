@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from kvledger.producer.vllm_v1 import V1RunnerProbe
 
+_AT_ATTACH: dict[int, tuple[bool, bool]] = {}  # per probe: the two flags as attach set them
+
 
 def setup(probe: V1RunnerProbe, variant_b: bool) -> None:
-    probe._frame_at_plan = variant_b
+    # A frame written at the step's end is not written at the plan of its pieces either.
+    at_attach = _AT_ATTACH.setdefault(id(probe), (probe._frame_at_plan, probe._writes_at_plan))
+    probe._frame_at_plan, probe._writes_at_plan = at_attach if variant_b else (False, False)
