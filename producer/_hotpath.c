@@ -348,7 +348,7 @@ static PyObject *prefix_max(PyObject *self, PyObject *args) {
         return NULL;
     if (n < 0)
         return PyErr_Format(PyExc_ValueError, "a prefix cannot be negative");
-    PyObject *spec = PyTuple_Pack(2, array, PyTuple_GET_ITEM(args, 1));
+    PyObject *spec = Py_BuildValue("(On)", array, n);
     if (spec == NULL)
         return NULL;
     part_t p;
