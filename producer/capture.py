@@ -189,6 +189,7 @@ class PlanCapture:
 
     # -- the wire form: a small header, the plan's part, then the drafter's arrays -----------------
     def header(self) -> PlanHeader:
+        """What the step's header carries of this plan."""
         passes = [(d.pass_index, d.num_real, d.positions is not None, d.qsl is not None) for d in self.drafts]
         return PlanHeader(self.req_ids, self.num_tokens, self.group_ids, self.has_positions, self.draft_group, passes)
 
@@ -201,10 +202,10 @@ class PlanCapture:
         return arrays
 
     @classmethod
-    def from_parts(cls, header: PlanHeader, arrays: list[np.ndarray]) -> PlanCapture:
+    def from_parts(cls, h: PlanHeader, arrays: list[np.ndarray]) -> PlanCapture:
         plan, *rest = arrays
         drafts = []
-        for k, (pass_index, num_real, has_pos, has_qsl) in enumerate(header.passes):
+        for k, (pass_index, num_real, has_pos, has_qsl) in enumerate(h.passes):
             slots, pos, pass_qsl = rest[3 * k : 3 * k + 3]
             drafts.append(
                 DraftPassCapture(
@@ -215,7 +216,6 @@ class PlanCapture:
                     num_real,
                 )
             )
-        h = header
         return cls(h.req_ids, h.num_tokens, h.group_ids, plan, h.has_positions, drafts, h.draft_group)
 
 
@@ -259,6 +259,7 @@ class StepCapture:
         return (plan is None or plan.ready()) and (content is None or content.digests.ready())
 
     def fields(self) -> StepHeader:
+        """The step's header, not encoded yet (`RingRecorder.step_now` encodes it in place)."""
         plan = self.plan.header() if self.plan is not None else None
         reasons = self.content.reasons if self.content is not None else None
         return StepHeader(self.step, self.kind, self.scheduler, plan, reasons)

@@ -187,7 +187,8 @@ class V1RunnerProbe:
         self.connector_capabilities = attach_connector_probe(self.runner, self._record, lambda: self.step)
         no_connector = getattr(self.runner.vllm_config, "kv_transfer_config", None) is None
         self._frame_at_plan = self.frame_at_plan and self._drafter is None and no_connector
-        # ... and written there of its pieces: its plan copied on the host, checked elsewhere, no digests.
+        # ... and written there of its pieces (`_capture_plan`) when nothing of it waits or is checked
+        # here: a host engine's plan (copied when taken), no `raise` check, no content digests.
         self._writes_at_plan = self._frame_at_plan and self._on_host and self._checker is None and self.content is None
         self._record(self._rank_info())
 
