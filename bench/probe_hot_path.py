@@ -170,7 +170,7 @@ def bench_probe(num_reqs: int) -> tuple[SimpleNamespace, V1RunnerProbe]:
     config = TraceConfig(enabled=True, action=TraceAction.RECORD, snapshot_interval=0, ring_bytes=1 << 24)
     probe = V1RunnerProbe(runner, config)
     probe.recorder = RingRecorder(RankIdentity("bench", 0, 0, 0, 1), config, spawn=False)
-    probe._frame_at_plan = probe.frame_at_plan  # as attach sets it for a runner without drafter or connector
+    probe.place_step_frames(no_connector=True)  # as attach does, for a runner without drafter or connector
     return runner, probe
 
 

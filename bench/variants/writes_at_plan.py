@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from kvledger.producer.vllm_v1 import V1RunnerProbe
 
-_AT_ATTACH: dict[int, bool] = {}
+_AT_ATTACH: dict[int, bool] = {}  # per probe: the flag as attach set it (read before the first A sets it)
 
 
 def setup(probe: V1RunnerProbe, variant_b: bool) -> None:
-    probe._writes_at_plan = variant_b and _AT_ATTACH.setdefault(id(probe), probe._writes_at_plan)
+    at_attach = _AT_ATTACH.setdefault(id(probe), probe._writes_at_plan)
+    probe._writes_at_plan = variant_b and at_attach

@@ -72,11 +72,11 @@ so = NS(scheduled_new_reqs=[], finished_req_ids=set(), preempted_req_ids=set(), 
                                  num_computed_tokens=[40, 50, 60]),
         num_scheduled_tokens={"a": 2, "b": 1, "c": 2}, kv_cache_block_copies=())
 
-def step(at_plan):
+def step(at_plan, of_pieces=False):
     rows[:3, :3] = [[1, 2, 0], [3, 4, 9], [6, 0, 0]]
     probe = V1RunnerProbe(runner, TraceConfig(enabled=True, snapshot_interval=0))
     probe.recorder = RingRecorder(RankIdentity("t", 0, 0, 0, 1), probe.config, spawn=False)
-    probe._frame_at_plan = at_plan
+    probe._frame_at_plan, probe._writes_at_plan = at_plan, of_pieces
     probe._before_step(so)
     probe._capture_plan({"num_tokens": 5, "num_reqs": 3, "slot_mappings": {0: buffer[:5]}})
     at_capture = probe.recorder.captured
@@ -89,6 +89,7 @@ def step(at_plan):
 early, late = step(True), step(False)
 assert (early[0], late[0]) == (1, 0), (early[0], late[0])  # written with its plan, or at the step's end
 assert early[1] == late[1] and early[1][1]["plan"] is not None and early[1][1]["input"] is not None
+assert step(True, of_pieces=True) == early  # a host step's frame written of its pieces: the same, as early
 print("ok")
 """
 )
