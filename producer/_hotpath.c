@@ -151,16 +151,12 @@ static int prefix_check(part_t *p) {
  * cols) (a 2-D array's top-left block). -1 with an exception set (the view released). */
 static int part_open_as_is(part_t *p, PyObject *spec) {
     Py_ssize_t arity = PyTuple_Check(spec) ? PyTuple_GET_SIZE(spec) : 0;
-    if (arity == 0) {
-        if (PyObject_GetBuffer(spec, &p->view, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
-            return -1;
-    } else if (arity == 2 || arity == 3) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(spec, 0), &p->view, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
-            return -1;
-    } else {
+    if (arity != 0 && arity != 2 && arity != 3) {
         PyErr_SetString(PyExc_TypeError, "a part is a buffer, (array, n) or (array, rows, cols)");
         return -1;
     }
+    if (PyObject_GetBuffer(arity == 0 ? spec : PyTuple_GET_ITEM(spec, 0), &p->view, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
+        return -1;
     p->type = (uint64_t)part_type(&p->view);
     if (p->type == 0) {
         PyErr_Format(PyExc_TypeError, "format %s is not a frame part's", p->view.format ? p->view.format : "B");
@@ -412,12 +408,273 @@ static PyObject *set_converter(PyObject *self, PyObject *fn) {
     Py_RETURN_NONE;
 }
 
+
+/* -- a step's scheduler fields -------------------------------------------------------------------- */
+
+/* Attribute names, interned once at import. */
+static PyObject *s_cached, *s_new, *s_counts, *s_copies, *s_req_ids, *s_resumed, *s_new_blocks, *s_computed,
+    *s_finished, *s_preempted, *s_zero, *s_req_id, *s_block_ids, *s_prompt, *s_src, *s_dst;
+
+/* getattr(obj, name, None) or (): a new reference, NULL with an exception set. */
+static PyObject *attr_or_empty(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return NULL;
+        PyErr_Clear();
+        return PyTuple_New(0);
+    }
+    int truth = PyObject_IsTrue(v);
+    if (truth <= 0) {
+        Py_DECREF(v);
+        return truth < 0 ? NULL : PyTuple_New(0);
+    }
+    return v;
+}
+
+/* (req_id, block_ids, num_computed_tokens, prompt length) per new request. */
+static PyObject *new_requests(PyObject *new) {
+    PyObject *seq = PySequence_Fast(new, "scheduled_new_reqs must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *r = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *prompt = attr_or_empty(r, s_prompt);
+        Py_ssize_t prompt_len = prompt == NULL ? -1 : PyObject_Size(prompt);
+        Py_XDECREF(prompt);
+        PyObject *item = prompt_len < 0 ? NULL : Py_BuildValue("(NNNn)", PyObject_GetAttr(r, s_req_id),
+                                                              PyObject_GetAttr(r, s_block_ids),
+                                                              PyObject_GetAttr(r, s_computed), prompt_len);
+        if (item == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, item);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+/* The counts' values as a list when `counts` (a dict) names exactly `ids` (a list), in order;
+ * else `counts` itself. A new reference, NULL with an exception set. */
+static PyObject *aligned_counts(PyObject *counts, PyObject *ids) {
+    if (!PyDict_Check(counts) || !PyList_Check(ids) || PyDict_GET_SIZE(counts) != PyList_GET_SIZE(ids))
+        return Py_NewRef(counts);
+    PyObject *values = PyList_New(PyList_GET_SIZE(ids));
+    PyObject *key, *value;
+    Py_ssize_t pos = 0, i = 0;
+    while (values != NULL && PyDict_Next(counts, &pos, &key, &value)) {
+        PyObject *id = PyList_GET_ITEM(ids, i);
+        int same = key == id ? 1 : PyObject_RichCompareBool(key, id, Py_EQ);
+        if (same <= 0) {
+            Py_DECREF(values);
+            return same < 0 ? NULL : Py_NewRef(counts);
+        }
+        PyList_SET_ITEM(values, i++, Py_NewRef(value));
+    }
+    return values;
+}
+
+/* (src, dst) per block copy: of an object with those attributes, or of a pair's first two. */
+static PyObject *block_copies(PyObject *copies) {
+    PyObject *seq = PySequence_Fast(copies, "kv_cache_block_copies must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *c = PySequence_Fast_GET_ITEM(seq, i), *pair;
+        if (PyObject_HasAttr(c, s_src)) {
+            pair = Py_BuildValue("(NN)", PyObject_GetAttr(c, s_src), PyObject_GetAttr(c, s_dst));
+        } else {
+            PyObject *whole = PySequence_Tuple(c);
+            pair = whole == NULL ? NULL : PyTuple_GetSlice(whole, 0, 2);
+            Py_XDECREF(whole);
+        }
+        if (pair == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, pair);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+PyDoc_STRVAR(scheduler_fields_doc,
+             "scheduler_fields(scheduler_output, cached_ids=None) -> tuple\n\n"
+             "The SchedulerOutput fields a StepInput is built from, as MessagePack encodes them (the\n"
+             "lists themselves, not copies), in this order: the new requests as (id, block ids,\n"
+             "computed tokens, prompt length); the cached requests' ids (`cached_ids(ids)` when given:\n"
+             "a RepeatedIds encodes them ahead); their resumed ids, new block ids and computed tokens;\n"
+             "the tokens scheduled per request; the finished, the preempted, the blocks to zero; the\n"
+             "block copies as (src, dst). The tokens per request go as a list aligned with the cached\n"
+             "requests when the dict names exactly those, in their order, and no request is new (a\n"
+             "decoding step): their ids are not encoded a second time. An attribute this vLLM lacks\n"
+             "among the optional ones reads as ().");
+
+static PyObject *scheduler_fields(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2)
+        return PyErr_Format(PyExc_TypeError, "scheduler_fields takes 1 or 2 arguments, not %zd", nargs);
+    PyObject *so = args[0], *cached_ids = nargs == 2 && args[1] != Py_None ? args[1] : NULL;
+    PyObject *f[10] = {NULL};
+    PyObject *cached = PyObject_GetAttr(so, s_cached), *new = PyObject_GetAttr(so, s_new);
+    PyObject *counts = PyObject_GetAttr(so, s_counts), *ids = NULL, *out = NULL;
+    if (cached == NULL || new == NULL || counts == NULL || (ids = PyObject_GetAttr(cached, s_req_ids)) == NULL)
+        goto done;
+    Py_ssize_t num_new = PyObject_Size(new);
+    if (num_new < 0 || (f[0] = new_requests(new)) == NULL)
+        goto done;
+    f[1] = cached_ids != NULL ? PyObject_CallOneArg(cached_ids, ids) : Py_NewRef(ids);
+    if (f[1] == NULL || (f[2] = attr_or_empty(cached, s_resumed)) == NULL ||
+        (f[3] = PyObject_GetAttr(cached, s_new_blocks)) == NULL || (f[4] = PyObject_GetAttr(cached, s_computed)) == NULL)
+        goto done;
+    if ((f[5] = num_new ? Py_NewRef(counts) : aligned_counts(counts, ids)) == NULL ||
+        (f[6] = PyObject_GetAttr(so, s_finished)) == NULL || (f[7] = attr_or_empty(so, s_preempted)) == NULL ||
+        (f[8] = attr_or_empty(so, s_zero)) == NULL)
+        goto done;
+    PyObject *copies = attr_or_empty(so, s_copies);
+    if (copies == NULL)
+        goto done;
+    f[9] = PyTuple_CheckExact(copies) && PyTuple_GET_SIZE(copies) == 0 ? Py_NewRef(copies) : block_copies(copies);
+    Py_DECREF(copies);
+    if (f[9] == NULL)
+        goto done;
+    out = PyTuple_New(10);
+    for (int i = 0; out != NULL && i < 10; i++) {
+        PyTuple_SET_ITEM(out, i, f[i]);
+        f[i] = NULL;
+    }
+done:
+    for (int i = 0; i < 10; i++)
+        Py_XDECREF(f[i]);
+    Py_XDECREF(cached);
+    Py_XDECREF(new);
+    Py_XDECREF(counts);
+    Py_XDECREF(ids);
+    return out;
+}
+
+/* -- request ids that repeat from step to step ------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *encode; /* ids -> their encoding (frames: msgspec.Raw of the MessagePack) */
+    PyObject *ids;    /* a copy of the last list encoded, or NULL */
+    PyObject *encoded;
+} repeated_t;
+
+/* Whether the `n` ids at `ids` equal the list `last` item by item (the same string objects, mostly). */
+static int same_ids(PyObject **ids, Py_ssize_t n, PyObject *last) {
+    if (last == NULL || PyList_GET_SIZE(last) != n)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = ids[i], *b = PyList_GET_ITEM(last, i);
+        if (a != b) {
+            int same = PyObject_RichCompareBool(a, b, Py_EQ);
+            if (same <= 0)
+                return same;
+        }
+    }
+    return 1;
+}
+
+static PyObject *repeated_call(repeated_t *self, PyObject *args, PyObject *kwargs) {
+    PyObject *ids, *out = NULL;
+    Py_ssize_t n = -1;
+    static char *names[] = {"ids", "n", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|n", names, &ids, &n))
+        return NULL;
+    PyObject *seq = PySequence_Fast(ids, "request ids must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    if (n < 0 || n > PySequence_Fast_GET_SIZE(seq))
+        n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int same = same_ids(items, n, self->ids);
+    if (same > 0) {
+        out = Py_NewRef(self->encoded);
+    } else if (same == 0) {
+        PyObject *copy = PyList_New(n), *encoded = NULL;
+        if (copy != NULL) {
+            for (Py_ssize_t i = 0; i < n; i++)
+                PyList_SET_ITEM(copy, i, Py_NewRef(items[i]));
+            encoded = PyObject_CallOneArg(self->encode, copy);
+        }
+        if (encoded == NULL) {
+            Py_XDECREF(copy);
+        } else {
+            Py_XSETREF(self->ids, copy);
+            Py_XSETREF(self->encoded, encoded);
+            out = Py_NewRef(encoded);
+        }
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *repeated_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *encode;
+    static char *names[] = {"encode", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", names, &encode))
+        return NULL;
+    if (!PyCallable_Check(encode))
+        return PyErr_Format(PyExc_TypeError, "encode must be callable");
+    repeated_t *self = (repeated_t *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->encode = Py_NewRef(encode);
+    self->encoded = Py_NewRef(Py_None);
+    return (PyObject *)self;
+}
+
+static int repeated_traverse(repeated_t *self, visitproc visit, void *arg) {
+    Py_VISIT(self->encode);
+    Py_VISIT(self->ids);
+    Py_VISIT(self->encoded);
+    return 0;
+}
+
+static int repeated_clear(repeated_t *self) {
+    Py_CLEAR(self->encode);
+    Py_CLEAR(self->ids);
+    Py_CLEAR(self->encoded);
+    return 0;
+}
+
+static void repeated_dealloc(repeated_t *self) {
+    PyObject_GC_UnTrack(self);
+    repeated_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(repeated_doc,
+             "RepeatedIds(encode)\n\n"
+             "A list of request ids that mostly repeats from step to step (a decoding batch's): called\n"
+             "with (ids, n=len(ids)), returns encode(ids[:n]) when those ids differ from the last\n"
+             "call's, else the last encoding again. Comparing a repeated list costs a pointer per id\n"
+             "(the runner and the scheduler hand over the same string objects); encoding it again, or\n"
+             "slicing it, with the caches cold after a forward pass, several times that.");
+
+static PyTypeObject repeated_type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_hotpath.RepeatedIds",
+    .tp_basicsize = sizeof(repeated_t),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = repeated_doc,
+    .tp_new = repeated_new,
+    .tp_call = (ternaryfunc)repeated_call,
+    .tp_traverse = (traverseproc)repeated_traverse,
+    .tp_clear = (inquiry)repeated_clear,
+    .tp_dealloc = (destructor)repeated_dealloc,
+};
+
 static PyMethodDef methods[] = {
     {"set_converter", set_converter, METH_O, set_converter_doc},
     {"write_frame", write_frame, METH_VARARGS, write_frame_doc},
     {"pack_parts", pack_parts, METH_O, pack_parts_doc},
     {"prefix_max", prefix_max, METH_VARARGS, prefix_max_doc},
     {"write_record", write_record, METH_VARARGS, write_record_doc},
+    {"scheduler_fields", (PyCFunction)(void (*)(void))scheduler_fields, METH_FASTCALL, scheduler_fields_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -425,4 +682,31 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_hotpath", "The producer's side of a rank's ring, compiled.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__hotpath(void) { return PyModule_Create(&module); }
+static int intern_names(void) {
+    struct {
+        PyObject **name;
+        const char *text;
+    } names[] = {
+        {&s_cached, "scheduled_cached_reqs"}, {&s_new, "scheduled_new_reqs"},
+        {&s_counts, "num_scheduled_tokens"},   {&s_copies, "kv_cache_block_copies"},
+        {&s_req_ids, "req_ids"},               {&s_resumed, "resumed_req_ids"},
+        {&s_new_blocks, "new_block_ids"},      {&s_computed, "num_computed_tokens"},
+        {&s_finished, "finished_req_ids"},     {&s_preempted, "preempted_req_ids"},
+        {&s_zero, "new_block_ids_to_zero"},    {&s_req_id, "req_id"},
+        {&s_block_ids, "block_ids"},           {&s_prompt, "prompt_token_ids"},
+        {&s_src, "src"},                       {&s_dst, "dst"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if ((*names[i].name = PyUnicode_InternFromString(names[i].text)) == NULL)
+            return -1;
+    return 0;
+}
+
+PyMODINIT_FUNC PyInit__hotpath(void) {
+    if (intern_names() < 0 || PyType_Ready(&repeated_type) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && (PyModule_AddObjectRef(m, "RepeatedIds", (PyObject *)&repeated_type) < 0))
+        Py_CLEAR(m);
+    return m;
+}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import numbers
 import struct
-from collections.abc import Callable
 from enum import IntEnum
 from itertools import compress, repeat
 from operator import is_not
@@ -142,48 +141,26 @@ def body_of(part) -> tuple[str, dict]:
     return name, body
 
 
-class RepeatedIds:
-    """A list of request ids that mostly repeats from step to step (a decoding batch's), as
-    MessagePack: encoded when it changes, else the last encoding. Comparing a repeated list costs
-    a pointer per id (the runner and the scheduler hand over the same string objects); encoding it
-    again, with the caches cold after a forward pass, several times that."""
+def _encoded_ids(ids: list[str]) -> msgspec.Raw:
+    return msgspec.Raw(pack(ids))
 
-    __slots__ = ("_encoded", "_ids")
 
-    def __init__(self) -> None:
-        self._ids: list[str] | None = None  # a copy of the last list encoded
-        self._encoded = msgspec.Raw(b"")
-
-    def __call__(self, ids: list[str]) -> msgspec.Raw:
-        if ids != self._ids:
-            self._ids = list(ids)
-            self._encoded = msgspec.Raw(pack(self._ids))
-        return self._encoded
+# RepeatedIds() -> ids: a batch's request ids, encoded only when they change (a decoding batch keeps
+# them step after step): `ids(req_ids, n)` is the MessagePack of `req_ids[:n]` as a `msgspec.Raw`,
+# the last one again when those ids are the last call's, compared without a slice (compiled).
+RepeatedIds = functools.partial(_hotpath.RepeatedIds, _encoded_ids)
 
 
 # -- the step input ----------------------------------------------------------------------------------
-def scheduler_fields(so: Any, cached_ids: Callable[[list[str]], Any] | None = None) -> tuple:
-    """The SchedulerOutput fields a StepInput is built from, as MessagePack encodes them (the
-    lists themselves, not copies): encoded with the step's frame header, in one C-level call, by
-    the end of the step. Not later: the runner adopts some of the block-id lists as request state
-    and extends them in place on later steps. `cached_ids` (a `RepeatedIds`) encodes the cached
-    requests' ids ahead when given. The tokens scheduled per request go as a list aligned with
-    the cached requests when they name exactly those, in their order (a step without new requests,
-    most of them): their ids are not encoded a second time."""
-    cached, new, counts = so.scheduled_cached_reqs, so.scheduled_new_reqs, so.num_scheduled_tokens
-    copies = getattr(so, "kv_cache_block_copies", None) or ()
-    return (
-        [(r.req_id, r.block_ids, r.num_computed_tokens, len(r.prompt_token_ids or ())) for r in new],
-        cached.req_ids if cached_ids is None else cached_ids(cached.req_ids),
-        getattr(cached, "resumed_req_ids", None) or (),
-        cached.new_block_ids,
-        cached.num_computed_tokens,
-        list(counts.values()) if not new and list(counts) == cached.req_ids else counts,
-        so.finished_req_ids,
-        getattr(so, "preempted_req_ids", None) or (),
-        getattr(so, "new_block_ids_to_zero", None) or (),
-        [(c.src, c.dst) if hasattr(c, "src") else tuple(c)[:2] for c in copies] if copies else (),
-    )
+# scheduler_fields(scheduler_output, cached_ids=None) -> tuple: the SchedulerOutput fields a
+# StepInput is built from, as MessagePack encodes them, the lists themselves (one compiled call on
+# the engine thread: 6 us of a cold step in Python). Encoded with the step's frame header by the end
+# of the step, not later: the runner adopts some of the block-id lists as request state and extends
+# them in place on later steps. `cached_ids` (a `RepeatedIds`) encodes the cached requests' ids
+# ahead. The tokens scheduled per request go as a list aligned with the cached requests when they
+# name exactly those, in their order, and none is new (most steps): their ids are not encoded twice.
+# The fields' order is `_read_payload`'s.
+scheduler_fields = _hotpath.scheduler_fields
 
 
 # The recorder's reading of a payload: the batch's ids and tokens per request stay encoded (a batch

@@ -424,7 +424,7 @@ class V1RunnerProbe:
         groups = [g.parts(slot_mappings[g.gid], num_reqs) for g in layout.groups]
         qsl = (runner.query_start_loc.np, num_reqs + 1)
         parts = PlanCapture.plan_parts(qsl, layout.positions_prefix(num_tokens), groups)
-        ids = self._batch_ids(batch.req_ids[:num_reqs])
+        ids = self._batch_ids(batch.req_ids, num_reqs)
         if self._writes_at_plan and self._input is not None:  # the runner builds one plan per step
             # The step's frame now, of its pieces: no PlanCapture or StepCapture built, nothing
             # to wait for (13-16 us of a cold 64-request step, paired in a real engine).

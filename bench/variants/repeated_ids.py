@@ -18,8 +18,8 @@ def _serves_with_a_new_set(self, batch, positions, slot_mappings: dict) -> bool:
     return batch is self.batch and positions is self.positions and slot_mappings.keys() == set(self.gids)
 
 
-def _as_they_are(ids: list[str]) -> list[str]:
-    return ids
+def _as_they_are(ids: list[str], n: int | None = None) -> list[str]:
+    return ids if n is None else ids[:n]
 
 
 def setup(probe: V1RunnerProbe, variant_b: bool) -> None:

@@ -140,6 +140,29 @@ def test_repeated_ids_are_encoded_once_and_again_when_they_change():
     batch[7] = "req-new"  # a request replaced in place: the copy kept is not the list changed
     assert bytes(ids(batch)) == pack(batch)
     assert bytes(ids(batch[:10])) == pack(batch[:10])
+    # A prefix of a longer list (the runner's rows past the batch), compared without a slice.
+    again = ids([*batch, "past-0", "past-1"], 10)
+    assert bytes(again) == pack(batch[:10]) and ids(batch, 10) is again
+    assert bytes(ids(tuple(batch), 3)) == pack(batch[:3])  # any sequence
+    with pytest.raises(TypeError):
+        ids(None)
+
+
+def test_scheduler_fields_of_an_older_vllm_read_its_absent_optional_fields_as_empty():
+    so = scheduler_output(2)
+    for name in ("preempted_req_ids", "new_block_ids_to_zero", "kv_cache_block_copies"):
+        delattr(so, name)
+    del so.scheduled_cached_reqs.resumed_req_ids
+    fields = scheduler_fields(so)
+    assert fields[2] == fields[7] == fields[8] == fields[9] == ()
+    assert fields[0] == [(r.req_id, r.block_ids, r.num_computed_tokens, 20) for r in so.scheduled_new_reqs]
+    assert fields[0][0][1] is so.scheduled_new_reqs[0].block_ids  # the list itself, encoded by the step's end
+    # Block copies of either form; a field every vLLM has, missing, fails loudly (the probe goes quiet).
+    so.kv_cache_block_copies = [(5, 6, "extra"), SimpleNamespace(src=1, dst=2)]
+    assert scheduler_fields(so)[9] == [(5, 6), (1, 2)]
+    del so.finished_req_ids
+    with pytest.raises(AttributeError, match="finished_req_ids"):
+        scheduler_fields(so)
 
 
 def test_a_step_with_its_ids_encoded_ahead_is_the_same_frame(tmp_path):
