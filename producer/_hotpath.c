@@ -115,6 +115,7 @@ typedef struct {
     Py_ssize_t rows, cols;   /* items copied: rows x cols */
     Py_ssize_t row_stride;   /* bytes between rows in the source */
     PyObject *owner;         /* what `converter` made of the part, or NULL */
+    Py_ssize_t sub_at, sub_n; /* a part of parts (write_frame): its parts, packed in place; sub_n -1 for none */
 } part_t;
 
 /* What makes a part this module refuses (another integer width, a strided view, a host tensor)
@@ -147,8 +148,11 @@ static int prefix_check(part_t *p) {
     return 0;
 }
 
+static Py_ssize_t widest(PyObject *lens, Py_ssize_t rows);
+
 /* Parse `spec`: a buffer (whole: contiguous, or 2-D with contiguous rows), (array, n) (its first n items) or (array, rows,
- * cols) (a 2-D array's top-left block). -1 with an exception set (the view released). */
+ * cols) (a 2-D array's top-left block; cols a count, or an array of row lengths: the longest of its
+ * first `rows`). -1 with an exception set (the view released). */
 static int part_open_as_is(part_t *p, PyObject *spec) {
     Py_ssize_t arity = PyTuple_Check(spec) ? PyTuple_GET_SIZE(spec) : 0;
     if (arity != 0 && arity != 2 && arity != 3) {
@@ -184,7 +188,10 @@ static int part_open_as_is(part_t *p, PyObject *spec) {
             goto fail;
         return 0;
     }
-    if ((p->rows = count_arg(spec, 1)) < 0 || (p->cols = count_arg(spec, 2)) < 0)
+    if ((p->rows = count_arg(spec, 1)) < 0)
+        goto fail;
+    PyObject *cols = PyTuple_GET_ITEM(spec, 2); /* a count, or the rows' lengths: as wide as the longest */
+    if ((p->cols = PyLong_Check(cols) ? count_arg(spec, 2) : widest(cols, p->rows)) < 0)
         goto fail;
     if (p->view.ndim != 2 || p->view.strides[1] != item || p->view.strides[0] < 0) {
         PyErr_SetString(PyExc_BufferError, "a block of an array that is not 2-D with contiguous rows");
@@ -205,6 +212,7 @@ fail:
 /* `part_open_as_is`, or of what `converter` makes of a part refused so. */
 static int part_open(part_t *p, PyObject *spec) {
     p->owner = NULL;
+    p->sub_n = -1;
     if (part_open_as_is(p, spec) == 0)
         return 0;
     if (!refused())
@@ -250,12 +258,19 @@ static Py_ssize_t parts_open(part_t *parts, PyObject *seq, uint64_t *bytes) {
     return n;
 }
 
-/* The parts' type words, then each part 8-byte aligned (the padding left as it was). */
-static void parts_fill(uint64_t *words, const part_t *parts, Py_ssize_t n) {
+/* The parts' type words, then each part 8-byte aligned (the padding left as it was); a part of
+ * parts as `pack_parts` lays them out, of `sub`. */
+static void parts_fill(uint64_t *words, const part_t *parts, Py_ssize_t n, const part_t *sub) {
     uint8_t *at = (uint8_t *)(words + n);
     for (Py_ssize_t i = 0; i < n; i++) {
         const part_t *p = &parts[i];
         words[i] = p->type | part_items(p) << 8;
+        if (p->sub_n >= 0) {
+            *(uint64_t *)at = (uint64_t)p->sub_n;
+            parts_fill((uint64_t *)at + 1, sub + p->sub_at, p->sub_n, NULL);
+            at += align8(part_bytes(p));
+            continue;
+        }
         size_t row = (size_t)(p->cols * p->view.itemsize);
         const uint8_t *src = p->view.buf;
         for (Py_ssize_t r = 0; r < p->rows; r++, src += p->row_stride)
@@ -264,14 +279,61 @@ static void parts_fill(uint64_t *words, const part_t *parts, Py_ssize_t n) {
     }
 }
 
+/* `parts_open` for a frame's parts, a list among them a part of parts (its parts opened into `sub`
+ * from `*used` on, packed in place when the frame is filled: no bytes object of its own). */
+static Py_ssize_t frame_parts_open(part_t *parts, part_t *sub, Py_ssize_t *used, PyObject *seq, uint64_t *bytes) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > MAX_PARTS) {
+        PyErr_Format(PyExc_ValueError, "a frame holds at most %d parts, not %zd", MAX_PARTS, n);
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    *bytes = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        part_t *p = &parts[i];
+        if (!PyList_CheckExact(items[i])) {
+            if (part_open(p, items[i]) < 0)
+                goto fail;
+        } else {
+            uint64_t inner;
+            Py_ssize_t k = PyList_GET_SIZE(items[i]);
+            if (k > MAX_PARTS - *used) {
+                PyErr_Format(PyExc_ValueError, "a frame's parts of parts hold at most %d parts", MAX_PARTS);
+                goto fail;
+            }
+            if ((k = parts_open(sub + *used, items[i], &inner)) < 0)
+                goto fail;
+            memset(&p->view, 0, sizeof p->view); /* nothing of its own to release */
+            p->view.itemsize = 1;
+            p->owner = NULL;
+            p->type = PART_U8;
+            p->rows = 1;
+            p->cols = (Py_ssize_t)(8 * (1 + (uint64_t)k) + inner);
+            p->sub_at = *used;
+            p->sub_n = k;
+            *used += k;
+        }
+        *bytes += align8(part_bytes(p));
+        continue;
+    fail:
+        parts_release(parts, i);
+        parts_release(sub, *used);
+        *used = 0;
+        return -1;
+    }
+    return n;
+}
+
 PyDoc_STRVAR(write_frame_doc,
              "write_frame(mapping, kind, seq, emitted_at_us, parts) -> bool\n\n"
              "Copy `parts` into the ring as one frame; False when the ring has no room (counted as\n"
              "dropped). A part is bytes or a uint8/int32/int64 array: whole (contiguous, or 2-D with\n"
              "contiguous rows), (array, n) for\n"
-             "its first n items, or (array, rows, cols) for a 2-D array's top-left block. A part of\n"
+             "its first n items, or (array, rows, cols) for a 2-D array's top-left block (cols a\n"
+             "count, or a 1-D array of row lengths: as wide as the longest of its first rows). A part of\n"
              "another type or layout goes through the converter (set_converter), else TypeError or\n"
-             "BufferError.");
+             "BufferError. A list among the parts is one part of those parts, packed in place as\n"
+             "pack_parts packs them.");
 
 static PyObject *write_frame(PyObject *self, PyObject *args) {
     PyObject *mapping, *specs;
@@ -281,15 +343,16 @@ static PyObject *write_frame(PyObject *self, PyObject *args) {
     PyObject *seq_parts = PySequence_Fast(specs, "parts must be a sequence");
     if (seq_parts == NULL)
         return NULL;
-    part_t parts[MAX_PARTS];
+    part_t parts[MAX_PARTS], sub[MAX_PARTS];
     uint64_t bytes;
-    Py_ssize_t n = parts_open(parts, seq_parts, &bytes);
+    Py_ssize_t used = 0, n = frame_parts_open(parts, sub, &used, seq_parts, &bytes);
     Py_DECREF(seq_parts);
     if (n < 0)
         return NULL;
     ring_t ring;
     if (ring_open(&ring, mapping) < 0) {
         parts_release(parts, n);
+        parts_release(sub, used);
         return NULL;
     }
     uint8_t *room = ring_reserve(&ring, 8 * (FRAME_WORDS + (uint64_t)n) + bytes);
@@ -298,11 +361,12 @@ static PyObject *write_frame(PyObject *self, PyObject *args) {
         words[0] = kind | (uint64_t)n << 8;
         words[1] = seq;
         words[2] = at_us;
-        parts_fill(words + FRAME_WORDS, parts, n);
+        parts_fill(words + FRAME_WORDS, parts, n, sub);
         ring_publish(&ring);
     }
     PyBuffer_Release(&ring.view);
     parts_release(parts, n);
+    parts_release(sub, used);
     return PyBool_FromLong(room != NULL);
 }
 
@@ -326,16 +390,53 @@ static PyObject *pack_parts(PyObject *self, PyObject *specs) {
         uint64_t *words = (uint64_t *)PyBytes_AS_STRING(out); /* bytes objects are 8-aligned */
         memset(words, 0, (size_t)PyBytes_GET_SIZE(out));
         words[0] = (uint64_t)n;
-        parts_fill(words + 1, parts, n);
+        parts_fill(words + 1, parts, n, NULL);
     }
     parts_release(parts, n);
     return out;
 }
 
+/* The largest of a 1-D part's items, 0 for none. */
+static long long part_max(const part_t *p) {
+    long long best = 0;
+    Py_ssize_t n = p->cols;
+    if (p->type == PART_I32) {
+        const int32_t *v = p->view.buf;
+        for (Py_ssize_t i = 0; i < n; i++)
+            best = v[i] > best ? v[i] : best;
+    } else if (p->type == PART_I64) {
+        const int64_t *v = p->view.buf;
+        for (Py_ssize_t i = 0; i < n; i++)
+            best = v[i] > best ? v[i] : best;
+    } else {
+        const uint8_t *v = p->view.buf;
+        for (Py_ssize_t i = 0; i < n; i++)
+            best = v[i] > best ? v[i] : best;
+    }
+    return best;
+}
+
+/* The largest of `lens[:rows]` (a 1-D integer array; another width converted), or -1 with an
+ * exception set: the width of a block table's rows that hold anything. */
+static Py_ssize_t widest(PyObject *lens, Py_ssize_t rows) {
+    PyObject *spec = Py_BuildValue("(On)", lens, rows);
+    if (spec == NULL)
+        return -1;
+    part_t p;
+    int opened = part_open(&p, spec);
+    Py_DECREF(spec);
+    if (opened < 0)
+        return -1;
+    long long best = part_max(&p);
+    parts_release(&p, 1);
+    return (Py_ssize_t)best;
+}
+
 PyDoc_STRVAR(prefix_max_doc,
              "prefix_max(array, n) -> int\n\n"
              "The largest of a 1-D integer array's first n items (0 when n is 0): the widest row of a\n"
-             "block table, without a numpy reduction's fixed cost.");
+             "block table, without a numpy reduction's fixed cost (a block part given its rows' lengths\n"
+             "finds it so too).");
 
 static PyObject *prefix_max(PyObject *self, PyObject *args) {
     PyObject *array;
@@ -344,30 +445,8 @@ static PyObject *prefix_max(PyObject *self, PyObject *args) {
         return NULL;
     if (n < 0)
         return PyErr_Format(PyExc_ValueError, "a prefix cannot be negative");
-    PyObject *spec = Py_BuildValue("(On)", array, n);
-    if (spec == NULL)
-        return NULL;
-    part_t p;
-    int opened = part_open(&p, spec); /* another width is converted: an int32 or int64 prefix */
-    Py_DECREF(spec);
-    if (opened < 0)
-        return NULL;
-    long long best = 0;
-    if (p.type == PART_I32) {
-        const int32_t *v = p.view.buf;
-        for (Py_ssize_t i = 0; i < n; i++)
-            best = v[i] > best ? v[i] : best;
-    } else if (p.type == PART_I64) {
-        const int64_t *v = p.view.buf;
-        for (Py_ssize_t i = 0; i < n; i++)
-            best = v[i] > best ? v[i] : best;
-    } else {
-        const uint8_t *v = p.view.buf;
-        for (Py_ssize_t i = 0; i < n; i++)
-            best = v[i] > best ? v[i] : best;
-    }
-    parts_release(&p, 1);
-    return PyLong_FromLongLong(best);
+    Py_ssize_t best = widest(array, n);
+    return best < 0 ? NULL : PyLong_FromSsize_t(best);
 }
 
 PyDoc_STRVAR(write_record_doc,

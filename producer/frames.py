@@ -59,6 +59,8 @@ def as_array(part: Any) -> Any:
     widths widened, strided arrays copied."""
     if isinstance(part, tuple):  # (array, n) or (array, rows, cols)
         array, *counts = part
+        if len(counts) == 2 and not isinstance(counts[1], numbers.Integral):  # cols as the rows' lengths
+            counts[1] = prefix_max(counts[1], counts[0])
         if np.ndim(array) != len(counts) or min(counts) < 0 or any(map(int.__gt__, counts, np.shape(array))):
             raise ValueError(f"no {'x'.join(map(str, counts))} prefix in an array of shape {np.shape(array)}")
         part = array[: counts[0]] if len(counts) == 1 else array[: counts[0], : counts[1]]

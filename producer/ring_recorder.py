@@ -38,7 +38,7 @@ import msgspec
 
 from kvledger.producer.capture import HealthCapture, SnapshotCapture, StepCapture, StepHeader
 from kvledger.producer.config import TraceConfig
-from kvledger.producer.frames import FrameKind, body_part, pack, pack_into
+from kvledger.producer.frames import FrameKind, body_part, pack, pack_into, pack_parts
 from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring, RingError, ring_dir
@@ -336,10 +336,12 @@ class RingRecorder:
     def step_now(self, header: StepHeader, parts: list) -> None:
         """A step's frame of its header and its other parts, written now: the header
         encoded into a buffer kept across steps, where a fresh bytes object's allocation, cold
-        after a forward pass, costs ~6 us. Held behind frames held already (encoded then)."""
+        after a forward pass, costs ~6 us. A list among the parts is a part of parts, packed in
+        place (`Ring.write_frame`). Held behind frames held already: encoded and packed then (a
+        part of parts reads buffers the runner reuses next step)."""
         if self._held:
-            header = pack(header)
-            self._hold(FrameKind.STEP, lambda: [header, *parts], None)
+            held = [pack(header), *(pack_parts(p) if isinstance(p, list) else p for p in parts)]
+            self._hold(FrameKind.STEP, lambda: held, None)
             return
         pack_into(header, self._step_header)
         self._frame(FrameKind.STEP, [self._step_header, *parts])

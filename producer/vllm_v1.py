@@ -418,7 +418,7 @@ class V1RunnerProbe:
         if layout is None or not layout.serves(batch, runner.positions, slot_mappings):
             layout = self._layout = PlanLayout.of(runner, sorted(slot_mappings))
         if self._dummy_kind is not None:  # the batch's rows belong to real requests, not to this run
-            slots = [g.slots(slot_mappings[g.gid]) for g in layout.groups]
+            slots = [g.parts(slot_mappings[g.gid], 0)[0] for g in layout.groups]
             self._plan = PlanCapture.of_dummy_run(layout.gids, self._copy(PlanCapture.dummy_parts(slots)))
             return
         groups = [g.parts(slot_mappings[g.gid], num_reqs) for g in layout.groups]
@@ -427,8 +427,9 @@ class V1RunnerProbe:
         ids = self._batch_ids(batch.req_ids, num_reqs)
         if self._writes_at_plan and self._input is not None:  # the runner builds one plan per step
             # The step's frame now, of its pieces: no PlanCapture or StepCapture built, nothing
-            # to wait for (13-16 us of a cold 64-request step, paired in a real engine).
-            self._record_input_step((PlanHeader(ids, num_tokens, layout.gids), [pack_parts(parts)]))
+            # to wait for (13-16 us of a cold 64-request step, paired in a real engine); the
+            # plan's parts packed in place in the frame (a list: a part of parts).
+            self._record_input_step((PlanHeader(ids, num_tokens, layout.gids), [parts]))
             return
         arrays = self._copy(parts)
         if self.content is not None and self._input is not None and self._content is None:
@@ -602,50 +603,33 @@ def _host_view(tensor: Any) -> np.ndarray | None:
     return tensor.numpy() if tensor.is_cpu else None
 
 
-def _pointed_view(tensor: Any) -> tuple[int, Any, np.ndarray] | None:
-    """(address, dtype, numpy view) of a contiguous 1-D host tensor, else None: a tensor at that
-    address, of that dtype and contiguous is a prefix of the view."""
-    if tensor is None or not tensor.is_cpu or tensor.dim() != 1 or not tensor.is_contiguous():
-        return None
-    return tensor.data_ptr(), tensor.dtype, tensor.numpy()
-
-
 @dataclass
 class GroupLayout:
-    """Where one KV cache group's plan is read: its block table's persistent buffers, with numpy
-    views of those in host memory made once (a torch slice and its `.numpy()` cost several times
+    """Where one KV cache group's plan is read: its block table's persistent buffers, with a numpy
+    view of the rows in host memory made once (a torch slice and its `.numpy()` cost several times
     the copy)."""
 
     gid: int
     table: Any  # vLLM's BlockTable of the group
     lens: np.ndarray  # the rows' lengths (host)
     rows: np.ndarray | None  # every row attention reads (the device tensor's view; None on a device)
-    slot_buffer: tuple[int, Any, np.ndarray] | None  # the slot mapping's buffer (`_pointed_view`)
 
     @classmethod
     def of(cls, gid: int, table: Any) -> GroupLayout:
         # The rows attention reads: the device tensor, committed from the CPU mirror before this
         # step's slot mappings were built (a mirror that drifted misleads).
         rows = _host_view(table.get_device_tensor(1 << 30))  # all rows
-        buffer = getattr(table, "slot_mapping", None)  # a CpuGpuBuffer
-        return cls(gid, table, table.num_blocks_per_row, rows, _pointed_view(getattr(buffer, "gpu", None)))
-
-    def slots(self, slots: Any) -> Any:
-        """The slot mapping attention got: on the host a prefix of the buffer's view when it is one
-        (vLLM slices it so), else the tensor itself."""
-        kept = self.slot_buffer
-        if kept is not None and slots.data_ptr() == kept[0] and slots.dtype is kept[1] and slots.is_contiguous():
-            return kept[2], slots.shape[0]
-        return slots
+        return cls(gid, table, table.num_blocks_per_row, rows)
 
     def parts(self, slots: Any, num_reqs: int) -> tuple[Any, Any, Any]:
-        """(slot mapping, rows, row lengths) as `PlanCapture.plan_parts` takes a group's."""
-        width = prefix_max(self.lens, num_reqs)  # rows are far shorter than the table
+        """(slot mapping, rows, row lengths) as `PlanCapture.plan_parts` takes a group's; the rows
+        only as wide as the longest (far shorter than the table). On the host the slot mapping is
+        read through its numpy view (one torch call: vLLM hands over a new slice every step), the
+        width found as the rows are copied."""
+        lens = (self.lens, num_reqs)
         if self.rows is not None:
-            rows = (self.rows, num_reqs, width)
-        else:
-            rows = self.table.get_device_tensor(num_reqs)[:, :width]
-        return self.slots(slots), rows, (self.lens, num_reqs)
+            return slots.numpy(), (self.rows, num_reqs, self.lens), lens
+        return slots, self.table.get_device_tensor(num_reqs)[:, : prefix_max(self.lens, num_reqs)], lens
 
 
 @dataclass

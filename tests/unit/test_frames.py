@@ -218,11 +218,26 @@ def test_prefixes_and_blocks_are_copied_without_slicing_into_frames_and_packed_p
     frame = read_frame(next(ring.records()))
     assert [p.tolist() for p in frame.parts[:6]] == expected
     assert [p.tolist() for p in unpack_parts(frame.parts[6])] == expected  # a part of parts
+    # A list among a frame's parts is that part of parts, packed in place: the same parts back.
+    assert ring.write_frame(FrameKind.STEP, 2, 3, [b"head", specs, [], (slots, 2), [(lens, 2)]])
+    frame = read_frame(list(ring.records())[-1])
+    assert bytes(frame.parts[0]) == b"head" and frame.parts[3].tolist() == [100, 101]
+    assert [p.tolist() for p in unpack_parts(frame.parts[1])] == expected
+    assert unpack_parts(frame.parts[2]) == [] and [p.tolist() for p in unpack_parts(frame.parts[4])] == [[3, 1]]
+    with pytest.raises(ValueError):  # a bad part inside fails the whole frame, nothing written
+        ring.write_frame(FrameKind.STEP, 3, 4, [b"head", [(slots, 999)]])
     # Another width is widened, a strided source copied: the slow path, same result.
     odd = [(np.array([5, 6, 7], np.uint16), 2), (table[:, ::2], 2, 3), (table[:, 0], 3)]
     assert [p.tolist() for p in unpack_parts(pack_parts(odd))] == [[5, 6], [0, 2, 4, 8, 10, 12], [0, 8, 16]]
     assert prefix_max(lens, 0) == 0 and prefix_max(lens.astype(np.int64), 5) == 9
     assert prefix_max(np.array([3, 7, 9], np.uint16), 2) == 7  # another width: numpy's reduction
+    # A block given its rows' lengths is as wide as the longest of them (the plan's rows), in the
+    # compiled call or, for a source it refuses, through the converter.
+    by_lens = [(table, 3, lens), (table, 3, lens.astype(np.int64)), (table, 0, lens), (table[:, ::2], 2, lens)]
+    blocks = [p.tolist() for p in unpack_parts(pack_parts(by_lens))]
+    assert blocks == [expected[1], expected[1], [], [0, 2, 4, 8, 10, 12]]
+    with pytest.raises(ValueError):  # lengths wider than the table
+        pack_parts([(table, 4, lens)])
 
 
 def test_a_prefix_past_its_array_is_refused():

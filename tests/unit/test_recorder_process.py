@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from kvledger.producer import plugin, records
-from kvledger.producer.capture import PlanCapture, RequestIndex, SnapshotCapture, StepCapture
+from kvledger.producer.capture import PlanCapture, RequestIndex, SnapshotCapture, StepCapture, StepHeader
 from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
-from kvledger.producer.frames import FrameKind, body_of, pack_parts, read_frame, scheduler_fields
+from kvledger.producer.frames import FrameKind, body_of, pack_parts, read_frame, scheduler_fields, unpack_parts
 from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
@@ -356,6 +356,26 @@ def test_a_record_waiting_for_its_digest_holds_the_frames_after_it(tmp_path):
     frames = [read_frame(bytes(r)) for r in recorder.ring.records()]
     assert [(f.kind, f.seq) for f in frames] == [(FrameKind.BODY, 0), (FrameKind.STEP, 1), (FrameKind.STEP, 2)]
     assert body_of(frames[0].parts[0])[1]["vllm_version"] == "y"  # built once ready
+    recorder.ring.close(unlink=True)
+
+
+def test_a_step_written_of_its_pieces_behind_a_held_frame_keeps_its_parts_as_they_were(tmp_path):
+    # The plan's parts go as a part of parts, packed in place when written now; held, they are
+    # packed at once: the runner reuses their buffers next step.
+    recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
+    landed: list[bool] = []
+    info = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")
+    recorder.body_when(lambda: bool(landed), lambda: info)
+    buffer = np.arange(8, dtype=np.int64)
+    header = StepHeader(0, "REAL", scheduler_fields(scheduler_output(0)), None)
+    recorder.step_now(header, [[(buffer, 3), buffer]])
+    buffer[:] = -1  # the runner's next step
+    landed.append(True)
+    recorder.step_now(header, [[(buffer, 2)]])
+    frames = [read_frame(bytes(r)) for r in recorder.ring.records()]
+    assert [(f.kind, f.seq) for f in frames] == [(FrameKind.BODY, 0), (FrameKind.STEP, 1), (FrameKind.STEP, 2)]
+    assert [p.tolist() for p in unpack_parts(frames[1].parts[1])] == [[0, 1, 2], list(range(8))]
+    assert [p.tolist() for p in unpack_parts(frames[2].parts[1])] == [[-1, -1]]
     recorder.ring.close(unlink=True)
 
 
