@@ -239,8 +239,10 @@ static void parts_release(part_t *parts, Py_ssize_t n) {
     }
 }
 
-/* Open every spec of `seq` (a sequence); the number opened, or -1 with all released. */
-static Py_ssize_t parts_open(part_t *parts, PyObject *seq, uint64_t *bytes) {
+/* Open every spec of `seq` (a sequence); the number opened, or -1 with all released. With `sub`
+ * (write_frame), a list among them is a part of parts: its parts opened into `sub` from `*used` on,
+ * packed in place when the frame is filled (no bytes object of its own). */
+static Py_ssize_t parts_open(part_t *parts, PyObject *seq, uint64_t *bytes, part_t *sub, Py_ssize_t *used) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (n > MAX_PARTS) {
         PyErr_Format(PyExc_ValueError, "a frame holds at most %d parts, not %zd", MAX_PARTS, n);
@@ -249,11 +251,38 @@ static Py_ssize_t parts_open(part_t *parts, PyObject *seq, uint64_t *bytes) {
     PyObject **items = PySequence_Fast_ITEMS(seq);
     *bytes = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (part_open(&parts[i], items[i]) < 0) {
-            parts_release(parts, i);
-            return -1;
+        part_t *p = &parts[i];
+        if (sub == NULL || !PyList_CheckExact(items[i])) {
+            if (part_open(p, items[i]) < 0)
+                goto fail;
+        } else {
+            uint64_t inner;
+            Py_ssize_t k = PyList_GET_SIZE(items[i]);
+            if (k > MAX_PARTS - *used) {
+                PyErr_Format(PyExc_ValueError, "a frame's parts of parts hold at most %d parts", MAX_PARTS);
+                goto fail;
+            }
+            if ((k = parts_open(sub + *used, items[i], &inner, NULL, NULL)) < 0)
+                goto fail;
+            memset(&p->view, 0, sizeof p->view); /* nothing of its own to release */
+            p->view.itemsize = 1;
+            p->owner = NULL;
+            p->type = PART_U8;
+            p->rows = 1;
+            p->cols = (Py_ssize_t)(8 * (1 + (uint64_t)k) + inner);
+            p->sub_at = *used;
+            p->sub_n = k;
+            *used += k;
         }
-        *bytes += align8(part_bytes(&parts[i]));
+        *bytes += align8(part_bytes(p));
+        continue;
+    fail:
+        parts_release(parts, i);
+        if (sub != NULL) {
+            parts_release(sub, *used);
+            *used = 0;
+        }
+        return -1;
     }
     return n;
 }
@@ -279,51 +308,6 @@ static void parts_fill(uint64_t *words, const part_t *parts, Py_ssize_t n, const
     }
 }
 
-/* `parts_open` for a frame's parts, a list among them a part of parts (its parts opened into `sub`
- * from `*used` on, packed in place when the frame is filled: no bytes object of its own). */
-static Py_ssize_t frame_parts_open(part_t *parts, part_t *sub, Py_ssize_t *used, PyObject *seq, uint64_t *bytes) {
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n > MAX_PARTS) {
-        PyErr_Format(PyExc_ValueError, "a frame holds at most %d parts, not %zd", MAX_PARTS, n);
-        return -1;
-    }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    *bytes = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        part_t *p = &parts[i];
-        if (!PyList_CheckExact(items[i])) {
-            if (part_open(p, items[i]) < 0)
-                goto fail;
-        } else {
-            uint64_t inner;
-            Py_ssize_t k = PyList_GET_SIZE(items[i]);
-            if (k > MAX_PARTS - *used) {
-                PyErr_Format(PyExc_ValueError, "a frame's parts of parts hold at most %d parts", MAX_PARTS);
-                goto fail;
-            }
-            if ((k = parts_open(sub + *used, items[i], &inner)) < 0)
-                goto fail;
-            memset(&p->view, 0, sizeof p->view); /* nothing of its own to release */
-            p->view.itemsize = 1;
-            p->owner = NULL;
-            p->type = PART_U8;
-            p->rows = 1;
-            p->cols = (Py_ssize_t)(8 * (1 + (uint64_t)k) + inner);
-            p->sub_at = *used;
-            p->sub_n = k;
-            *used += k;
-        }
-        *bytes += align8(part_bytes(p));
-        continue;
-    fail:
-        parts_release(parts, i);
-        parts_release(sub, *used);
-        *used = 0;
-        return -1;
-    }
-    return n;
-}
-
 PyDoc_STRVAR(write_frame_doc,
              "write_frame(mapping, kind, seq, emitted_at_us, parts) -> bool\n\n"
              "Copy `parts` into the ring as one frame; False when the ring has no room (counted as\n"
@@ -345,7 +329,7 @@ static PyObject *write_frame(PyObject *self, PyObject *args) {
         return NULL;
     part_t parts[MAX_PARTS], sub[MAX_PARTS];
     uint64_t bytes;
-    Py_ssize_t used = 0, n = frame_parts_open(parts, sub, &used, seq_parts, &bytes);
+    Py_ssize_t used = 0, n = parts_open(parts, seq_parts, &bytes, sub, &used);
     Py_DECREF(seq_parts);
     if (n < 0)
         return NULL;
@@ -381,7 +365,7 @@ static PyObject *pack_parts(PyObject *self, PyObject *specs) {
         return NULL;
     part_t parts[MAX_PARTS];
     uint64_t bytes;
-    Py_ssize_t n = parts_open(parts, seq_parts, &bytes);
+    Py_ssize_t n = parts_open(parts, seq_parts, &bytes, NULL, NULL);
     Py_DECREF(seq_parts);
     if (n < 0)
         return NULL;
@@ -511,21 +495,15 @@ static PyObject *attr_or_empty(PyObject *obj, PyObject *name) {
     return v;
 }
 
-/* (req_id, block_ids, num_computed_tokens, prompt length) per new request. */
-static PyObject *new_requests(PyObject *new) {
-    PyObject *seq = PySequence_Fast(new, "scheduled_new_reqs must be a sequence");
+/* A list of `fn(item)` per item of the sequence `items`; NULL with an exception set. */
+static PyObject *list_of(PyObject *items, const char *what, PyObject *(*fn)(PyObject *)) {
+    PyObject *seq = PySequence_Fast(items, what);
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *r = PySequence_Fast_GET_ITEM(seq, i);
-        PyObject *prompt = attr_or_empty(r, s_prompt);
-        Py_ssize_t prompt_len = prompt == NULL ? -1 : PyObject_Size(prompt);
-        Py_XDECREF(prompt);
-        PyObject *item = prompt_len < 0 ? NULL : Py_BuildValue("(NNNn)", PyObject_GetAttr(r, s_req_id),
-                                                              PyObject_GetAttr(r, s_block_ids),
-                                                              PyObject_GetAttr(r, s_computed), prompt_len);
+        PyObject *item = fn(PySequence_Fast_GET_ITEM(seq, i));
         if (item == NULL)
             Py_CLEAR(out);
         else
@@ -533,6 +511,17 @@ static PyObject *new_requests(PyObject *new) {
     }
     Py_DECREF(seq);
     return out;
+}
+
+/* A new request as (req_id, block_ids, num_computed_tokens, prompt length). */
+static PyObject *new_request(PyObject *r) {
+    PyObject *prompt = attr_or_empty(r, s_prompt);
+    Py_ssize_t prompt_len = prompt == NULL ? -1 : PyObject_Size(prompt);
+    Py_XDECREF(prompt);
+    if (prompt_len < 0)
+        return NULL;
+    return Py_BuildValue("(NNNn)", PyObject_GetAttr(r, s_req_id), PyObject_GetAttr(r, s_block_ids),
+                         PyObject_GetAttr(r, s_computed), prompt_len);
 }
 
 /* The counts' values as a list when `counts` (a dict) names exactly `ids` (a list), in order;
@@ -555,29 +544,14 @@ static PyObject *aligned_counts(PyObject *counts, PyObject *ids) {
     return values;
 }
 
-/* (src, dst) per block copy: of an object with those attributes, or of a pair's first two. */
-static PyObject *block_copies(PyObject *copies) {
-    PyObject *seq = PySequence_Fast(copies, "kv_cache_block_copies must be a sequence");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject *out = PyList_New(n);
-    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *c = PySequence_Fast_GET_ITEM(seq, i), *pair;
-        if (PyObject_HasAttr(c, s_src)) {
-            pair = Py_BuildValue("(NN)", PyObject_GetAttr(c, s_src), PyObject_GetAttr(c, s_dst));
-        } else {
-            PyObject *whole = PySequence_Tuple(c);
-            pair = whole == NULL ? NULL : PyTuple_GetSlice(whole, 0, 2);
-            Py_XDECREF(whole);
-        }
-        if (pair == NULL)
-            Py_CLEAR(out);
-        else
-            PyList_SET_ITEM(out, i, pair);
-    }
-    Py_DECREF(seq);
-    return out;
+/* A block copy as (src, dst): of an object with those attributes, or of a pair's first two. */
+static PyObject *block_copy(PyObject *c) {
+    if (PyObject_HasAttr(c, s_src))
+        return Py_BuildValue("(NN)", PyObject_GetAttr(c, s_src), PyObject_GetAttr(c, s_dst));
+    PyObject *whole = PySequence_Tuple(c);
+    PyObject *pair = whole == NULL ? NULL : PyTuple_GetSlice(whole, 0, 2);
+    Py_XDECREF(whole);
+    return pair;
 }
 
 PyDoc_STRVAR(scheduler_fields_doc,
@@ -602,7 +576,7 @@ static PyObject *scheduler_fields(PyObject *self, PyObject *const *args, Py_ssiz
     if (cached == NULL || new == NULL || counts == NULL || (ids = PyObject_GetAttr(cached, s_req_ids)) == NULL)
         goto done;
     Py_ssize_t num_new = PyObject_Size(new);
-    if (num_new < 0 || (f[0] = new_requests(new)) == NULL)
+    if (num_new < 0 || (f[0] = list_of(new, "scheduled_new_reqs must be a sequence", new_request)) == NULL)
         goto done;
     f[1] = cached_ids != NULL ? PyObject_CallOneArg(cached_ids, ids) : Py_NewRef(ids);
     if (f[1] == NULL || (f[2] = attr_or_empty(cached, s_resumed)) == NULL ||
@@ -615,7 +589,9 @@ static PyObject *scheduler_fields(PyObject *self, PyObject *const *args, Py_ssiz
     PyObject *copies = attr_or_empty(so, s_copies);
     if (copies == NULL)
         goto done;
-    f[9] = PyTuple_CheckExact(copies) && PyTuple_GET_SIZE(copies) == 0 ? Py_NewRef(copies) : block_copies(copies);
+    f[9] = PyTuple_CheckExact(copies) && PyTuple_GET_SIZE(copies) == 0
+               ? Py_NewRef(copies)
+               : list_of(copies, "kv_cache_block_copies must be a sequence", block_copy);
     Py_DECREF(copies);
     if (f[9] == NULL)
         goto done;

@@ -11,7 +11,6 @@ same for snapshots and Health.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 
 import msgspec
@@ -144,7 +143,7 @@ class PlanCapture:
     def plan_parts(qsl: Any, positions: Any, groups: list[tuple[Any, Any, Any]]) -> list:
         """The arrays' order: query starts, positions, then per group its slot mapping,
         block-table rows (2-D: a row per request) and row lengths."""
-        return [qsl, positions, *chain.from_iterable(groups)]
+        return [qsl, positions, *(array for group in groups for array in group)]
 
     @classmethod
     def dummy_parts(cls, slot_mappings: list) -> list:
