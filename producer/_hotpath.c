@@ -575,9 +575,9 @@ static PyObject *scheduler_fields(PyObject *self, PyObject *const *args, Py_ssiz
     PyObject *counts = PyObject_GetAttr(so, s_counts), *ids = NULL, *out = NULL;
     if (cached == NULL || new == NULL || counts == NULL || (ids = PyObject_GetAttr(cached, s_req_ids)) == NULL)
         goto done;
-    Py_ssize_t num_new = PyObject_Size(new);
-    if (num_new < 0 || (f[0] = list_of(new, "scheduled_new_reqs must be a sequence", new_request)) == NULL)
+    if ((f[0] = list_of(new, "scheduled_new_reqs must be a sequence", new_request)) == NULL)
         goto done;
+    Py_ssize_t num_new = PyList_GET_SIZE(f[0]);
     f[1] = cached_ids != NULL ? PyObject_CallOneArg(cached_ids, ids) : Py_NewRef(ids);
     if (f[1] == NULL || (f[2] = attr_or_empty(cached, s_resumed)) == NULL ||
         (f[3] = PyObject_GetAttr(cached, s_new_blocks)) == NULL || (f[4] = PyObject_GetAttr(cached, s_computed)) == NULL)

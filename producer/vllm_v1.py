@@ -418,7 +418,7 @@ class V1RunnerProbe:
         if layout is None or not layout.serves(batch, runner.positions, slot_mappings):
             layout = self._layout = PlanLayout.of(runner, sorted(slot_mappings))
         if self._dummy_kind is not None:  # the batch's rows belong to real requests, not to this run
-            slots = [g.parts(slot_mappings[g.gid], 0)[0] for g in layout.groups]
+            slots = [slot_mappings[gid] for gid in layout.gids]  # tensors: `_copy` takes them either way
             self._plan = PlanCapture.of_dummy_run(layout.gids, self._copy(PlanCapture.dummy_parts(slots)))
             return
         groups = [g.parts(slot_mappings[g.gid], num_reqs) for g in layout.groups]
