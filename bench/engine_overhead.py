@@ -80,14 +80,23 @@ def engine_spec(
     return spec
 
 
-def run(python: str, requests: int, max_tokens: int, ledger: Path | None, **options) -> str:
-    """Run tests/e2e/engine_run.py (`engine_spec`'s options) and return its output."""
+# The engine's processes: vLLM's own layout (the engine core, with the runner and its probes, in a
+# process of its own beside the frontend's), or one process for both (`VLLM_ENABLE_V1_MULTIPROCESSING=0`:
+# the frontend's work runs on the engine thread between steps, so no third busy thread shares
+# this host's two cores with the forward pass's two).
+LAYOUTS = {"engine-core": {}, "single": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+
+
+def run(
+    python: str, requests: int, max_tokens: int, ledger: Path | None, layout: str = "engine-core", **options
+) -> str:
+    """Run tests/e2e/engine_run.py (`engine_spec`'s options, in one of the `LAYOUTS`) and return its output."""
     spec = engine_spec(requests, max_tokens, ledger, **options)
     proc = subprocess.run(
         [python, str(ENGINE), json.dumps(spec)],
         capture_output=True,
         text=True,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **LAYOUTS[layout]},
         timeout=900,
     )
     if proc.returncode != 0 or not re.search(r"^TIMING ", proc.stdout, re.M):
@@ -116,13 +125,16 @@ def main() -> None:
     parser.add_argument(
         "--requests", type=int, nargs="+", default=[64, 256], help="running requests of the on/off pairs' rows"
     )
+    parser.add_argument(
+        "--layout", choices=tuple(LAYOUTS), default="engine-core", help="the on/off pairs' engine processes (LAYOUTS)"
+    )
     args = parser.parse_args()
     if args.content_only:
         content_table(args.python, args.rounds)
         return
     if not args.ab_only:
         probe_table(args.python)
-    ab_table(args.python, args.rounds, args.requests)
+    ab_table(args.python, args.rounds, args.requests, args.layout)
     if args.ab_only:
         return
     content_table(args.python, args.rounds)
@@ -147,15 +159,15 @@ def median_interval(values: list[float]) -> tuple[float, float]:
     return ordered[max(int(n / 2 - half), 0)], ordered[min(int(n / 2 + half), n - 1)]
 
 
-def ab_table(python: str, rounds: int, request_counts: list[int]) -> None:
-    print(f"\ntracing paused/resumed in turn in one engine per row, {rounds} pairs each, file sink")
+def ab_table(python: str, rounds: int, request_counts: list[int], layout: str = "engine-core") -> None:
+    print(f"\ntracing paused/resumed in turn in one engine per row ({layout} layout), {rounds} pairs each, file sink")
     print(
         f"{'action':>7} {'requests':>8} {'tokens/s off':>12} {'on':>7} {'overhead':>9} {'spread':>17} {'95% CI':>15} "
         f"{'engine CPU us/step':>18} {'spread':>17} {'95% CI':>15} {'probes us/step':>14} {'recorder CPU us/step':>20}"
     )
     for action in ("record", "log"):
         for requests in request_counts:
-            ab = ab_runs(python, requests, rounds, action)
+            ab = ab_runs(python, requests, rounds, action, layout=layout)
             overheads = [1 - on.rate / off.rate for off, on in ab]
             added = [(on.cpu_per_step - off.cpu_per_step) * 1e6 for off, on in ab]
             probes = statistics.median(on.probes_per_step * 1e6 for _, on in ab)
@@ -244,14 +256,22 @@ class Arm:
 
 
 def ab_runs(
-    python: str, requests: int, rounds: int, action: str, content_digests: float = 0.0, keep: Path | None = None
+    python: str,
+    requests: int,
+    rounds: int,
+    action: str,
+    content_digests: float = 0.0,
+    keep: Path | None = None,
+    layout: str = "engine-core",
 ) -> list[tuple[Arm, Arm]]:
     """(off, on) per pair, from one engine whose tracing is paused and resumed in turn (same
     process, same memory and core placement for both arms; only the probes' work differs).
     The ledger is written under `keep` when given (else a temporary directory)."""
     with tempfile.TemporaryDirectory() as tmp:
         ledger = keep if keep is not None else Path(tmp)
-        stdout = run(python, requests, 96, ledger, ab_rounds=rounds, action=action, content_digests=content_digests)
+        stdout = run(
+            python, requests, 96, ledger, layout, ab_rounds=rounds, action=action, content_digests=content_digests
+        )
     arms: dict[str, list[Arm]] = {"off": [], "on": []}
     pattern = r"^AB arm=(\w+) generate_s=(\S+) tokens=(\d+) cpu_s=(\S+) steps=(\d+) probes_s=(\S+) recorder_s=(\S+)$"
     for arm, seconds, tokens, cpu, steps, probes, recorder in re.findall(pattern, stdout, re.M):

@@ -7,14 +7,18 @@ three times, in an order that rotates over the six orders: tracing paused
 ("off"); resumed with the recorder's threads as spawned (SCHED_OTHER, the
 engine's nice: "on"); resumed with them switched to POLICY ("policy"), or,
 for `stopped`, with the recorder stopped (SIGSTOP: the ring holds the arm's
-frames, read once it is continued). After each arm the recorder reads what
+frames, read once it is continued), or, for `away`, with them moved off the
+CPUs vLLM pinned its workers to. After each arm the recorder reads what
 the arm wrote before the next begins (the workers' `kvledger_process_counters`
 waits for it), so no arm pays for the one before.
 Printed every 20 rounds: the overhead of "on" and of "policy" against "off"
 (median of the rounds, ~95 % interval of the median) and the median of
 1 - policy/on per round (negative: "policy" was faster).
 
-    .venv-vllm/bin/python bench/recorder_policy.py {batch,idle,nice19,stopped} [--rounds 240] [--requests 64]
+    .venv-vllm/bin/python bench/recorder_policy.py {batch,idle,nice19,stopped,away} [--rounds 240] [--requests 64]
+
+With `VLLM_ENABLE_V1_MULTIPROCESSING=0` in the environment the engine runs in one process, the
+frontend's work on the engine thread (`engine_overhead.py --layout single`).
 
 Switching a thread back to SCHED_OTHER or nice 0 takes CAP_SYS_NICE: run it as root.
 """
@@ -33,7 +37,15 @@ from pathlib import Path
 from engine_overhead import engine_spec, median_interval  # bench/, beside this script
 from engine_paired import engine_run
 
-POLICIES = {"batch": (os.SCHED_BATCH, 0), "idle": (os.SCHED_IDLE, 0), "nice19": (os.SCHED_OTHER, 19), "stopped": None}
+# "away": on the CPUs the engine's workers are not pinned to (vLLM's CPU workers pin their OpenMP
+# threads and leave the rest to the engine core and the frontend).
+POLICIES = {
+    "batch": (os.SCHED_BATCH, 0),
+    "idle": (os.SCHED_IDLE, 0),
+    "nice19": (os.SCHED_OTHER, 19),
+    "stopped": None,
+    "away": "away",
+}
 AS_SPAWNED = (os.SCHED_OTHER, 0)
 ARMS = ("off", "on", "policy")
 
@@ -50,13 +62,32 @@ def recorders() -> dict[int, list[int]]:
     return found
 
 
-def set_policy(policy: tuple[int, int] | None) -> None:
-    """The recorders' threads under `policy` (scheduling policy, nice), or stopped for None."""
+def worker_cpus() -> set[int]:
+    """The CPUs this host's vLLM workers are pinned to (their processes' affinity)."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if (proc / "comm").read_text().startswith("VLLM::Worker"):
+                found |= os.sched_getaffinity(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def set_policy(policy: tuple[int, int] | str | None) -> None:
+    """The recorders' threads under `policy` (scheduling policy, nice), stopped for None, or, for
+    "away", on the CPUs no worker is pinned to (all of them as spawned)."""
+    everywhere = set(range(os.cpu_count() or 1))
     for pid, tids in recorders().items():
         if policy is None:
             os.kill(pid, signal.SIGSTOP)
             continue
         os.kill(pid, signal.SIGCONT)
+        cpus = (everywhere - worker_cpus()) or everywhere if policy == "away" else everywhere
+        for tid in tids:
+            os.sched_setaffinity(tid, cpus)
+        if policy == "away":
+            continue
         for tid in tids:
             os.sched_setscheduler(tid, policy[0], os.sched_param(0))
             os.setpriority(os.PRIO_PROCESS, tid, policy[1])  # on Linux a tid names one thread
