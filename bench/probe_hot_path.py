@@ -38,7 +38,9 @@ side: one process each, driven in lockstep, a step in one and the same step
 in the other, their order alternating, so both see the same drift of a noisy
 host; the median of the per-step differences is printed. With `--side
 recorder` the same for the recorder's time per step (each side's own
-recorder reading its own probes' frames).
+recorder reading its own probes' frames); `--look K` has each recorder read
+K steps' frames at once, as the recorder process reads a look's frames,
+and gives its time per frame.
 """
 
 from __future__ import annotations
@@ -216,13 +218,21 @@ class RecorderSide:
 
     def step(self) -> tuple[int, dict]:
         """(ns, event) of the frame the probes wrote last."""
+        took, events = self.look(1)
+        return took, events[0]
+
+    def look(self, frames: int) -> tuple[int, list[dict]]:
+        """(ns, events) of the last `frames` frames the probes wrote, read in one look (as the
+        recorder process reads a look's frames: built together)."""
         started = time.perf_counter_ns()
-        assert self.reader.read(1) == 1, "the ring was empty"
-        seq, at_us, body = self.delivery._buffer.popleft()
-        event = envelope(self.delivery.identity, seq, at_us, *body)
-        self.out.seek(0)
-        schemaless_writer(self.out, LEDGER_EVENT, avro_datum(event))
-        return time.perf_counter_ns() - started, event
+        assert self.reader.read(frames) == frames, "the ring held fewer frames"
+        events = []
+        while self.delivery._buffer:
+            seq, at_us, body = self.delivery._buffer.popleft()
+            events.append(envelope(self.delivery.identity, seq, at_us, *body))
+            self.out.seek(0)
+            schemaless_writer(self.out, LEDGER_EVENT, avro_datum(events[-1]))
+        return time.perf_counter_ns() - started, events
 
 
 def measure(num_reqs: int, steps: int, forward: StandInForward) -> tuple[float, float, float, float]:
@@ -287,9 +297,10 @@ def forward_note(forward_us: float) -> str:
     return f", each after a {forward_us:.0f} us stand-in forward pass" if forward_us else ""
 
 
-def serve(num_reqs: int, steps: int, side: str, forward_us: float) -> None:
+def serve(num_reqs: int, steps: int, side: str, forward_us: float, look: int = 1) -> None:
     """One side of --baseline: a step each time a line arrives on stdin, its time in us back (the
-    engine thread's, or the recorder's on the frame the step wrote)."""
+    engine thread's, or the recorder's on the frame the step wrote; with `look`, the recorder
+    reads that many steps' frames at once, every `look` steps, and gives its time per frame)."""
     if hasattr(os, "sched_setaffinity"):  # both sides on one core: the same caches and clock
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     torch.set_num_threads(1)
@@ -297,11 +308,13 @@ def serve(num_reqs: int, steps: int, side: str, forward_us: float) -> None:
     recorder = RecorderSide(probe) if side == "recorder" else None
     forward = StandInForward(forward_us)
     try:
-        for so, kwargs in decode_steps(runner, num_reqs, steps):
-            sys.stdin.readline()
+        for step, (so, kwargs) in enumerate(decode_steps(runner, num_reqs, steps)):
             took = drive_step(probe, so, kwargs, forward)
+            if recorder is not None and (step + 1) % look:
+                continue  # the look's frames are read together, after its last step
+            sys.stdin.readline()
             if recorder is not None:
-                took = recorder.step()[0]
+                took = recorder.look(look)[0] / look
             else:
                 skip_frames(probe)
             print(took / 1000, flush=True)
@@ -310,11 +323,13 @@ def serve(num_reqs: int, steps: int, side: str, forward_us: float) -> None:
         probe.recorder.ring.close(unlink=True)
 
 
-def _side(checkout: Path, root: Path, num_reqs: int, steps: int, side: str, forward_us: float) -> subprocess.Popen:
+def _side(
+    checkout: Path, root: Path, num_reqs: int, steps: int, side: str, forward_us: float, look: int
+) -> subprocess.Popen:
     """A process serving steps with this file's driver and the probes (or recorder) of `checkout`."""
-    forward = ["--forward-us", str(forward_us)]
+    options = ["--forward-us", str(forward_us), "--look", str(look)]
     return subprocess.Popen(
-        [sys.executable, __file__, "--serve", str(num_reqs), "--steps", str(steps), "--side", side, *forward],
+        [sys.executable, __file__, "--serve", str(num_reqs), "--steps", str(steps), "--side", side, *options],
         env=env_importing(checkout, root),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -322,21 +337,22 @@ def _side(checkout: Path, root: Path, num_reqs: int, steps: int, side: str, forw
     )
 
 
-def compare(baseline: Path, steps: int, side: str, forward_us: float) -> None:
+def compare(baseline: Path, steps: int, side: str, forward_us: float, look: int = 1) -> None:
     here = Path(__file__).resolve().parents[1]
     what = "engine thread" if side == "engine" else "recorder"
-    after = forward_note(forward_us)
+    after = forward_note(forward_us) + (f", frames read {look} at a time" if side == "recorder" and look > 1 else "")
+    look = look if side == "recorder" else 1
     print(f"{what} per decode step, this checkout vs {baseline}, {steps} steps in lockstep{after}")
     print(f"{'requests':>8} {'base median us':>15} {'this median us':>15} {'per-step difference, median':>28}")
     for num_reqs in (1, 16, 64, 256):
         with tempfile.TemporaryDirectory() as root:
             root = Path(root)
             sides = {
-                "base": _side(baseline, root / "base", num_reqs, steps, side, forward_us),
-                "this": _side(here, root / "this", num_reqs, steps, side, forward_us),
+                "base": _side(baseline, root / "base", num_reqs, steps, side, forward_us, look),
+                "this": _side(here, root / "this", num_reqs, steps, side, forward_us, look),
             }
             times: dict[str, list[float]] = {"base": [], "this": []}
-            for step in range(steps):
+            for step in range(steps // look):
                 for label in ("base", "this") if step % 2 == 0 else ("this", "base"):
                     sides[label].stdin.write("\n")
                     sides[label].stdin.flush()
@@ -348,7 +364,7 @@ def compare(baseline: Path, steps: int, side: str, forward_us: float) -> None:
                 process.stdin.close()
                 if process.wait() != 0:
                     raise SystemExit("a side of the comparison failed (see above)")
-        base, this = (np.array(times[label][10:]) for label in ("base", "this"))
+        base, this = (np.array(times[label][10 // look :]) for label in ("base", "this"))
         diff, base_us, this_us = float(np.median(this - base)), float(np.median(base)), float(np.median(this))
         print(f"{num_reqs:>8} {base_us:>15.1f} {this_us:>15.1f} {diff:>+20.1f} us ({diff / base_us:+.0%})")
 
@@ -399,14 +415,15 @@ def main() -> None:
     parser.add_argument("--side", choices=SIDES, default="engine", help="what --baseline compares")
     parser.add_argument("--forward-us", type=float, default=0.0, help="a stand-in CPU forward pass before each step")
     parser.add_argument("--paired", type=Path, help="a variants file (see bench/variants/) to pair step by step")
+    parser.add_argument("--look", type=int, default=1, help="--side recorder: frames read at once, per look")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # one side of --baseline
     args = parser.parse_args()
     if args.paired is not None:
         return paired(args.paired, min(args.steps, 1200), args.forward_us)
     if args.serve is not None:
-        return serve(args.serve, args.steps, args.side, args.forward_us)
+        return serve(args.serve, args.steps, args.side, args.forward_us, args.look)
     if args.baseline is not None:
-        return compare(args.baseline, min(args.steps, 1500), args.side, args.forward_us)
+        return compare(args.baseline, min(args.steps, 1500), args.side, args.forward_us, args.look)
     forward = StandInForward(args.forward_us)
     print(
         f"{'requests':>8} {'engine thread median us':>24} {'p99 us':>8} {'recorder median us':>19} {'log check us':>13}"

@@ -249,16 +249,21 @@ class Collect:
         pass
 
 
-def recorded(tmp_path: Path, full_rows: bool, seed: int = 3) -> list[dict]:
+def recorded(tmp_path: Path, full_rows: bool, seed: int = 3, look: int = 1) -> list[dict]:
     """The run's frames through a ring, `FrameReader` and a `RankRecorder`, as the recorder process
-    reads them: the events handed to its sink."""
-    path = tmp_path / f"ring-{full_rows}"
-    ring, sink = Ring.create(path, 1 << 22), Collect()
+    reads them, up to `look` frames at a time: the events handed to its sink."""
+    path = tmp_path / f"ring-{full_rows}-{look}"
+    ring, sink = Ring.create(path, 1 << 24), Collect()
     recorder = RankRecorder(RANK, sink, capacity=1 << 16, drain_interval=3600)
     reader = FrameReader(Ring.attach(path), recorder, full_rows)
+    written = 0
     for seq, (kind, parts) in enumerate(frames(seed)):
         assert ring.write_frame(kind, seq, 1_000_000 + 1000 * seq, parts)
-        assert reader.read(8) == 1
+        written += 1
+        if written % look == 0:  # the first look takes less than it finds: the rest waits for the next
+            first = reader.read(max(look - 3, 1))
+            assert first == max(look - 3, 1) and first + reader.read(look) == look
+    assert reader.read(look) == written % look
     recorder.finish(5.0)
     assert recorder.sink_failed == 0
     return sink.events
@@ -278,9 +283,10 @@ def digests(events: list[dict]) -> list[list[str]]:
     ]
 
 
+@pytest.mark.parametrize("look", [1, 7])  # frames read one by one, or several in a look
 @pytest.mark.parametrize("full_rows", [False, True])
-def test_the_recorder_writes_the_same_bytes_as_before(tmp_path, full_rows):
-    events = recorded(tmp_path, full_rows)
+def test_the_recorder_writes_the_same_bytes_as_before(tmp_path, full_rows, look):
+    events = recorded(tmp_path, full_rows, look=look)
     golden = json.loads(GOLDEN.read_text())[str(full_rows)]
     got = digests(events)
     assert len(got) == len(golden)
