@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -35,6 +36,7 @@ import socket
 import statistics
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,9 +58,10 @@ def engine_spec(
     kv_events: str | None = None,
     prefix_caching: bool = False,
     content_digests: float = 0.0,
+    sink: str | None = None,
 ) -> dict:
     """tests/e2e/engine_run.py's SPEC_JSON: `requests` requests of 8 prompt tokens, tracing to a file
-    ledger under `ledger` (None: off)."""
+    ledger under `ledger` (None: off), or to `sink` (a `kv_trace.sink` URL) when given."""
     spec = {
         "prompts": [[(7 * i + j) % 500 + 3 for j in range(8)] for i in range(requests)],
         "max_tokens": max_tokens,
@@ -72,7 +75,7 @@ def engine_spec(
     if ledger is not None:
         spec["kv_trace"] = {
             "enabled": True,
-            "sink": f"file://{ledger}",
+            "sink": sink or f"file://{ledger}",
             "snapshot_interval": 0,
             "action": action,
             "content_digests": content_digests,
@@ -128,13 +131,18 @@ def main() -> None:
     parser.add_argument(
         "--layout", choices=tuple(LAYOUTS), default="engine-core", help="the on/off pairs' engine processes (LAYOUTS)"
     )
+    parser.add_argument(
+        "--sink", choices=("file", "kafka"), default="file", help="the on/off pairs' sink (kafka: a local broker)"
+    )
     args = parser.parse_args()
     if args.content_only:
         content_table(args.python, args.rounds)
         return
     if not args.ab_only:
         probe_table(args.python)
-    ab_table(args.python, args.rounds, args.requests, args.layout)
+    with local_broker() if args.sink == "kafka" else contextlib.nullcontext() as bootstrap:
+        sink = f"kafka://{bootstrap}/kvledger-bench" if bootstrap else None
+        ab_table(args.python, args.rounds, args.requests, args.layout, sink)
     if args.ab_only:
         return
     content_table(args.python, args.rounds)
@@ -159,15 +167,18 @@ def median_interval(values: list[float]) -> tuple[float, float]:
     return ordered[max(int(n / 2 - half), 0)], ordered[min(int(n / 2 + half), n - 1)]
 
 
-def ab_table(python: str, rounds: int, request_counts: list[int], layout: str = "engine-core") -> None:
-    print(f"\ntracing paused/resumed in turn in one engine per row ({layout} layout), {rounds} pairs each, file sink")
+def ab_table(
+    python: str, rounds: int, request_counts: list[int], layout: str = "engine-core", sink: str | None = None
+) -> None:
+    where = "file sink" if sink is None else f"sink {sink}"
+    print(f"\ntracing paused/resumed in turn in one engine per row ({layout} layout), {rounds} pairs each, {where}")
     print(
         f"{'action':>7} {'requests':>8} {'tokens/s off':>12} {'on':>7} {'overhead':>9} {'spread':>17} {'95% CI':>15} "
         f"{'engine CPU us/step':>18} {'spread':>17} {'95% CI':>15} {'probes us/step':>14} {'recorder CPU us/step':>20}"
     )
     for action in ("record", "log"):
         for requests in request_counts:
-            ab = ab_runs(python, requests, rounds, action, layout=layout)
+            ab = ab_runs(python, requests, rounds, action, layout=layout, sink=sink)
             overheads = [1 - on.rate / off.rate for off, on in ab]
             added = [(on.cpu_per_step - off.cpu_per_step) * 1e6 for off, on in ab]
             probes = statistics.median(on.probes_per_step * 1e6 for _, on in ab)
@@ -239,6 +250,28 @@ def kv_events_table(python: str, pairs: int, requests: int = 64) -> None:
     )
 
 
+@contextlib.contextmanager
+def local_broker() -> Iterator[str]:
+    """A Kafka broker of its own (infra/local-kafka, a temporary state dir), up for the block: its
+    bootstrap address."""
+    with tempfile.TemporaryDirectory(prefix="kvledger-bench-kafka-") as state:
+        env = {
+            **os.environ,
+            "KVLEDGER_KAFKA_DIR": state,
+            "KVLEDGER_KAFKA_PORT": str(free_port()),
+            "KVLEDGER_KAFKA_CONTROLLER_PORT": str(free_port()),
+        }
+        script = str(ROOT / "infra" / "local-kafka")
+        up = subprocess.run([script, "up"], env=env, capture_output=True, text=True, timeout=600)
+        found = re.search(r"^bootstrap=(\S+)$", up.stdout, re.M)
+        if up.returncode != 0 or found is None:
+            raise SystemExit(f"the local broker did not start: {(up.stdout + up.stderr)[-2000:]}")
+        try:
+            yield found.group(1)
+        finally:
+            subprocess.run([script, "down"], env=env, capture_output=True, timeout=120)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -263,6 +296,7 @@ def ab_runs(
     content_digests: float = 0.0,
     keep: Path | None = None,
     layout: str = "engine-core",
+    sink: str | None = None,
 ) -> list[tuple[Arm, Arm]]:
     """(off, on) per pair, from one engine whose tracing is paused and resumed in turn (same
     process, same memory and core placement for both arms; only the probes' work differs).
@@ -270,7 +304,15 @@ def ab_runs(
     with tempfile.TemporaryDirectory() as tmp:
         ledger = keep if keep is not None else Path(tmp)
         stdout = run(
-            python, requests, 96, ledger, layout, ab_rounds=rounds, action=action, content_digests=content_digests
+            python,
+            requests,
+            96,
+            ledger,
+            layout,
+            ab_rounds=rounds,
+            action=action,
+            content_digests=content_digests,
+            sink=sink,
         )
     arms: dict[str, list[Arm]] = {"off": [], "on": []}
     pattern = r"^AB arm=(\w+) generate_s=(\S+) tokens=(\d+) cpu_s=(\S+) steps=(\d+) probes_s=(\S+) recorder_s=(\S+)$"
