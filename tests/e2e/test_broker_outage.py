@@ -183,6 +183,7 @@ class Watch:
     samples: list[tuple[float, dict | None]] = field(default_factory=list)  # (wall clock, the engine's view)
     recorder_cpu: list[tuple[float, float]] = field(default_factory=list)  # (wall clock, its CPU seconds)
     machine: list[tuple[float, list[float]]] = field(default_factory=list)  # (wall clock, machine_seconds())
+    processes: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (wall clock, process_seconds())
     stop: threading.Event = field(default_factory=threading.Event)
     failure: BaseException | None = None  # what ended the tail, if not `stop`
 
@@ -219,6 +220,7 @@ class Watch:
             if recorder is not None and (cpu := cpu_seconds(recorder)) is not None:
                 self.recorder_cpu.append((time.time(), cpu))
             self.machine.append((time.time(), machine_seconds()))
+            self.processes.append((time.time(), process_seconds()))
             try:
                 view = json.loads(self.worker.get("/engines", timeout=2))
             except OSError:
@@ -324,6 +326,19 @@ def machine_seconds() -> list[float]:
     return [int(ticks[3]) / os.sysconf("SC_CLK_TCK"), int(ticks[7]) / os.sysconf("SC_CLK_TCK"), engine]
 
 
+def process_seconds() -> dict[str, float]:
+    """CPU seconds so far of every process on the host, by name and pid: what took the machine when
+    a window was slow is named in the test's output."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit():
+                found[f"{(proc / 'comm').read_text().strip()}[{proc.name}]"] = cpu_seconds(int(proc.name)) or 0.0
+        except OSError:
+            continue  # gone meanwhile
+    return found
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User and system CPU time of process `pid` so far (None once it is gone)."""
     try:
@@ -346,6 +361,7 @@ class OutageRun:
     samples: list[tuple[float, dict | None]]
     recorder_cpu: list[tuple[float, float]]  # the rank's recorder: (wall clock, its CPU seconds)
     machine: list[tuple[float, list[float]]]  # (wall clock, machine_seconds())
+    processes: list[tuple[float, dict[str, float]]]  # (wall clock, process_seconds())
     pace: list[tuple[float, float]]  # (wall clock, seconds the machine took for PACE's fixed work)
     worker: Worker
     prefix: str
@@ -431,7 +447,8 @@ def outage(outage_broker, outage_worker, engine, tmp_path_factory) -> OutageRun:
         t.join(10)
     return OutageRun(
         run.log, rounds(rounds_file), watch.events, watch.messages, down, up, stopped_at, caught_up_at,
-        watch.samples, watch.recorder_cpu, watch.machine, paces(pace_file), worker, prefix, bootstrap,
+        watch.samples, watch.recorder_cpu, watch.machine, watch.processes, paces(pace_file), worker, prefix,
+        bootstrap,
     )  # fmt: skip
 
 
@@ -477,6 +494,16 @@ def machine_cores(outage: OutageRun, start: float, end: float) -> str:
     had the machine, and what the engine got of it, if it was slow."""
     idle, stolen, engine = (cores([(t, m[i]) for t, m in outage.machine], start, end) for i in range(3))
     return f"idle {idle:.2f}, stolen {stolen:.2f}, the engine's {engine:.2f}"
+
+
+def busiest(outage: OutageRun, start: float, end: float, top: int = 3) -> str:
+    """The processes that took the most cores between `start` and `end`, with their share."""
+    inside = [(t, p) for t, p in outage.processes if start <= t <= end]
+    if len(inside) < 2:
+        return "no samples"
+    (t0, first), (t1, last) = inside[0], inside[-1]
+    taken = sorted(((last[k] - first[k]) / (t1 - t0), k) for k in first.keys() & last.keys())[::-1][:top]
+    return ", ".join(f"{name} {share:.2f}" for share, name in taken)
 
 
 def pace_in(paces_: list[tuple[float, float]], start: float, end: float) -> float:
@@ -527,7 +554,8 @@ def test_the_engine_runs_on_unaffected(outage):
         f"(bound {stall:.2f}); "
         f"recorder cores {', '.join(f'{k} {v:.3f}' for k, v in recorder.items())}; probes µs/step before "
         f"{probe['before']:.0f}, across the outage {probe['across']:.0f}; machine cores "
-        f"{', '.join(f'{k} {machine_cores(outage, *span)}' for k, span in spans.items())}; broker stop "
+        f"{', '.join(f'{k} {machine_cores(outage, *span)}' for k, span in spans.items())}; busiest processes "
+        f"{'; '.join(f'{k} {busiest(outage, *span)}' for k, span in spans.items())}; broker stop "
         f"{outage.down[1] - outage.down[0]:.1f} s, start {outage.up[1] - outage.up[0]:.1f} s"
     )
     assert len(before) >= 8 and len(during) >= 40 and len(after) >= 8, (len(before), len(during), len(after))
