@@ -140,8 +140,7 @@ def main() -> None:
         return
     if not args.ab_only:
         probe_table(args.python)
-    with local_broker() if args.sink == "kafka" else contextlib.nullcontext() as bootstrap:
-        sink = f"kafka://{bootstrap}/kvledger-bench" if bootstrap else None
+    with tempfile.TemporaryDirectory(prefix="kvledger-bench-") as tmp, kafka_sink(args.sink, Path(tmp)) as sink:
         ab_table(args.python, args.rounds, args.requests, args.layout, sink)
     if args.ab_only:
         return
@@ -251,25 +250,16 @@ def kv_events_table(python: str, pairs: int, requests: int = 64) -> None:
 
 
 @contextlib.contextmanager
-def local_broker() -> Iterator[str]:
-    """A Kafka broker of its own (infra/local-kafka, a temporary state dir), up for the block: its
-    bootstrap address."""
-    with tempfile.TemporaryDirectory(prefix="kvledger-bench-kafka-") as state:
-        env = {
-            **os.environ,
-            "KVLEDGER_KAFKA_DIR": state,
-            "KVLEDGER_KAFKA_PORT": str(free_port()),
-            "KVLEDGER_KAFKA_CONTROLLER_PORT": str(free_port()),
-        }
-        script = str(ROOT / "infra" / "local-kafka")
-        up = subprocess.run([script, "up"], env=env, capture_output=True, text=True, timeout=600)
-        found = re.search(r"^bootstrap=(\S+)$", up.stdout, re.M)
-        if up.returncode != 0 or found is None:
-            raise SystemExit(f"the local broker did not start: {(up.stdout + up.stderr)[-2000:]}")
-        try:
-            yield found.group(1)
-        finally:
-            subprocess.run([script, "down"], env=env, capture_output=True, timeout=120)
+def kafka_sink(kind: str, workdir: Path) -> Iterator[str | None]:
+    """The on/off pairs' sink URL: None for the file sink, else a topic on a broker of its own
+    (`stream_throughput.broker`: infra/local-kafka under `workdir`), up for the block."""
+    if kind == "file":
+        yield None
+        return
+    from stream_throughput import broker  # bench/, beside this script; the Kafka client only here
+
+    with broker(None, workdir) as bootstrap:
+        yield f"kafka://{bootstrap}/kvledger-bench"
 
 
 def free_port() -> int:

@@ -78,12 +78,12 @@ def set_policy(policy: tuple[int, int] | str | None) -> None:
     """The recorders' threads under `policy` (scheduling policy, nice), stopped for None, or, for
     "away", on the CPUs no worker is pinned to (all of them as spawned)."""
     everywhere = set(range(os.cpu_count() or 1))
+    cpus = (everywhere - worker_cpus()) or everywhere if policy == "away" else everywhere
     for pid, tids in recorders().items():
         if policy is None:
             os.kill(pid, signal.SIGSTOP)
             continue
         os.kill(pid, signal.SIGCONT)
-        cpus = (everywhere - worker_cpus()) or everywhere if policy == "away" else everywhere
         for tid in tids:
             os.sched_setaffinity(tid, cpus)
         if policy == "away":

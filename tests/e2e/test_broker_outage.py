@@ -182,7 +182,7 @@ class Watch:
     messages: list[Message] = field(default_factory=list)
     samples: list[tuple[float, dict | None]] = field(default_factory=list)  # (wall clock, the engine's view)
     recorder_cpu: list[tuple[float, float]] = field(default_factory=list)  # (wall clock, its CPU seconds)
-    machine: list[tuple[float, list[float]]] = field(default_factory=list)  # (wall clock, machine_seconds())
+    machine: list[tuple[float, list[float]]] = field(default_factory=list)  # (wall clock, machine_seconds(...))
     processes: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (wall clock, process_seconds())
     stop: threading.Event = field(default_factory=threading.Event)
     failure: BaseException | None = None  # what ended the tail, if not `stop`
@@ -219,8 +219,9 @@ class Watch:
                 recorder = found[0][0] if found else None
             if recorder is not None and (cpu := cpu_seconds(recorder)) is not None:
                 self.recorder_cpu.append((time.time(), cpu))
-            self.machine.append((time.time(), machine_seconds()))
-            self.processes.append((time.time(), process_seconds()))
+            processes = process_seconds()  # one look at /proc for both
+            self.machine.append((time.time(), machine_seconds(processes)))
+            self.processes.append((time.time(), processes))
             try:
                 view = json.loads(self.worker.get("/engines", timeout=2))
             except OSError:
@@ -312,17 +313,11 @@ def stat_fields(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
-def machine_seconds() -> list[float]:
+def machine_seconds(processes: dict[str, float]) -> list[float]:
     """CPU seconds so far, all cores: [idle, stolen by the host's other guests, taken by the
-    engine's processes (those vLLM names VLLM::...)]."""
+    engine's processes (those vLLM names VLLM::..., of `process_seconds()`)]."""
     ticks = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    engine = 0.0
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and (proc / "comm").read_text().startswith("VLLM::"):
-                engine += cpu_seconds(int(proc.name)) or 0.0
-        except OSError:
-            continue  # gone meanwhile
+    engine = sum(cpu for name, cpu in processes.items() if name.startswith("VLLM::"))
     return [int(ticks[3]) / os.sysconf("SC_CLK_TCK"), int(ticks[7]) / os.sysconf("SC_CLK_TCK"), engine]
 
 
@@ -360,7 +355,7 @@ class OutageRun:
     caught_up_at: float  # the worker had applied everything captured before the broker returned
     samples: list[tuple[float, dict | None]]
     recorder_cpu: list[tuple[float, float]]  # the rank's recorder: (wall clock, its CPU seconds)
-    machine: list[tuple[float, list[float]]]  # (wall clock, machine_seconds())
+    machine: list[tuple[float, list[float]]]  # (wall clock, machine_seconds(...))
     processes: list[tuple[float, dict[str, float]]]  # (wall clock, process_seconds())
     pace: list[tuple[float, float]]  # (wall clock, seconds the machine took for PACE's fixed work)
     worker: Worker
