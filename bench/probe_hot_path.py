@@ -340,8 +340,8 @@ def _side(
 def compare(baseline: Path, steps: int, side: str, forward_us: float, look: int = 1) -> None:
     here = Path(__file__).resolve().parents[1]
     what = "engine thread" if side == "engine" else "recorder"
-    after = forward_note(forward_us) + (f", frames read {look} at a time" if side == "recorder" and look > 1 else "")
     look = look if side == "recorder" else 1
+    after = forward_note(forward_us) + (f", frames read {look} at a time" if look > 1 else "")
     print(f"{what} per decode step, this checkout vs {baseline}, {steps} steps in lockstep{after}")
     print(f"{'requests':>8} {'base median us':>15} {'this median us':>15} {'per-step difference, median':>28}")
     for num_reqs in (1, 16, 64, 256):

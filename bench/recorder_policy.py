@@ -77,8 +77,9 @@ def worker_cpus() -> set[int]:
 def set_policy(policy: tuple[int, int] | str | None) -> None:
     """The recorders' threads under `policy` (scheduling policy, nice), stopped for None, or, for
     "away", on the CPUs no worker is pinned to (all of them as spawned)."""
-    everywhere = set(range(os.cpu_count() or 1))
-    cpus = (everywhere - worker_cpus()) or everywhere if policy == "away" else everywhere
+    cpus = everywhere = set(range(os.cpu_count() or 1))
+    if policy == "away":
+        cpus = (everywhere - worker_cpus()) or everywhere
     for pid, tids in recorders().items():
         if policy is None:
             os.kill(pid, signal.SIGSTOP)

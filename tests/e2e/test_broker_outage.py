@@ -182,7 +182,7 @@ class Watch:
     messages: list[Message] = field(default_factory=list)
     samples: list[tuple[float, dict | None]] = field(default_factory=list)  # (wall clock, the engine's view)
     recorder_cpu: list[tuple[float, float]] = field(default_factory=list)  # (wall clock, its CPU seconds)
-    machine: list[tuple[float, list[float]]] = field(default_factory=list)  # (wall clock, machine_seconds(...))
+    machine: list[tuple[float, list[float]]] = field(default_factory=list)  # (wall clock, machine_seconds())
     processes: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (wall clock, process_seconds())
     stop: threading.Event = field(default_factory=threading.Event)
     failure: BaseException | None = None  # what ended the tail, if not `stop`
@@ -219,9 +219,9 @@ class Watch:
                 recorder = found[0][0] if found else None
             if recorder is not None and (cpu := cpu_seconds(recorder)) is not None:
                 self.recorder_cpu.append((time.time(), cpu))
-            processes = process_seconds()  # one look at /proc for both
-            self.machine.append((time.time(), machine_seconds(processes)))
-            self.processes.append((time.time(), processes))
+            now = time.time()
+            self.machine.append((now, machine_seconds()))
+            self.processes.append((now, process_seconds()))
             try:
                 view = json.loads(self.worker.get("/engines", timeout=2))
             except OSError:
@@ -313,12 +313,10 @@ def stat_fields(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
-def machine_seconds(processes: dict[str, float]) -> list[float]:
-    """CPU seconds so far, all cores: [idle, stolen by the host's other guests, taken by the
-    engine's processes (those vLLM names VLLM::..., of `process_seconds()`)]."""
+def machine_seconds() -> list[float]:
+    """CPU seconds so far, all cores: [idle, stolen by the host's other guests]."""
     ticks = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    engine = sum(cpu for name, cpu in processes.items() if name.startswith("VLLM::"))
-    return [int(ticks[3]) / os.sysconf("SC_CLK_TCK"), int(ticks[7]) / os.sysconf("SC_CLK_TCK"), engine]
+    return [int(ticks[3]) / os.sysconf("SC_CLK_TCK"), int(ticks[7]) / os.sysconf("SC_CLK_TCK")]
 
 
 def process_seconds() -> dict[str, float]:
@@ -355,7 +353,7 @@ class OutageRun:
     caught_up_at: float  # the worker had applied everything captured before the broker returned
     samples: list[tuple[float, dict | None]]
     recorder_cpu: list[tuple[float, float]]  # the rank's recorder: (wall clock, its CPU seconds)
-    machine: list[tuple[float, list[float]]]  # (wall clock, machine_seconds(...))
+    machine: list[tuple[float, list[float]]]  # (wall clock, machine_seconds())
     processes: list[tuple[float, dict[str, float]]]  # (wall clock, process_seconds())
     pace: list[tuple[float, float]]  # (wall clock, seconds the machine took for PACE's fixed work)
     worker: Worker
@@ -487,7 +485,10 @@ def cores(samples: list[tuple[float, float]], start: float, end: float) -> float
 def machine_cores(outage: OutageRun, start: float, end: float) -> str:
     """The machine's idle and stolen cores between `start` and `end`, and the engine's: what else
     had the machine, and what the engine got of it, if it was slow."""
-    idle, stolen, engine = (cores([(t, m[i]) for t, m in outage.machine], start, end) for i in range(3))
+    idle, stolen = (cores([(t, m[i]) for t, m in outage.machine], start, end) for i in range(2))
+    # The engine's processes: those vLLM names VLLM::...
+    engine_s = [(t, sum(cpu for name, cpu in p.items() if name.startswith("VLLM::"))) for t, p in outage.processes]
+    engine = cores(engine_s, start, end)
     return f"idle {idle:.2f}, stolen {stolen:.2f}, the engine's {engine:.2f}"
 
 
@@ -497,7 +498,8 @@ def busiest(outage: OutageRun, start: float, end: float, top: int = 3) -> str:
     if len(inside) < 2:
         return "no samples"
     (t0, first), (t1, last) = inside[0], inside[-1]
-    taken = sorted(((last[k] - first[k]) / (t1 - t0), k) for k in first.keys() & last.keys())[::-1][:top]
+    shares = (((last[k] - first[k]) / (t1 - t0), k) for k in first.keys() & last.keys())
+    taken = sorted(shares, reverse=True)[:top]
     return ", ".join(f"{name} {share:.2f}" for share, name in taken)
 
 

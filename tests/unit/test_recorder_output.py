@@ -256,13 +256,12 @@ def recorded(tmp_path: Path, full_rows: bool, seed: int = 3, look: int = 1) -> l
     ring, sink = Ring.create(path, 1 << 24), Collect()
     recorder = RankRecorder(RANK, sink, capacity=1 << 16, drain_interval=3600)
     reader = FrameReader(Ring.attach(path), recorder, full_rows)
-    for written, (kind, parts) in enumerate(frames(seed), 1):
-        seq = written - 1
+    first = max(look - 3, 1)  # the first read of a look takes less than it finds: the rest waits
+    for seq, (kind, parts) in enumerate(frames(seed)):
         assert ring.write_frame(kind, seq, 1_000_000 + 1000 * seq, parts)
-        if written % look == 0:  # the first look takes less than it finds: the rest waits for the next
-            first = reader.read(max(look - 3, 1))
-            assert first == max(look - 3, 1) and first + reader.read(look) == look
-    assert reader.read(look) == written % look
+        if (seq + 1) % look == 0:
+            assert reader.read(first) == first and reader.read(look) == look - first
+    assert reader.read(look) == (seq + 1) % look
     recorder.finish(5.0)
     assert recorder.sink_failed == 0
     return sink.events
