@@ -9,10 +9,12 @@ or a parallel session.
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,26 @@ def _free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def _ports_no_client_takes(n: int) -> list[int]:
+    """n free ports below the kernel's ephemeral range, for a broker that is stopped and started
+    again on the same port. A client retrying a stopped broker's loopback port connects from an
+    ephemeral port each time; once it is handed the broker's own port, the connection is made to
+    itself (TCP simultaneous open) and holds the port: the broker could not start again (seen here,
+    a client retrying ~4,000 times a second). Below the range no client is handed it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    picked: list[int] = []
+    for port in random.sample(range(max(1024, low - 12_000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        picked.append(port)
+        if len(picked) == n:
+            return picked
+    raise RuntimeError(f"no {n} free ports below the ephemeral range ({low})")
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -151,3 +173,38 @@ def _shard(value: str) -> tuple[int, int]:
     if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
         raise pytest.UsageError(f"--shard takes K/N with 1 <= K <= N, not {value!r}")
     return int(k), int(n)
+
+
+@dataclass
+class OutageBroker:
+    """A broker apart from the session's (`kafka_bootstrap`), to stop and start: stopping it disturbs
+    no other test. Its ports lie below the ephemeral range (`_ports_no_client_takes`)."""
+
+    env: dict[str, str]
+    bootstrap: str = ""
+
+    @classmethod
+    def at(cls, state_dir: Path, **env: str) -> "OutageBroker":
+        port, controller_port = _ports_no_client_takes(2)
+        return cls({
+            **os.environ, "KVLEDGER_KAFKA_DIR": str(state_dir), "KVLEDGER_KAFKA_PORT": str(port),
+            "KVLEDGER_KAFKA_CONTROLLER_PORT": str(controller_port), **env,
+        })  # fmt: skip
+
+    def run(self, cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([str(LOCAL_KAFKA), cmd], env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def up(self) -> None:
+        try:
+            up = self.run("up", timeout=UP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"infra/local-kafka up took longer than {UP_TIMEOUT}s", pytrace=False)
+        if up.returncode != 0:
+            log = Path(self.env["KVLEDGER_KAFKA_DIR"]) / "kafka.log"
+            pytest.fail(f"the outage broker did not start:\n{up.stderr.strip()}\n{_tail(log)}", pytrace=False)
+        self.bootstrap = _up_lines(up.stdout)["bootstrap"]
+
+    def down(self) -> None:
+        down = self.run("down", timeout=60)
+        if down.returncode != 0 or self.run("status").returncode == 0:
+            pytest.fail(f"the outage broker did not stop:\n{down.stderr.strip()}", pytrace=False)
