@@ -36,6 +36,7 @@ from kvledger.schemas import LEDGER_EVENT, VIOLATION, ConfluentCodec, SingleObje
 from kvledger.schemas.confluent import SchemaRegistry, value_subject
 from kvledger.schemas.registry import raw_schema
 from kvledger.stream_app.kafka_security import KafkaSecurity
+from kvledger.stream_app.worker.client_logs import hold_repeated_client_logs
 from kvledger.stream_app.worker.faust_fixes import close_faust_holes
 from kvledger.stream_app.worker.join import JoinProjection
 from kvledger.stream_app.worker.metrics import WorkerMetrics
@@ -110,6 +111,7 @@ class StreamWorker:
 
     def __init__(self, settings: WorkerSettings):
         close_faust_holes()
+        hold_repeated_client_logs()
         self.settings = s = settings
         self.topics = Topics(s.topic_prefix)
         self.metrics = WorkerMetrics()

@@ -110,6 +110,10 @@ RECORDER_CORES = 0.3
 # it was in flight) asked for metadata without pause and took a whole core (0.94 in CI, the
 # engine's tokens/s down to a third); see stream_app/worker/faust_fixes.py, hole 6.
 WORKER_CORES = 0.3
+# The worker's log through the outage: each kind of client failure once per 30 s, with a count
+# (stream_app/worker/client_logs.py), ~16 lines for a minute here; each attempt logged was ~60
+# lines a second (3,700 for a minute), 8,000 a second while the metadata spin lasted.
+WORKER_LOG_LINES = 60
 # The probes' time on the engine thread per step, across the outage vs. before it (Health's
 # cumulative probe_ns): at most this multiple plus this many µs. An engine thread waiting on the
 # client would add milliseconds a step.
@@ -622,8 +626,13 @@ def test_the_worker_resumes_catches_up_and_agrees_with_a_replay(outage):
     # It kept running through the outage and caught up with the engine still running.
     assert worker.proc.poll() is None
     caught_up = outage.caught_up_at - outage.up[1]
-    print(f"worker caught up {caught_up:.1f} s after the broker was back ({outage.up[1] - outage.up[0]:.1f} s up)")
+    log = worker.log.read_text(errors="replace").splitlines()
+    print(
+        f"worker caught up {caught_up:.1f} s after the broker was back ({outage.up[1] - outage.up[0]:.1f} s up); "
+        f"its log {len(log)} lines"
+    )
     assert caught_up < 45  # the clients' reconnect backoff (10 s at most) and a little catching up
+    assert len(log) <= WORKER_LOG_LINES, "\n".join(log[-20:])
 
     # Then it applies every event of the topic, once, and the engine is done (every rank closed).
     def applied() -> dict | None:
