@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +76,11 @@ def local_kafka(tmp_path_factory) -> Callable[..., subprocess.CompletedProcess]:
         "KVLEDGER_KAFKA_CONTROLLER_PORT": str(controller_port),
         "KVLEDGER_KAFKA_SASL_PORT": str(sasl_port),  # SASL_SSL beside PLAINTEXT: one broker for both
     }
+    return _local_kafka(env)
+
+
+def _local_kafka(env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess]:
+    """`infra/local-kafka CMD` under `env` (its state dir and ports)."""
 
     def run(cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run([str(LOCAL_KAFKA), cmd], env=env, capture_output=True, text=True, timeout=timeout)
@@ -180,29 +186,26 @@ class OutageBroker:
     """A broker apart from the session's (`kafka_bootstrap`), to stop and start: stopping it disturbs
     no other test. Its ports lie below the ephemeral range (`_ports_no_client_takes`)."""
 
-    env: dict[str, str]
+    run: Callable[..., subprocess.CompletedProcess]  # `infra/local-kafka CMD` for this broker
     bootstrap: str = ""
 
     @classmethod
-    def at(cls, state_dir: Path, **env: str) -> "OutageBroker":
+    @contextmanager
+    def running(cls, state_dir: Path, **env: str) -> Iterator["OutageBroker"]:
+        """Started in `state_dir` (with `env` over the script's defaults), stopped at the end."""
         port, controller_port = _ports_no_client_takes(2)
-        return cls({
+        broker = cls(_local_kafka({
             **os.environ, "KVLEDGER_KAFKA_DIR": str(state_dir), "KVLEDGER_KAFKA_PORT": str(port),
             "KVLEDGER_KAFKA_CONTROLLER_PORT": str(controller_port), **env,
-        })  # fmt: skip
-
-    def run(self, cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([str(LOCAL_KAFKA), cmd], env=self.env, capture_output=True, text=True, timeout=timeout)
+        }))  # fmt: skip
+        broker.up()
+        try:
+            yield broker
+        finally:
+            broker.run("down")
 
     def up(self) -> None:
-        try:
-            up = self.run("up", timeout=UP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"infra/local-kafka up took longer than {UP_TIMEOUT}s", pytrace=False)
-        if up.returncode != 0:
-            log = Path(self.env["KVLEDGER_KAFKA_DIR"]) / "kafka.log"
-            pytest.fail(f"the outage broker did not start:\n{up.stderr.strip()}\n{_tail(log)}", pytrace=False)
-        self.bootstrap = _up_lines(up.stdout)["bootstrap"]
+        self.bootstrap = _up_lines(_started(self.run, "infra/local-kafka", "the outage broker").stdout)["bootstrap"]
 
     def down(self) -> None:
         down = self.run("down", timeout=60)

@@ -45,11 +45,16 @@ class HoldRepeats(logging.Filter):
         return True
 
 
+def client_loggers() -> list[logging.Logger]:
+    """The client's loggers: CLIENT's own and those of its modules imported so far."""
+    below = sorted(n for n in logging.root.manager.loggerDict if n.startswith(CLIENT + "."))
+    return [logging.getLogger(n) for n in [CLIENT, *below]]
+
+
 def hold_repeated_client_logs(every: float = EVERY_S) -> HoldRepeats:
     """Puts one HoldRepeats on the client's loggers (the records' own: a filter on a parent logger
     does not see its children's records); idempotent."""
-    names = [n for n in logging.root.manager.loggerDict if n == CLIENT or n.startswith(CLIENT + ".")]
-    loggers = [logging.getLogger(n) for n in [CLIENT, *names]]
+    loggers = client_loggers()
     held = next((f for f in loggers[0].filters if isinstance(f, HoldRepeats)), None) or HoldRepeats(every)
     for logger in loggers:
         if held not in logger.filters:

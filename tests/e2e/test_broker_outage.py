@@ -126,19 +126,12 @@ CODEC = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH)
 
 @pytest.fixture(scope="module")
 def outage_broker(tmp_path_factory):
-    """A broker apart from the session's (`kafka_bootstrap`): stopping it disturbs no other test."""
     # Its restart competes with the engine for two cores: the C1 compiler only, which needs less CPU
     # to start (started so, it took 11-31 s here; 51 s without; this broker carries a few messages a
     # second).
-    broker = OutageBroker.at(
-        tmp_path_factory.mktemp("outage-kafka"),
-        KVLEDGER_KAFKA_JVM_OPTS="-Xmx512m -XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
-    )
-    broker.up()
-    try:
+    jvm = "-Xmx512m -XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+    with OutageBroker.running(tmp_path_factory.mktemp("outage-kafka"), KVLEDGER_KAFKA_JVM_OPTS=jvm) as broker:
         yield broker
-    finally:
-        broker.run("down")
 
 
 # -- watching the topic and the worker while the engine runs --------------------------------------
@@ -463,16 +456,13 @@ def machine_cores(outage: OutageRun, start: float, end: float) -> str:
     """The machine's idle and stolen cores between `start` and `end`, and the engine's: what else
     had the machine, and what the engine got of it, if it was slow."""
     idle, stolen = (cores([(t, m[i]) for t, m in outage.machine], start, end) for i in range(2))
-    # The engine's processes: those vLLM names VLLM::...
-    engine_s = [(t, sum(cpu for name, cpu in p.items() if name.startswith("VLLM::"))) for t, p in outage.processes]
-    engine = cores(engine_s, start, end)
+    engine = processes_cores(outage, lambda name: name.startswith("VLLM::"), start, end)  # as vLLM names them
     return f"idle {idle:.2f}, stolen {stolen:.2f}, the engine's {engine:.2f}"
 
 
-def process_cores(outage: OutageRun, pid: int, start: float, end: float) -> float:
-    """The cores process `pid` took between `start` and `end`."""
-    suffix = f"[{pid}]"
-    return cores([(t, sum(v for k, v in p.items() if k.endswith(suffix))) for t, p in outage.processes], start, end)
+def processes_cores(outage: OutageRun, named: Callable[[str], bool], start: float, end: float) -> float:
+    """The cores the processes `named` (by `process_seconds()`'s name[pid]) took between `start` and `end`."""
+    return cores([(t, sum(v for k, v in p.items() if named(k))) for t, p in outage.processes], start, end)
 
 
 def busiest(outage: OutageRun, start: float, end: float, top: int = 3) -> str:
@@ -521,7 +511,8 @@ def test_the_engine_runs_on_unaffected(outage):
     slowest = max(r["end"] - r["start"] for r in during)
     stall = STALL[0] * statistics.median(r["end"] - r["start"] for r in before + after) + STALL[1]
     recorder = {k: cores(outage.recorder_cpu, *span) for k, span in spans.items()}
-    worker = {k: process_cores(outage, outage.worker.proc.pid, *span) for k, span in spans.items()}
+    pid = f"[{outage.worker.proc.pid}]"
+    worker = {k: processes_cores(outage, lambda name: name.endswith(pid), *span) for k, span in spans.items()}
     healths = [(e["emitted_at_us"] / 1e6, e["body"][1]) for e in outage.events if e["body"][0] == "kvledger.Health"]
     ahead = [h for t, h in healths if t < outage.down[0]]
     across = [ahead[-1], next(h for t, h in healths if t > outage.up[1])]  # the outage between them

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from kvledger.stream_app.worker.client_logs import CLIENT, HoldRepeats, hold_repeated_client_logs
+from kvledger.stream_app.worker.client_logs import CLIENT, HoldRepeats, client_loggers, hold_repeated_client_logs
 
 CONNECT = "Unable connect to node with id %s: %s"
 
@@ -77,6 +77,5 @@ def test_every_client_logger_holds_repeats_once():
         for name in names:
             assert [f for f in logging.getLogger(name).filters if isinstance(f, HoldRepeats)] == [held], name
     finally:
-        for name in logging.root.manager.loggerDict:
-            if name == CLIENT or name.startswith(CLIENT + "."):
-                logging.getLogger(name).removeFilter(held)
+        for logger in client_loggers():
+            logger.removeFilter(held)
