@@ -52,7 +52,7 @@ demo-cluster: setup vllm
 # No vLLM needed: a synthetic two-rank trace with every known fault injected, checked.
 demo-synthetic: setup
 	rm -rf demo-ledger/synthetic
-	$(BIN)/python -m kvledger.producer.demo demo-ledger/synthetic
+	$(BIN)/python -m tests.synthetic.demo demo-ledger/synthetic
 	$(BIN)/kvledger check demo-ledger/synthetic; status=$$?; [ $$status -le 1 ]
 
 lint: setup

@@ -8,10 +8,10 @@
   of it (the engine thread), and the CPU the rank's recorder process spends per step (outside
   the engine process, on the same host), per action (`log`, `record`) at 64 and 256 requests:
   one engine per configuration, its probes paused and resumed in turn between runs
-  (`collective_rpc("kvledger_pause_tracing")` through
-  `kvledger.producer.plugin.TracingExtension`), so both arms share the
-  process, its memory and its core placement; paused probes still wrap the runner (a
-  counter and a flag per step).
+  (`collective_rpc("kvledger_pause_tracing")` through a worker extension derived from
+  `kvledger.producer.plugin.TracingExtension`, tests/e2e/tracing_costs.py, which also reads
+  the counters), so both arms share the process, its memory and its core placement; paused
+  probes still wrap the runner (a counter and a flag per step).
 
 * vLLM's own KV events publisher (`kv_events_config`, ZMQ), for comparison: it cannot be
   paused, so one engine per run, on and off in turn (`--kv-events-pairs`).
@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import re
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -105,6 +107,15 @@ def run(
     if proc.returncode != 0 or not re.search(r"^TIMING ", proc.stdout, re.M):
         raise SystemExit(f"engine failed: {(proc.stdout + proc.stderr)[-2000:]}")
     return proc.stdout
+
+
+def engine_run():
+    """tests/e2e/engine_run.py as a module, for a benchmark that starts its engine in its own process.
+    Imported by its name from its folder, put on the path: the engine's processes, which inherit the
+    path, import the worker extension beside it by name too (tests/e2e/tracing_costs.py)."""
+    if str(ENGINE.parent) not in sys.path:
+        sys.path.insert(0, str(ENGINE.parent))
+    return importlib.import_module(ENGINE.stem)
 
 
 def ledger_figures(root: Path) -> tuple[float, float, float]:

@@ -24,14 +24,6 @@ engine's engine thread does between the probes. It leaves the caches and
 branch predictors cold, and the probes cost several times what they cost back to back (a GPU
 engine's thread only launches kernels between them: the default, 0, is closer to that).
 
-With --paired FILE, two variants of the probe in this one process, alternating step by step:
-FILE defines `setup(probe, variant_b)`, called before each step to install variant A or B
-(bench/variants/ holds examples); the median of the paired differences is printed. It resolves
-a fraction of a us, where two processes in lockstep (--baseline) lose a few us in a noisy host's
-drift:
-
-    .venv-vllm/bin/python bench/probe_hot_path.py --paired bench/variants/header_in_place.py --forward-us 3000
-
 With --baseline, the engine thread's time per step of another checkout (DIR,
 e.g. `git worktree add /tmp/base main`) and of this one are measured side by
 side: one process each, driven in lockstep, a step in one and the same step
@@ -46,7 +38,6 @@ and gives its time per frame.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import io
 import os
 import statistics
@@ -56,7 +47,6 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import torch
@@ -369,57 +359,15 @@ def compare(baseline: Path, steps: int, side: str, forward_us: float, look: int 
         print(f"{num_reqs:>8} {base_us:>15.1f} {this_us:>15.1f} {diff:>+20.1f} us ({diff / base_us:+.0%})")
 
 
-def load_variant(path: Path) -> Any:
-    """A `--paired` file as a module; it must define `setup(probe, variant_b)`."""
-    spec = importlib.util.spec_from_file_location(f"kvledger_bench_variant_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"{path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses defined there look their module up
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "setup", None)):
-        raise SystemExit(f"{path} defines no setup(probe, variant_b)")
-    return module
-
-
-def paired(path: Path, steps: int, forward_us: float) -> None:
-    """Two variants of the probe in this one process, alternating step by step (`setup` installs
-    A or B before each step), and the median of the paired differences: resolves changes of a
-    fraction of a us that two processes in lockstep lose in the host's noise."""
-    variant = load_variant(path)
-    torch.set_num_threads(1)
-    forward = StandInForward(forward_us)
-    after = forward_note(forward_us)
-    print(f"engine thread per decode step, {path.name}: B vs A on alternate steps, {steps} steps{after}")
-    print(f"{'requests':>8} {'A median us':>12} {'B median us':>12} {'B - A, paired median':>22}")
-    for num_reqs in (1, 16, 64, 256):
-        runner, probe = bench_probe(num_reqs)
-        times: tuple[list[int], list[int]] = ([], [])
-        try:
-            for step, (so, kwargs) in enumerate(decode_steps(runner, num_reqs, steps)):
-                variant.setup(probe, step % 2 == 1)
-                times[step % 2].append(drive_step(probe, so, kwargs, forward))
-                skip_frames(probe)
-            assert not probe._broken, "the probe failed; see the log"
-        finally:
-            probe.recorder.ring.close(unlink=True)
-        a, b = (np.array(t[10 : 10 + (steps - 20) // 2]) / 1000 for t in times)
-        diff = float(np.median(b - a))
-        print(f"{num_reqs:>8} {np.median(a):>12.1f} {np.median(b):>12.1f} {diff:>+19.2f} us")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--baseline", type=Path, help="another checkout to measure side by side with this one")
     parser.add_argument("--side", choices=SIDES, default="engine", help="what --baseline compares")
     parser.add_argument("--forward-us", type=float, default=0.0, help="a stand-in CPU forward pass before each step")
-    parser.add_argument("--paired", type=Path, help="a variants file (see bench/variants/) to pair step by step")
     parser.add_argument("--look", type=int, default=1, help="--side recorder: frames read at once, per look")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # one side of --baseline
     args = parser.parse_args()
-    if args.paired is not None:
-        return paired(args.paired, min(args.steps, 1200), args.forward_us)
     if args.serve is not None:
         return serve(args.serve, args.steps, args.side, args.forward_us, args.look)
     if args.baseline is not None:

@@ -9,8 +9,8 @@ engine's nice: "on"); resumed with them switched to POLICY ("policy"), or,
 for `stopped`, with the recorder stopped (SIGSTOP: the ring holds the arm's
 frames, read once it is continued), or, for `away`, with them moved off the
 CPUs vLLM pinned its workers to. After each arm the recorder reads what
-the arm wrote before the next begins (the workers' `kvledger_process_counters`
-waits for it), so no arm pays for the one before.
+the arm wrote before the next begins (the workers' `kvledger_process_counters`,
+tests/e2e/tracing_costs.py, waits for it), so no arm pays for the one before.
 Printed every 20 rounds: the overhead of "on" and of "policy" against "off"
 (median of the rounds, ~95 % interval of the median) and the median of
 1 - policy/on per round (negative: "policy" was faster).
@@ -34,8 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine_overhead import engine_spec, median_interval  # bench/, beside this script
-from engine_paired import engine_run
+from engine_overhead import engine_run, engine_spec, median_interval  # bench/, beside this script
 
 # "away": on the CPUs the engine's workers are not pinned to (vLLM's CPU workers pin their OpenMP
 # threads and leave the rest to the engine core and the frontend).

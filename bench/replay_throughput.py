@@ -29,14 +29,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import _root  # noqa: F401  (the checkout's root, for tests.synthetic)
 from checkouts import env_importing  # bench/, beside this script
 
 from kvledger.producer.sinks import FileSink
-from kvledger.producer.synthetic import SimConfig, simulate
 from kvledger.schemas import unpack_i32
 from kvledger.schemas.files import discover, read_segment
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import replay
+from tests.synthetic.engine import SimConfig, simulate
 
 STREAMS = {
     "decode-heavy": dict(

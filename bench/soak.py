@@ -35,15 +35,14 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import _root  # noqa: F401  (the checkout's root, for tests.stream_harness)
 from stream_throughput import broker
 
 # The soak's fleet and driver are shared with its short version in the tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.stream_harness import (
     FleetSpec,
     Sample,

@@ -27,10 +27,11 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import _root  # noqa: F401  (the checkout's root, for tests.synthetic)
 from stream_throughput import DECODE_HEAVY, WorkerProcess, broker, produce_batched
 
-from kvledger.producer.synthetic import SimConfig, simulate
 from kvledger.stream_app.worker.topics import Topics, ensure_topics
+from tests.synthetic.engine import SimConfig, simulate
 
 PER_ENGINE = 20_000
 

@@ -35,15 +35,16 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import _root  # noqa: F401  (the checkout's root, for tests.synthetic)
 from confluent_kafka import Consumer, Producer
 from replay_throughput import STREAMS
 
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KAFKA_DEFAULTS, KafkaSink
-from kvledger.producer.synthetic import FaultSpec, SimConfig, simulate
 from kvledger.schemas import LEDGER_EVENT, VIOLATION, SingleObjectCodec
 from kvledger.stream_app.worker.topics import Topics, ensure_topics
+from tests.synthetic.engine import FaultSpec, SimConfig, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 KVLEDGER = str(Path(sys.executable).with_name("kvledger"))

@@ -478,14 +478,20 @@ static PyObject *set_converter(PyObject *self, PyObject *fn) {
 static PyObject *s_cached, *s_new, *s_counts, *s_copies, *s_req_ids, *s_resumed, *s_new_blocks, *s_computed,
     *s_finished, *s_preempted, *s_zero, *s_req_id, *s_block_ids, *s_prompt, *s_src, *s_dst;
 
-/* getattr(obj, name, None) or (): a new reference, NULL with an exception set. */
-static PyObject *attr_or_empty(PyObject *obj, PyObject *name) {
+/* An optional field: its value, or () where it is None or empty; where `obj` (a vLLM `owner`)
+ * has no such attribute, () and "owner.name" added to the set `missing`, or, without a set, the
+ * AttributeError (a field this vLLM lacks, or renamed, never reads as empty unannounced).
+ * A new reference, NULL with an exception set. */
+static PyObject *attr_or_missing(PyObject *obj, PyObject *name, const char *owner, PyObject *missing) {
     PyObject *v = PyObject_GetAttr(obj, name);
     if (v == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+        if (missing == NULL || !PyErr_ExceptionMatches(PyExc_AttributeError))
             return NULL;
         PyErr_Clear();
-        return PyTuple_New(0);
+        PyObject *field = PyUnicode_FromFormat("%s.%U", owner, name);
+        int added = field == NULL ? -1 : PySet_Add(missing, field);
+        Py_XDECREF(field);
+        return added < 0 ? NULL : PyTuple_New(0);
     }
     int truth = PyObject_IsTrue(v);
     if (truth <= 0) {
@@ -495,15 +501,15 @@ static PyObject *attr_or_empty(PyObject *obj, PyObject *name) {
     return v;
 }
 
-/* A list of `fn(item)` per item of the sequence `items`; NULL with an exception set. */
-static PyObject *list_of(PyObject *items, const char *what, PyObject *(*fn)(PyObject *)) {
+/* A list of `fn(item, ctx)` per item of the sequence `items`; NULL with an exception set. */
+static PyObject *list_of(PyObject *items, const char *what, PyObject *(*fn)(PyObject *, PyObject *), PyObject *ctx) {
     PyObject *seq = PySequence_Fast(items, what);
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        PyObject *item = fn(PySequence_Fast_GET_ITEM(seq, i));
+        PyObject *item = fn(PySequence_Fast_GET_ITEM(seq, i), ctx);
         if (item == NULL)
             Py_CLEAR(out);
         else
@@ -513,9 +519,10 @@ static PyObject *list_of(PyObject *items, const char *what, PyObject *(*fn)(PyOb
     return out;
 }
 
-/* A new request as (req_id, block_ids, num_computed_tokens, prompt length). */
-static PyObject *new_request(PyObject *r) {
-    PyObject *prompt = attr_or_empty(r, s_prompt);
+/* A new request as (req_id, block_ids, num_computed_tokens, prompt length); `missing` as in
+ * attr_or_missing. */
+static PyObject *new_request(PyObject *r, PyObject *missing) {
+    PyObject *prompt = attr_or_missing(r, s_prompt, "NewRequestData", missing);
     Py_ssize_t prompt_len = prompt == NULL ? -1 : PyObject_Size(prompt);
     Py_XDECREF(prompt);
     if (prompt_len < 0)
@@ -545,7 +552,7 @@ static PyObject *aligned_counts(PyObject *counts, PyObject *ids) {
 }
 
 /* A block copy as (src, dst): of an object with those attributes, or of a pair's first two. */
-static PyObject *block_copy(PyObject *c) {
+static PyObject *block_copy(PyObject *c, PyObject *unused) {
     if (PyObject_HasAttr(c, s_src))
         return Py_BuildValue("(NN)", PyObject_GetAttr(c, s_src), PyObject_GetAttr(c, s_dst));
     PyObject *whole = PySequence_Tuple(c);
@@ -555,7 +562,7 @@ static PyObject *block_copy(PyObject *c) {
 }
 
 PyDoc_STRVAR(scheduler_fields_doc,
-             "scheduler_fields(scheduler_output, cached_ids=None) -> tuple\n\n"
+             "scheduler_fields(scheduler_output, cached_ids=None, missing=None) -> tuple\n\n"
              "The SchedulerOutput fields a StepInput is built from, as MessagePack encodes them (the\n"
              "lists themselves, not copies), in this order: the new requests as (id, block ids,\n"
              "computed tokens, prompt length); the cached requests' ids (`cached_ids(ids)` when given:\n"
@@ -563,35 +570,42 @@ PyDoc_STRVAR(scheduler_fields_doc,
              "the tokens scheduled per request; the finished, the preempted, the blocks to zero; the\n"
              "block copies as (src, dst). The tokens per request go as a list aligned with the cached\n"
              "requests when the dict names exactly those, in their order, and no request is new (a\n"
-             "decoding step): their ids are not encoded a second time. An attribute this vLLM lacks\n"
-             "among the optional ones reads as ().");
+             "decoding step): their ids are not encoded a second time. An optional field this vLLM\n"
+             "lacks (an older vLLM, or a rename) is no capability to read: with a set `missing` it\n"
+             "reads as () and its name, as 'SchedulerOutput.preempted_req_ids', is added to the set\n"
+             "(the caller declares it); without one it raises AttributeError, as a required field does.");
 
 static PyObject *scheduler_fields(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 1 || nargs > 2)
-        return PyErr_Format(PyExc_TypeError, "scheduler_fields takes 1 or 2 arguments, not %zd", nargs);
-    PyObject *so = args[0], *cached_ids = nargs == 2 && args[1] != Py_None ? args[1] : NULL;
+    if (nargs < 1 || nargs > 3)
+        return PyErr_Format(PyExc_TypeError, "scheduler_fields takes 1 to 3 arguments, not %zd", nargs);
+    PyObject *so = args[0], *cached_ids = nargs >= 2 && args[1] != Py_None ? args[1] : NULL;
+    PyObject *missing = nargs == 3 && args[2] != Py_None ? args[2] : NULL;
+    if (missing != NULL && !PySet_Check(missing))
+        return PyErr_Format(PyExc_TypeError, "scheduler_fields: missing must be a set, not %.200s",
+                            Py_TYPE(missing)->tp_name);
     PyObject *f[10] = {NULL};
     PyObject *cached = PyObject_GetAttr(so, s_cached), *new = PyObject_GetAttr(so, s_new);
     PyObject *counts = PyObject_GetAttr(so, s_counts), *ids = NULL, *out = NULL;
     if (cached == NULL || new == NULL || counts == NULL || (ids = PyObject_GetAttr(cached, s_req_ids)) == NULL)
         goto done;
-    if ((f[0] = list_of(new, "scheduled_new_reqs must be a sequence", new_request)) == NULL)
+    if ((f[0] = list_of(new, "scheduled_new_reqs must be a sequence", new_request, missing)) == NULL)
         goto done;
     Py_ssize_t num_new = PyList_GET_SIZE(f[0]);
     f[1] = cached_ids != NULL ? PyObject_CallOneArg(cached_ids, ids) : Py_NewRef(ids);
-    if (f[1] == NULL || (f[2] = attr_or_empty(cached, s_resumed)) == NULL ||
+    if (f[1] == NULL || (f[2] = attr_or_missing(cached, s_resumed, "CachedRequestData", missing)) == NULL ||
         (f[3] = PyObject_GetAttr(cached, s_new_blocks)) == NULL || (f[4] = PyObject_GetAttr(cached, s_computed)) == NULL)
         goto done;
     if ((f[5] = num_new ? Py_NewRef(counts) : aligned_counts(counts, ids)) == NULL ||
-        (f[6] = PyObject_GetAttr(so, s_finished)) == NULL || (f[7] = attr_or_empty(so, s_preempted)) == NULL ||
-        (f[8] = attr_or_empty(so, s_zero)) == NULL)
+        (f[6] = PyObject_GetAttr(so, s_finished)) == NULL ||
+        (f[7] = attr_or_missing(so, s_preempted, "SchedulerOutput", missing)) == NULL ||
+        (f[8] = attr_or_missing(so, s_zero, "SchedulerOutput", missing)) == NULL)
         goto done;
-    PyObject *copies = attr_or_empty(so, s_copies);
+    PyObject *copies = attr_or_missing(so, s_copies, "SchedulerOutput", missing);
     if (copies == NULL)
         goto done;
     f[9] = PyTuple_CheckExact(copies) && PyTuple_GET_SIZE(copies) == 0
                ? Py_NewRef(copies)
-               : list_of(copies, "kv_cache_block_copies must be a sequence", block_copy);
+               : list_of(copies, "kv_cache_block_copies must be a sequence", block_copy, NULL);
     Py_DECREF(copies);
     if (f[9] == NULL)
         goto done;

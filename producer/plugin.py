@@ -126,30 +126,6 @@ def resume_tracing() -> int:
     return len(_probes)
 
 
-_counting_s = 0.0  # CPU seconds this process spent in `process_counters` waiting for its recorders
-
-
-def process_counters() -> tuple[float, int, float, float]:
-    """What tracing costs, once the recorders read what the probes wrote: (CPU seconds of this
-    whole process, all its threads, less what these calls spent waiting for the recorders; steps
-    its probes counted; seconds the probes spent on the engine thread; CPU seconds of the recorder
-    processes)."""
-    global _counting_s
-    # The wait polls the rings every ms until a recorder's next look (up to 100 ms: ~1.5 ms of CPU
-    # on a 2-core VM): the benchmark's own cost, not tracing's, and only the traced arm has it.
-    started = time.process_time()
-    flush_all(timeout=2.0)
-    now = time.process_time()
-    _counting_s += now - started
-    steps, probes, recorders = 0, 0.0, 0.0
-    for probe in _probes:
-        steps += probe.step + 1
-        if probe.recorder is not None:
-            probes += probe.recorder.probe_ns / 1e9
-            recorders += probe.recorder.recorder_cpu_s()
-    return now - _counting_s, steps, probes, recorders
-
-
 class TracingExtension:
     """Worker methods for the driver, the way vLLM lets a plugin add them.
 
@@ -164,9 +140,6 @@ class TracingExtension:
 
     def kvledger_resume_tracing(self) -> int:
         return resume_tracing()
-
-    def kvledger_process_counters(self) -> tuple[float, int, float, float]:
-        return process_counters()
 
 
 def close_probe(probe: Any, timeout: float = 5.0) -> None:

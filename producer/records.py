@@ -14,6 +14,7 @@ from itertools import chain
 import numpy as np
 
 from kvledger.schemas import pack_digests, pack_i32
+from kvledger.schemas.kinds import ConnectorKind, Declaration, connector_wire
 from kvledger.schemas.packing import length_term, mix_blocks, pack_u64, position_weights
 from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH, RANK_INFO, SNAPSHOT, STEP
 
@@ -98,26 +99,6 @@ def rank_info(
     }
 
 
-# A probe's capability: sealed blocks' bytes digested (producer/content.py); unavailable voids nothing else.
-CONTENT_DIGESTS = "content_digests"
-
-# Configurations whose addressing the ledger's checks do not model. A rank running one declares
-# it as an unavailable capability of that name (the reason says why); the ledger core counts the
-# checks it voids as unchecked under the same name, never as violations (core/engine.py).
-DECODE_CONTEXT_PARALLEL = "decode_context_parallel"
-PREFILL_CONTEXT_PARALLEL = "prefill_context_parallel"
-ASYNC_SPEC_DECODE = "async_spec_decode"
-DRAFTER_KV_WRITES = "drafter_kv_writes"
-ADAPTIVE_VERIFICATION = "adaptive_verification"
-DECLARABLE = (
-    DECODE_CONTEXT_PARALLEL,
-    PREFILL_CONTEXT_PARALLEL,
-    ASYNC_SPEC_DECODE,
-    DRAFTER_KV_WRITES,
-    ADAPTIVE_VERIFICATION,
-)
-
-
 def _size(config, name: str) -> int:
     return int(getattr(config, name, 1) or 1)
 
@@ -137,7 +118,7 @@ def config_declarations(vllm_config) -> list[tuple[str, bool, str | None]]:
     if dcp > 1:
         found.append(
             (
-                DECODE_CONTEXT_PARALLEL,
+                Declaration.DECODE_CONTEXT_PARALLEL,
                 False,
                 f"decode context parallel size {dcp}: each rank stores only its share of every scheduler "
                 f"block's tokens (its slot mapping pads the others), in blocks 1/{dcp} of the scheduler's size; "
@@ -148,7 +129,7 @@ def config_declarations(vllm_config) -> list[tuple[str, bool, str | None]]:
     if pcp > 1:
         found.append(
             (
-                PREFILL_CONTEXT_PARALLEL,
+                Declaration.PREFILL_CONTEXT_PARALLEL,
                 False,
                 f"prefill context parallel size {pcp}: each rank runs its own partition of the batch's tokens; "
                 "plan checks and the cross-rank plan compare are not modelled",
@@ -157,7 +138,7 @@ def config_declarations(vllm_config) -> list[tuple[str, bool, str | None]]:
     if spec is not None and getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
         found.append(
             (
-                ASYNC_SPEC_DECODE,
+                Declaration.ASYNC_SPEC_DECODE,
                 False,
                 "async scheduling with speculative decoding: the worker moves a request back by the previous "
                 "step's rejected drafts on the device, which the scheduler's computed-token count (the step "
@@ -167,7 +148,7 @@ def config_declarations(vllm_config) -> list[tuple[str, bool, str | None]]:
     if spec is not None and _calls(spec, "uses_draft_kv_cache"):
         found.append(
             (
-                DRAFTER_KV_WRITES,
+                Declaration.DRAFTER_KV_WRITES,
                 False,
                 f"the {getattr(spec, 'method', '?')} drafter writes KV through slot mappings of its own, "
                 "which are not recorded",
@@ -445,7 +426,7 @@ def health(
 def connector_event(
     step: int,
     connector: str,
-    kind: str,
+    kind: ConnectorKind,
     *,
     req_id: str | None = None,
     transfer_id: str | None = None,
@@ -456,10 +437,11 @@ def connector_event(
     detail: str | None = None,
 ) -> tuple[str, dict]:
     """A ConnectorEvent record; block_ids per KV cache group."""
+    symbol, detail = connector_wire(ConnectorKind(kind), detail)
     return CONNECTOR_EVENT, {
         "step": step,
         "connector": connector,
-        "kind": kind,
+        "kind": symbol,
         "req_id": req_id,
         "transfer_id": transfer_id,
         "remote_engine_id": remote_engine_id,

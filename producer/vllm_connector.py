@@ -49,6 +49,7 @@ from typing import Any
 from kvledger.producer import records
 from kvledger.producer.config import TraceConfig
 from kvledger.producer.staging import Staged, StagingFull, StagingPool
+from kvledger.schemas.kinds import ConnectorKind
 
 log = logging.getLogger("kvledger.producer")
 
@@ -63,12 +64,11 @@ CONNECTOR_API = ("bind_connector_metadata", "get_transfer_results", "get_block_i
 class Transfer:
     """One transfer as the bound metadata announces it."""
 
-    kind: str  # SEND_INTENT | RECV_INTENT | OTHER
+    kind: ConnectorKind | None  # SEND_INTENT, RECV_INTENT, SEND_CANCELLED, RECV_RELEASED; None: announced only
     req_id: str
     transfer_id: str | None
     remote_engine_id: str | None
     block_ids: list[list[int]]  # per KV cache group, copied
-    detail: str | None = None
 
 
 @dataclass
@@ -123,18 +123,18 @@ class MooncakeAdapter(ConnectorAdapter):
 
     def transfers(self, metadata: Any) -> list[Transfer]:
         found = [
-            Transfer("SEND_INTENT", req_id, transfer_id, None, _blocks(groups))
+            Transfer(ConnectorKind.SEND_INTENT, req_id, transfer_id, None, _blocks(groups))
             if any(groups)
-            else Transfer("REGISTERED", req_id, transfer_id, None, [])  # prefill not finished yet
+            else Transfer(None, req_id, transfer_id, None, [])  # registered: its prefill has not finished
             for req_id, (transfer_id, groups) in (getattr(metadata, "reqs_to_send", None) or {}).items()
         ]
         for remote_engine_id, pulls in (getattr(metadata, "reqs_to_recv", None) or {}).items():
             for pull in pulls.values():
                 blocks = _blocks(pull.local_block_ids)
-                kind, detail = ("RECV_INTENT", None) if any(blocks) else ("OTHER", "release_only")
-                found.append(Transfer(kind, pull.d_req_id, pull.transfer_id, remote_engine_id, blocks, detail))
+                kind = ConnectorKind.RECV_INTENT if any(blocks) else ConnectorKind.RECV_RELEASED
+                found.append(Transfer(kind, pull.d_req_id, pull.transfer_id, remote_engine_id, blocks))
         found += [
-            Transfer("OTHER", "", transfer_id, None, [], "send_cancelled")
+            Transfer(ConnectorKind.SEND_CANCELLED, "", transfer_id, None, [])
             for transfer_id in getattr(metadata, "reqs_not_processed", None) or ()
         ]
         return found
@@ -295,7 +295,7 @@ class ConnectorProbe:
         self.name = type(connector).__name__
         self.record = record
         self.current_step = current_step
-        self.pending: dict[tuple[str, str], Transfer] = {}  # (intent kind, req id) -> the intent
+        self.pending: dict[tuple[ConnectorKind, str], Transfer] = {}  # (intent kind, req id) -> the intent
         self.expired: set[str] = set()  # filled by adapters that can tell
         self.capabilities: list[Capability] = []
         self.digest_fraction = digest_fraction
@@ -388,12 +388,12 @@ class ConnectorProbe:
         if self._completions is not None:  # a runner that never asked for load errors
             self._record_completions()
         for transfer in self.adapter.transfers(metadata):
-            if transfer.kind == "REGISTERED":  # the runner still holds the request: note its size
+            if transfer.kind is None:  # the runner still holds the request: note its size
                 tokens = self.prompt_tokens(transfer.req_id)
                 if tokens is not None:
                     self.num_tokens[transfer.req_id] = tokens
                 continue
-            if transfer.kind != "OTHER":
+            if transfer.kind in (ConnectorKind.SEND_INTENT, ConnectorKind.RECV_INTENT):
                 self.pending[(transfer.kind, transfer.req_id)] = transfer
             self._emit(transfer.kind, transfer)
 
@@ -405,11 +405,10 @@ class ConnectorProbe:
 
     def _on_load_errors(self, invalid: set[int]) -> None:
         if invalid:
-            self._emit("INVALID_BLOCKS", None, req_id=None, blocks=[sorted(int(b) for b in invalid)])
+            self._emit(ConnectorKind.INVALID_BLOCKS, None, req_id=None, blocks=[sorted(int(b) for b in invalid)])
             # Kept for the receives that hold them (only those: others can never claim them).
-            receiving = {
-                b for (kind, _), t in self.pending.items() if kind == "RECV_INTENT" for g in t.block_ids for b in g
-            }
+            pulls = [t for (kind, _), t in self.pending.items() if kind == ConnectorKind.RECV_INTENT]
+            receiving = {b for t in pulls for g in t.block_ids for b in g}
             self.invalid |= {int(b) for b in invalid} & receiving
         self._record_completions()
 
@@ -419,23 +418,23 @@ class ConnectorProbe:
             return
         expired, self.expired = self.expired, set()
         for req_id in sorted(done.sent):
-            kind = "EXPIRED" if req_id in expired else "SEND_DONE"
-            intent = self.pending.pop(("SEND_INTENT", req_id), None)
-            self._emit(kind, intent, req_id, digest=self._digest(intent) if kind == "SEND_DONE" else None)
+            kind = ConnectorKind.EXPIRED if req_id in expired else ConnectorKind.SEND_DONE
+            intent = self.pending.pop((ConnectorKind.SEND_INTENT, req_id), None)
+            self._emit(kind, intent, req_id, digest=self._digest(intent) if kind == ConnectorKind.SEND_DONE else None)
             self.num_tokens.pop(req_id, None)
         for req_id in sorted(done.received | done.failed):
-            intent = self.pending.pop(("RECV_INTENT", req_id), None)
+            intent = self.pending.pop((ConnectorKind.RECV_INTENT, req_id), None)
             lost = sorted(self.invalid.intersection(b for g in intent.block_ids for b in g)) if intent else []
             self.invalid.difference_update(lost)
             if req_id in done.failed or lost:
                 detail = f"{len(lost)} block(s) failed to load" if lost else "reported failed"
-                self._emit("RECV_FAILED", intent, req_id, detail=detail)
+                self._emit(ConnectorKind.RECV_FAILED, intent, req_id, detail=detail)
             else:
-                self._emit("RECV_DONE", intent, req_id, digest=self._digest(intent))
+                self._emit(ConnectorKind.RECV_DONE, intent, req_id, digest=self._digest(intent))
 
     def _emit(
         self,
-        kind: str,
+        kind: ConnectorKind,
         transfer: Transfer | None,
         req_id: str | None = None,
         *,
@@ -450,8 +449,8 @@ class ConnectorProbe:
             "transfer_id": transfer.transfer_id if transfer else None,
             "remote_engine_id": transfer.remote_engine_id if transfer else None,
             "block_ids": blocks if blocks is not None else (transfer.block_ids if transfer else []),
-            "detail": detail or (transfer.detail if transfer else None),
-            "num_tokens": self.num_tokens.get(req) if req and transfer and transfer.kind == "SEND_INTENT" else None,
+            "detail": detail,
+            "num_tokens": self.num_tokens.get(req) if req and kind == ConnectorKind.SEND_INTENT else None,
         }
 
         # Sent through the ring as a body; the block lists are our own copies. An event with a

@@ -24,16 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from kvledger.producer import records
 from kvledger.producer.capture import PlanCapture, SnapshotCapture
 from kvledger.producer.staging import Staged, StagingFull
 from kvledger.producer.vllm_v1 import AttachPoint, V1RunnerProbe
+from kvledger.schemas.kinds import CONTENT_DIGESTS, Declaration, Runner
 
 log = logging.getLogger("kvledger.producer")
 
 
 class MRV2RunnerProbe(V1RunnerProbe):
-    runner_name = "mrv2"
+    runner_name = Runner.V2
     # Its plan's copies are still landing when it is captured (device rows): the frame would be held
     # over the forward pass anyway, so it is offered at the step's end as before.
     frame_at_plan = False
@@ -135,15 +135,15 @@ class MRV2RunnerProbe(V1RunnerProbe):
         if self.config.content_digests <= 0.0:
             return []
         why = "Model Runner V2: sealed blocks are not tracked on this runner yet"
-        log.warning("kv_trace: %s not recorded: %s", records.CONTENT_DIGESTS, why)
-        return [(records.CONTENT_DIGESTS, False, why)]
+        log.warning("kv_trace: %s not recorded: %s", CONTENT_DIGESTS, why)
+        return [(CONTENT_DIGESTS, False, why)]
 
     def capabilities(self) -> list[tuple[str, bool, str | None]]:
         found = super().capabilities()
         if getattr(self.runner, "adaptive_verification", None) is not None:
             found.append(
                 (
-                    records.ADAPTIVE_VERIFICATION,
+                    Declaration.ADAPTIVE_VERIFICATION,
                     False,
                     "adaptive verification re-splits draft tokens between requests on the device: "
                     "the host's per-request token counts are not those the slot mapping was built from",

@@ -55,6 +55,7 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring_recorder import SUPERVISE_EVERY, RingRecorder
 from kvledger.producer.staging import Staged, StagingFull, StagingPool
 from kvledger.producer.vllm_connector import attach_connector_probe
+from kvledger.schemas.kinds import CONTENT_DIGESTS, Declaration, Runner
 
 log = logging.getLogger("kvledger.producer")
 
@@ -110,7 +111,7 @@ class AttachPoint:
 class V1RunnerProbe:
     """Records one runner's steps into a per-rank recorder."""
 
-    runner_name = "v1"
+    runner_name = Runner.V1
     frame_at_plan = True  # this runner's plan capture may write the step's frame (`_frame_at_plan`)
 
     def __init__(self, runner: Any, config: TraceConfig):
@@ -135,6 +136,11 @@ class V1RunnerProbe:
         # The batch's request ids, in the runner's order and in the scheduler's: encoded only when
         # they change (a decoding batch keeps them step after step).
         self._batch_ids, self._scheduled_ids = RepeatedIds(), RepeatedIds()
+        # Step-input fields this vLLM's SchedulerOutput lacks, as `scheduler_fields` reports them (this
+        # step's; all seen so far), and the steps recorded without some: see `_fields_missing`.
+        self._missing_now: set[str] = set()
+        self.fields_missing: set[str] = set()
+        self.steps_missing_fields = 0
         self._dummy_kind: str | None = None
         self._broken = False
         # Set by kvledger.producer.plugin.pause_tracing: steps are counted, nothing recorded
@@ -249,6 +255,12 @@ class V1RunnerProbe:
             raise KVTraceViolation(found)
 
     def close(self, timeout: float = 5.0) -> None:
+        if self.steps_missing_fields:
+            log.warning(
+                "kv_trace: %d steps recorded without %s",
+                self.steps_missing_fields,
+                ", ".join(sorted(self.fields_missing)),
+            )
         if self.recorder is not None:
             self.recorder.close(self.step, timeout)
             self.recorder = None
@@ -332,12 +344,34 @@ class V1RunnerProbe:
         """This step's frame: the scheduler's fields and the plan captured, if any; or, `written`,
         the plan's header and parts as a host engine's frame takes them at once (`_capture_plan`)."""
         scheduler_output, self._input = self._input, None
-        fields = scheduler_fields(scheduler_output, self._scheduled_ids)
+        fields = scheduler_fields(scheduler_output, self._scheduled_ids, self._missing_now)
+        if self._missing_now:
+            self._fields_missing()
         if written is None:
             self._record_step("REAL", fields)
             return
         plan, parts = written
         self.recorder.step_now(StepHeader(self.step, "REAL", fields, plan), parts)
+
+    def _fields_missing(self) -> None:
+        """This step's SchedulerOutput lacked fields the step input is read from (a vLLM without them,
+        or one that renamed them). Read as nothing, they would tell the ledger "nothing preempted,
+        zeroed or copied": the step is counted, and a field not missing before makes `step_input`
+        (execute_model's capability) unavailable, naming them all, in a RankInfo recorded ahead of
+        the step's frame."""
+        self.steps_missing_fields += 1
+        new = self._missing_now - self.fields_missing
+        self._missing_now.clear()
+        if not new:
+            return
+        self.fields_missing |= new
+        why = (
+            f"this vLLM's scheduler output has no {', '.join(sorted(self.fields_missing))} "
+            "(absent in this version, or renamed): steps are recorded without them"
+        )
+        self.unavailable["step_input"] = why
+        log.warning("kv_trace: step_input incomplete from step %d: %s", self.step, why)
+        self._record(self._rank_info())
 
     def _after_step(self) -> None:
         if not self._traced:  # paused when the step began
@@ -461,14 +495,14 @@ class V1RunnerProbe:
             except (AttributeError, ValueError, RuntimeError) as exc:  # this vLLM lays its cache out otherwise
                 why = f"the KV cache's pages cannot be located: {exc}"
         if why is not None:
-            log.warning("kv_trace: %s not recorded: %s", records.CONTENT_DIGESTS, why)
-            return [(records.CONTENT_DIGESTS, False, why)]
-        return [(records.CONTENT_DIGESTS, True, None)]
+            log.warning("kv_trace: %s not recorded: %s", CONTENT_DIGESTS, why)
+            return [(CONTENT_DIGESTS, False, why)]
+        return [(CONTENT_DIGESTS, True, None)]
 
     # -- the drafter's KV writes -------------------------------------------------------------
     def drafter_attach_points(self, drafter: Any) -> list[tuple[Any, AttachPoint, Callable]]:
         """Where the drafter's writes are read: (object, method, wrapper factory)."""
-        cap = records.DRAFTER_KV_WRITES
+        cap = Declaration.DRAFTER_KV_WRITES
         return [
             (self.runner, AttachPoint("sample_tokens", cap), self._wrap_sample_tokens),
             (drafter, AttachPoint("propose", cap, ("common_attn_metadata",)), self._wrap_propose),
@@ -485,12 +519,12 @@ class V1RunnerProbe:
         points = self.drafter_attach_points(drafter)
         why = unmodelled_drafter(drafter) or next((w for obj, p, _ in points if (w := p.missing(obj))), None)
         if why is not None:
-            log.warning("kv_trace: %s not recorded: %s", records.DRAFTER_KV_WRITES, why)
-            return [(records.DRAFTER_KV_WRITES, False, why)]
+            log.warning("kv_trace: %s not recorded: %s", Declaration.DRAFTER_KV_WRITES, why)
+            return [(Declaration.DRAFTER_KV_WRITES, False, why)]
         for obj, point, wrap in points:
             setattr(obj, point.method, wrap(getattr(obj, point.method)))
         self._drafter = drafter
-        return [(records.DRAFTER_KV_WRITES, True, None)]
+        return [(Declaration.DRAFTER_KV_WRITES, True, None)]
 
     def _drafts_follow(self) -> bool:
         """execute_model left sampling to sample_tokens, where the recorded drafter runs."""

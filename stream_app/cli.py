@@ -278,6 +278,13 @@ def _port_free(port: int) -> bool:
     help="RocksDB's cache and write buffers, per table and partition (--store rocksdb).",
 )
 @registry_option("read Confluent-framed events, publish violations so (subject PREFIX.violations-value).")
+@click.option(
+    "--untested-client-libraries",
+    is_flag=True,
+    envvar="KVLEDGER_UNTESTED_CLIENT_LIBRARIES",
+    help="Start even where Faust, mode or aiokafka differ from the versions the worker's fixes to them were "
+    "tested with (a warning names what differs; fixes whose targets are missing are not applied).",
+)
 @click.option("--loglevel", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
 def stream(
     bootstrap: str | None,
@@ -294,13 +301,19 @@ def stream(
     session_timeout: float,
     rocksdb_memory: int,
     schema_registry: str | None,
+    untested_client_libraries: bool,
     loglevel: str,
 ) -> None:
     """Run a stream worker: project kvledger.events, publish violations (runs until stopped)."""
     from kvledger.schemas.confluent import RegistryError
     from kvledger.stream_app.worker.app import WorkerSettings, run_worker
+    from kvledger.stream_app.worker.faust_fixes import UntestedClientLibraries, close_faust_holes
     from kvledger.stream_app.worker.topics import BrokerUnavailable, Topics, ensure_topics
 
+    try:  # first: a worker that must not start says so before it reaches the broker
+        close_faust_holes(untested_client_libraries)
+    except UntestedClientLibraries as exc:
+        _fail(str(exc))
     security, bootstrap = _kafka(kafka_config, bootstrap)
     if not _port_free(web_port):
         _fail(f"web port 127.0.0.1:{web_port} is in use (another worker?); pick one with --web-port")
@@ -323,6 +336,7 @@ def stream(
         rocksdb_memory_mb=rocksdb_memory,
         kafka=security,
         schema_registry=schema_registry,
+        untested_client_libraries=untested_client_libraries,
     )
     click.echo(
         f"kvledger: worker of group {group} on {bootstrap} ({partitions} partitions), http://127.0.0.1:{web_port}/",

@@ -30,7 +30,7 @@ from kvledger.stream_app.core.checks import (
     write_failures,
 )
 from kvledger.stream_app.core.events import StepPlan
-from kvledger.stream_app.core.rank import RankState
+from kvledger.stream_app.core.rank_tables import RankTables
 
 # Events handed to the core at once (its fast path checks runs of steps together).
 _CHUNK = 512
@@ -217,7 +217,7 @@ class PlanWrites:
     groups: list[GroupWrites]  # per KV cache group with token -> slot addressing
 
 
-def plan_writes(state: RankState, req_id: str, step: int, plan: StepPlan) -> PlanWrites | None:
+def plan_writes(state: RankTables, req_id: str, step: int, plan: StepPlan) -> PlanWrites | None:
     """`plan` for `req_id` beside `state`'s tables (as they stood when the plan was checked), by the
     core's own rules and slot formula; None when the request is not live or not in the plan."""
     index = state.index_of.get(req_id)

@@ -29,10 +29,10 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from kvledger.producer.sinks import KAFKA_DEFAULTS, KafkaSink
-from kvledger.producer.synthetic import FaultSpec, SimConfig, SyntheticEngine
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec, SingleObjectCodec
 from kvledger.schemas.registry import STEP, VIOLATION
 from kvledger.stream_app.core import Ledger, Violation
+from tests.synthetic.engine import FaultSpec, SimConfig, SyntheticEngine
 
 KVLEDGER = str(Path(sys.executable).with_name("kvledger"))
 ENV = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")}

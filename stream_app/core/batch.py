@@ -22,6 +22,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from kvledger.schemas.kinds import Check, KvGroupKind, StepKind
 from kvledger.schemas.packing import (
     expand_slot_runs,
     length_term,
@@ -40,8 +41,8 @@ from kvledger.stream_app.core.checks import (
     slot_targets,
     token_positions,
 )
-from kvledger.stream_app.core.events import KvGroupKind, Step, StepKind
-from kvledger.stream_app.core.rank import RankState
+from kvledger.stream_app.core.events import Step
+from kvledger.stream_app.core.rank_tables import RankTables
 from kvledger.stream_app.core.tables import NULL_BLOCK, positions_differ, written_from
 
 _FAST_KINDS = (KvGroupKind.FULL_ATTENTION, KvGroupKind.MLA)
@@ -49,7 +50,7 @@ _LEN_UNIT = np.uint64(length_term(1))
 _EMPTY_DIGEST = np.uint64(length_term(0))
 
 
-def eligible(state: RankState) -> bool:
+def eligible(state: RankTables) -> bool:
     # One group: a written block's holders are counted across groups step by step (one pool).
     return len(state.groups) == 1 and state.groups[0].kind in _FAST_KINDS
 
@@ -91,7 +92,7 @@ def _step_of(sizes: list[int]) -> np.ndarray:
     return np.repeat(np.arange(len(sizes)), sizes)
 
 
-def plan_run(state: RankState, steps: list[Step]) -> tuple[Callable[[], None], Counter] | None:
+def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], Counter] | None:
     """Check `steps` (consecutive, all with a plan) of one rank; a commit and the checks run, or None."""
     ng = len(state.groups)
     row_of = state.row_of.copy()  # req_index -> row; indices finished in the run keep theirs until commit
@@ -112,7 +113,7 @@ def plan_run(state: RankState, steps: list[Step]) -> tuple[Callable[[], None], C
         inp, plan = step.input, step.plan
         if plan is None or len(plan.groups) != ng:
             return None
-        if plan.draft_writes:  # a drafter's passes: checked step by step (RankState.check_plan)
+        if plan.draft_writes:  # a drafter's passes: checked step by step (RankTables.check_plan)
             return None
         if inp is None:
             if step.kind == StepKind.REAL:
@@ -233,7 +234,8 @@ def plan_run(state: RankState, steps: list[Step]) -> tuple[Callable[[], None], C
         if run.p_lens[-1].size != indices.size or run.p_digests[-1].size != indices.size:
             return None
 
-    checks = Counter(position=indices.size, write=indices.size * ng, read=indices.size * ng, padding=len(steps) * ng)
+    n, padded = indices.size, len(steps) * ng
+    checks = Counter({Check.POSITION: n, Check.WRITE: n * ng, Check.READ: n * ng, Check.PADDING: padded})
     state.grow_rows(num_rows)  # room for rows opened in the run; unused cells are invisible
     final_row_of = row_of.copy()
     final_row_of[list(died)] = -1
@@ -359,12 +361,12 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
     # -- exclusivity: holders of each granted block right after its step's grants -------------------
     rel_blocks, rel_cols, rel_time = _released_blocks(g, run.rel_row, run.rel_b, appended)
     real_block = blocks > NULL_BLOCK
-    checks["exclusivity"] += int(real_block.sum())
+    checks[Check.EXCLUSIVITY] += int(real_block.sum())
     ev_block = np.concatenate([rel_blocks, blocks[real_block]])
     ev_col = np.concatenate([rel_cols, cols[real_block]])
     ev_time = np.concatenate([rel_time, 2 * np.repeat(b_e, cnt)[real_block] + 1])
     ev_sign = np.concatenate([np.full(rel_blocks.size, -1), np.ones(int(real_block.sum()), np.int64)])
-    # Which granted blocks the grant writes (at or past its request's computed tokens, as in RankState._grant).
+    # Which granted blocks the grant writes (at or past its request's computed tokens, as in RankTables._grant).
     written = cols >= np.repeat(written_from(comp_m[rows_e, b_e], bs), cnt)
     ev_written = np.concatenate([np.zeros(rel_blocks.size, bool), written[real_block]])
     if real_block.any() and grant_failures(_grant_facts(g, ev_block, ev_col, ev_time, ev_sign, ev_written)).any():

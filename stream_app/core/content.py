@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvledger.schemas.kinds import Check, DigestReason, Unchecked, ViolationKind
 from kvledger.schemas.packing import expand_slot_runs, unpack_i32, unpack_u64
-from kvledger.stream_app.core.events import BlockDigests, DigestReason, StepPlan
-from kvledger.stream_app.core.violations import BLOCK_NOT_ZEROED, SEALED_BLOCK_MODIFIED, Coverage, RankKey, Violation
+from kvledger.stream_app.core.events import BlockDigests, StepPlan
+from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
 
 _COMPARED = (DigestReason.READ, DigestReason.RELEASED, DigestReason.SWEEP)
 
@@ -60,24 +61,26 @@ class ContentLedger:
         """Check a rank's digests of `step`; `holders(block)` names the requests holding a block."""
         columns = _columns(digests)
         if columns is None:
-            cov.unchecked["content_columns_misaligned"] += 1
+            cov.unchecked[Unchecked.CONTENT_COLUMNS_MISALIGNED] += 1
             return
         for gid, block, value, reason in columns:
             rank_group = (key.tp, key.pp, gid)
             if reason is DigestReason.SEALED:
                 self.sealed.setdefault(block, {})[rank_group] = Sealed(value, step, baseline=False)
-                cov.checks["content_sealed"] += 1
+                cov.checks[Check.CONTENT_SEALED] += 1
             elif reason is DigestReason.ZEROED:
-                cov.checks["content_zeroed"] += 1
+                cov.checks[Check.CONTENT_ZEROED] += 1
                 self._forget(block, key)  # handed out again: what this rank sealed there is gone
                 if value != 0:
                     names = holders(block)
                     detail = f"block {block} was to be zeroed at this step but its bytes are not zero ({_held(names)})"
-                    out.append(Violation.at(BLOCK_NOT_ZEROED, key, step, detail, req_id=_first(names), group=gid))
+                    out.append(
+                        Violation.at(ViolationKind.BLOCK_NOT_ZEROED, key, step, detail, req_id=_first(names), group=gid)
+                    )
             elif reason in _COMPARED:
                 self._compare(key, step, gid, block, value, reason, holders, out, cov)
             else:
-                cov.unchecked["content_digest_of_unknown_reason"] += 1
+                cov.unchecked[Unchecked.CONTENT_DIGEST_OF_UNKNOWN_REASON] += 1
 
     def clean(self, key: RankKey, digests: BlockDigests, seen: dict) -> bool:
         """Whether `apply` would report nothing for `digests` (a step of a run on the batched fast
@@ -103,9 +106,9 @@ class ContentLedger:
         ref = self.sealed.setdefault(block, {}).get((key.tp, key.pp, gid))
         if ref is None:  # sealed before its events reached us: this read is the reference
             self.sealed[block][(key.tp, key.pp, gid)] = Sealed(value, step, baseline=True)
-            cov.unchecked["content_without_seal"] += 1
+            cov.unchecked[Unchecked.CONTENT_WITHOUT_SEAL] += 1
             return
-        cov.checks["content_verified"] += 1
+        cov.checks[Check.CONTENT_VERIFIED] += 1
         if value == ref.digest:
             return
         since = "first digested" if ref.baseline else "sealed"
@@ -118,7 +121,9 @@ class ContentLedger:
             f"block {block} ({since} at step {ref.sealed_step}) changed, found by a {reason.value.lower()} digest; "
             f"{wrote} ({_held(names)})"
         )
-        out.append(Violation.at(SEALED_BLOCK_MODIFIED, key, step, detail, req_id=_first(names), group=gid))
+        out.append(
+            Violation.at(ViolationKind.SEALED_BLOCK_MODIFIED, key, step, detail, req_id=_first(names), group=gid)
+        )
         ref.digest, ref.sealed_step, ref.written_step = value, step, None  # one report per change
 
     def note_writes(self, step: int, plan: StepPlan) -> None:

@@ -21,84 +21,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
+from kvledger.schemas.kinds import (
+    ConnectorKind,
+    DigestReason,
+    KvGroupKind,
+    PdRole,
+    Runner,
+    StepKind,
+    connector_kind,
+    read,
+    runner,
+    symbols,
+)
 from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH, RANK_INFO, SNAPSHOT, STEP
 from kvledger.stream_app.core.violations import RankKey
 
 Record = dict[str, Any]
 
 
-class PdRole(StrEnum):
-    """The engine's role in a prefill/decode pair (kv_transfer_config.kv_role)."""
-
-    NONE = "NONE"
-    PREFILL = "PREFILL"
-    DECODE = "DECODE"
-    BOTH = "BOTH"
-
-
-class KvGroupKind(StrEnum):
-    """Attention kind of a KV cache group: how its layers address their blocks."""
-
-    FULL_ATTENTION = "FULL_ATTENTION"
-    SLIDING_WINDOW = "SLIDING_WINDOW"
-    MAMBA = "MAMBA"
-    MLA = "MLA"
-    OTHER = "OTHER"
-
-    @property
-    def addresses_slots(self) -> bool:
-        """Its layers write tokens through slot = block * block_size + offset (the write checks apply);
-        Mamba state and unknown kinds do not."""
-        return self not in (KvGroupKind.MAMBA, KvGroupKind.OTHER)
-
-
-class StepKind(StrEnum):
-    """Why the model runner ran."""
-
-    REAL = "REAL"
-    DUMMY = "DUMMY"
-    PROFILE = "PROFILE"
-    WARMUP = "WARMUP"
-
-
-class DigestReason(StrEnum):
-    """Why a sealed block's content digest was taken (see BlockDigests in the contract)."""
-
-    SEALED = "SEALED"  # it just became full: the reference
-    READ = "READ"  # a prefix-cache hit or a resume reads it again
-    RELEASED = "RELEASED"  # a request holding it finished or was preempted
-    SWEEP = "SWEEP"  # the background sweep
-    ZEROED = "ZEROED"  # the scheduler had it zeroed: its digest must be 0
-    OTHER = "OTHER"  # a reason newer than this reader: not compared
-
-
-class ConnectorKind(StrEnum):
-    """What a KV connector observed."""
-
-    SEND_INTENT = "SEND_INTENT"
-    RECV_INTENT = "RECV_INTENT"
-    SEND_DONE = "SEND_DONE"
-    RECV_DONE = "RECV_DONE"
-    RECV_FAILED = "RECV_FAILED"
-    INVALID_BLOCKS = "INVALID_BLOCKS"
-    EXPIRED = "EXPIRED"
-    OTHER = "OTHER"
-
-
-def _by_symbol(enum: type[StrEnum]) -> dict[str, Any]:
-    """Symbol -> member: an enum's call is a slow path, a hot one here (every step's kind). An unknown
-    symbol raises KeyError, as a malformed record's missing field does."""
-    return {m.value: m for m in enum}
-
-
-_PD_ROLES = _by_symbol(PdRole)
-_GROUP_KINDS = _by_symbol(KvGroupKind)
-_STEP_KINDS = _by_symbol(StepKind)
-_CONNECTOR_KINDS = _by_symbol(ConnectorKind)
-_DIGEST_REASONS = _by_symbol(DigestReason)
+_PD_ROLES = symbols(PdRole)
+_GROUP_KINDS = symbols(KvGroupKind)
+_STEP_KINDS = symbols(StepKind)
 
 
 # -- RankInfo -------------------------------------------------------------------------------------
@@ -113,7 +58,7 @@ class KvGroup:
 
 @dataclass(slots=True)
 class Capability:
-    name: str  # a probe, or a configuration the checks do not model (producer.records.DECLARABLE)
+    name: str  # a probe, or a configuration the checks do not model (schemas.kinds.Declaration)
     available: bool
     reason: str | None  # why it is unavailable
 
@@ -127,7 +72,7 @@ class RankInfo:
     pp_size: int
     pd_role: PdRole
     vllm_version: str
-    runner: str  # 'v1', 'v2' or 'synthetic'
+    runner: Runner
     kv_groups: list[KvGroup]  # indexed by group_id
     capabilities: list[Capability]
     full_rows: bool  # plans carry full block-table rows
@@ -141,7 +86,7 @@ class RankInfo:
             d["pp_size"],
             _PD_ROLES[d["pd_role"]],
             d["vllm_version"],
-            d["runner"],
+            runner(d["runner"]),
             list(map(_kv_group, d["kv_groups"])),
             [Capability(c["name"], c["available"], c.get("reason")) for c in d["capabilities"]],
             d.get("full_rows", False),
@@ -152,6 +97,7 @@ class RankInfo:
         """The Avro record (a checkpoint keeps the RankInfo of every rank)."""
         return _fields(self) | {
             "pd_role": str(self.pd_role),
+            "runner": str(self.runner),
             "kv_groups": [_fields(g) | {"kind": str(g.kind)} for g in self.kv_groups],
             "capabilities": [_fields(c) for c in self.capabilities],
         }
@@ -274,7 +220,7 @@ class BlockDigests:
 
     @classmethod
     def of(cls, d: Record) -> BlockDigests:
-        reasons = [_DIGEST_REASONS.get(r, DigestReason.OTHER) for r in d["reasons"]]
+        reasons = [read(DigestReason, r) for r in d["reasons"]]
         return cls(d["group_ids"], d["block_ids"], d["digests"], reasons)
 
 
@@ -332,13 +278,13 @@ class ConnectorEvent:
     block_ids: list[bytes]  # per group: packed int32 local blocks
     num_tokens: int | None
     digest: bytes | None  # of the transferred blocks' bytes, when sampled
-    detail: str | None  # the connector's free text
+    detail: str | None  # the connector's free text (never read by a check)
 
     @classmethod
     def of(cls, d: Record) -> ConnectorEvent:
         get = d.get
         return cls(
-            d["step"], d["connector"], _CONNECTOR_KINDS[d["kind"]], get("req_id"), get("transfer_id"),
+            d["step"], d["connector"], connector_kind(d["kind"], get("detail")), get("req_id"), get("transfer_id"),
             get("remote_engine_id"), get("block_ids", []), get("num_tokens"), get("digest"), get("detail"),
         )  # fmt: skip
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvledger.schemas.kinds import KvGroupKind
 from kvledger.schemas.packing import length_term, mix_blocks, position_weights
-from kvledger.stream_app.core.events import KvGroupKind
 
 NULL_BLOCK = 0
 _LEN_UNIT = np.uint64(length_term(1))

@@ -36,45 +36,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvledger.schemas.kinds import Check, ConnectorKind, TransferOutcome, TransferRole, Unchecked, ViolationKind
 from kvledger.schemas.packing import unpack_i32
-from kvledger.stream_app.core.events import (
-    ConnectorEvent,
-    ConnectorKind,
-    LedgerEvent,
-    RankInfo,
-    Step,
-    StepInput,
-    as_event,
-)
+from kvledger.stream_app.core.events import ConnectorEvent, LedgerEvent, RankInfo, Step, StepInput, as_event
 from kvledger.stream_app.core.tables import written_from
-from kvledger.stream_app.core.violations import (
-    ORPHAN_TRANSFER,
-    READ_BEFORE_TRANSFER,
-    SEND_BLOCK_REUSED,
-    TRANSFER_BLOCK_MISMATCH,
-    TRANSFER_CONTENT_MISMATCH,
-    TRANSFER_FAILED,
-    TRANSFER_STUCK,
-    Coverage,
-    RankKey,
-    Violation,
-)
+from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
 
 DIGEST_VERSION = 1
 DEFAULT_DEADLINE_STEPS = 4096  # a transfer still open this many rank steps after its intent is stuck
 RETIRE_AFTER = 2  # deadlines after it closed, a transfer's state is dropped ...
 FORGET_AFTER = 64  # ... and its id, kept so that late repeats of its events are not new transfers
-SEND, RECV = "send", "recv"
+SEND, RECV = TransferRole.SEND, TransferRole.RECV
 RETIRE, FORGET = "retire", "forget"  # deadline-heap entries that are housekeeping, not a side
-_ROLE = {
-    ConnectorKind.SEND_INTENT: SEND,
-    ConnectorKind.SEND_DONE: SEND,
-    ConnectorKind.EXPIRED: SEND,
-    ConnectorKind.RECV_INTENT: RECV,
-    ConnectorKind.RECV_DONE: RECV,
-    ConnectorKind.RECV_FAILED: RECV,
-}
-_OTHER_ROLE = {"release_only": RECV, "send_cancelled": SEND}  # OTHER events that close a side
 
 
 @dataclass(frozen=True)
@@ -100,14 +73,14 @@ class Side:
     """One rank's view of one transfer (a prefill rank sends, a decode rank receives)."""
 
     rank: RankKey
-    role: str
+    role: TransferRole
     req_id: str | None = None
     first_step: int = 0
     intent_step: int | None = None
     blocks: list[list[int]] | None = None  # per group
     num_tokens: int | None = None
     remote_engine_id: str | None = None
-    outcome: str | None = None  # DONE | FAILED | EXPIRED | RELEASED
+    outcome: TransferOutcome | None = None
     done_step: int | None = None
     digest: bytes | None = None
     stuck: bool = False
@@ -152,7 +125,7 @@ class TransferJoin:
     a worker that restarts re-sends what its checkpoint did not cover). Never
     call `finish()` on a live stream: it settles orphans as if the input had
     ended; the deadline reports them instead. State is a plain object
-    (a checkpoint is its record, core/state.py, like the Ledger's); a closed transfer's
+    (a checkpoint is its record, core/checkpoints.py, like the Ledger's); a closed transfer's
     state is dropped `RETIRE_AFTER` deadlines after it closed, so it stays
     bounded on a stream that never ends.
     """
@@ -177,7 +150,7 @@ class TransferJoin:
         if not isinstance(body, ConnectorEvent):
             return []
         out = self.advance(key, body.step)
-        role = _ROLE.get(body.kind) or _OTHER_ROLE.get(body.detail or "")
+        role = body.kind.role
         tid = body.transfer_id
         if role is None or tid is None or tid in self.retired:
             return out
@@ -232,7 +205,7 @@ class TransferJoin:
                 for side in transfer.sides[role].values():
                     if side.outcome is None and not side.open_counted:
                         side.open_counted = True
-                        self.coverage.unchecked["transfer_open_at_end"] += 1
+                        self.coverage.unchecked[Unchecked.TRANSFER_OPEN_AT_END] += 1
             lone = self._lone_side(transfer)
             if lone is None or transfer.orphan_settled:
                 continue
@@ -240,7 +213,7 @@ class TransferJoin:
             if self._peers_seen(lone):
                 out.append(self._orphan(tid, lone, "the input ended"))
             else:
-                self.coverage.unchecked["transfer_peer_not_in_input"] += 1
+                self.coverage.unchecked[Unchecked.TRANSFER_PEER_NOT_IN_INPUT] += 1
         return out
 
     # -- sides -----------------------------------------------------------------------------
@@ -269,15 +242,15 @@ class TransferJoin:
             side.blocks = _blocks(body)
         side.done_step = step
         if kind in (ConnectorKind.SEND_DONE, ConnectorKind.RECV_DONE):
-            side.outcome, side.digest = "DONE", body.digest
-        elif kind == ConnectorKind.OTHER:
-            side.outcome = "RELEASED"
+            side.outcome, side.digest = TransferOutcome.DONE, body.digest
+        elif kind in (ConnectorKind.SEND_CANCELLED, ConnectorKind.RECV_RELEASED):
+            side.outcome = TransferOutcome.RELEASED
         else:  # RECV_FAILED, EXPIRED
-            side.outcome = "FAILED" if kind == ConnectorKind.RECV_FAILED else "EXPIRED"
+            side.outcome = TransferOutcome.FAILED if kind == ConnectorKind.RECV_FAILED else TransferOutcome.EXPIRED
             failed = kind == ConnectorKind.RECV_FAILED
             what = "the receive failed" if failed else "the prefill engine gave up on the send"
             detail = f"transfer {tid}: {what}" + (f" ({body.detail})" if body.detail else "")
-            out.append(Violation.at(TRANSFER_FAILED, side.rank, step, detail, req_id=side.req_id))
+            out.append(Violation.at(ViolationKind.TRANSFER_FAILED, side.rank, step, detail, req_id=side.req_id))
 
     # -- checks across the two sides -----------------------------------------------------------
     def _compare(self, tid: str, transfer: Transfer, out: list[Violation]) -> None:
@@ -286,10 +259,10 @@ class TransferJoin:
             return
         if not transfer.joined:
             transfer.joined = True
-            self.coverage.checks["transfer_join"] += 1
+            self.coverage.checks[Check.TRANSFER_JOIN] += 1
         if not transfer.shape_checked:
-            send = next((s for s in sends.values() if s.blocks and s.outcome != "RELEASED"), None)
-            recv = next((r for r in recvs.values() if r.blocks and r.outcome != "RELEASED"), None)
+            send = next((s for s in sends.values() if s.blocks and s.outcome != TransferOutcome.RELEASED), None)
+            recv = next((r for r in recvs.values() if r.blocks and r.outcome != TransferOutcome.RELEASED), None)
             if send is not None and recv is not None:
                 transfer.shape_checked = True
                 self._check_shape(tid, send, recv, out)
@@ -302,7 +275,7 @@ class TransferJoin:
                 self._check_content(tid, send, recv, out)
 
     def _check_shape(self, tid: str, send: Side, recv: Side, out: list[Violation]) -> None:
-        self.coverage.checks["transfer_blocks"] += 1
+        self.coverage.checks[Check.TRANSFER_BLOCKS] += 1
         sent, expected = [len(g) for g in send.blocks], [len(g) for g in recv.blocks]
         problem = None
         if len(sent) != len(expected) or any(e > s for s, e in zip(sent, expected, strict=True)):
@@ -310,11 +283,11 @@ class TransferJoin:
         elif send.num_tokens is not None and recv.num_tokens is not None and send.num_tokens != recv.num_tokens:
             problem = f"decode expects {recv.num_tokens} token(s), prefill {send.where()} sends {send.num_tokens}"
         elif sent != expected:
-            self.coverage.unchecked["transfer_partial_pull"] += 1  # decode had a prefix hit: it pulls the tail
+            self.coverage.unchecked[Unchecked.TRANSFER_PARTIAL_PULL] += 1  # decode had a prefix hit: it pulls the tail
         if problem:
             step = recv.intent_step if recv.intent_step is not None else recv.first_step
             detail = f"transfer {tid}: {problem}"
-            out.append(Violation.at(TRANSFER_BLOCK_MISMATCH, recv.rank, step, detail, req_id=recv.req_id))
+            out.append(Violation.at(ViolationKind.TRANSFER_BLOCK_MISMATCH, recv.rank, step, detail, req_id=recv.req_id))
 
     def _digest_partner(self, recv: Side, sends: dict[RankKey, Side]) -> Side | None:
         """The sending rank whose digest this receiving rank's must equal: same TP/PP position."""
@@ -325,17 +298,17 @@ class TransferJoin:
     def _check_content(self, tid: str, send: Side, recv: Side, out: list[Violation]) -> None:
         sd, rd = parse_digest(send.digest), parse_digest(recv.digest)
         if sd is None or rd is None or send.blocks is None or recv.blocks is None:
-            self.coverage.unchecked["transfer_digest_unreadable"] += 1
+            self.coverage.unchecked[Unchecked.TRANSFER_DIGEST_UNREADABLE] += 1
             return
         if sd.layout != rd.layout:
-            self.coverage.unchecked["transfer_digest_layout_differs"] += 1
+            self.coverage.unchecked[Unchecked.TRANSFER_DIGEST_LAYOUT_DIFFERS] += 1
             return
         pairs = _aligned_blocks(send.blocks, recv.blocks)
         sizes = (sd.blocks.size, rd.blocks.size) == (len(_flat(send.blocks)), len(_flat(recv.blocks)))
         if pairs is None or not sizes:
-            self.coverage.unchecked["transfer_digest_unreadable"] += 1
+            self.coverage.unchecked[Unchecked.TRANSFER_DIGEST_UNREADABLE] += 1
             return
-        self.coverage.checks["transfer_content"] += 1
+        self.coverage.checks[Check.TRANSFER_CONTENT] += 1
         s_at, r_at, groups = pairs
         differ = np.flatnonzero(sd.blocks[s_at] != rd.blocks[r_at])
         if differ.size == 0:
@@ -346,7 +319,9 @@ class TransferJoin:
             f"{send.where()} sent; first: decode block {_flat(recv.blocks)[r_at[i]]} (group {groups[i]}) "
             f"vs prefill block {_flat(send.blocks)[s_at[i]]}"
         )
-        out.append(Violation.at(TRANSFER_CONTENT_MISMATCH, recv.rank, recv.done_step, detail, req_id=recv.req_id))
+        out.append(
+            Violation.at(ViolationKind.TRANSFER_CONTENT_MISMATCH, recv.rank, recv.done_step, detail, req_id=recv.req_id)
+        )
 
     # -- deadlines and orphans ---------------------------------------------------------------
     def _deadline(self, tid: str, role: str, key: RankKey, due: int, step: int, out: list[Violation]) -> None:
@@ -366,7 +341,7 @@ class TransferJoin:
                 f"transfer {tid}: not {what} {due - start} steps after its intent at step {start} "
                 f"(deadline {self.deadline_steps} steps)"
             )
-            out.append(Violation.at(TRANSFER_STUCK, key, due, detail, req_id=side.req_id))
+            out.append(Violation.at(ViolationKind.TRANSFER_STUCK, key, due, detail, req_id=side.req_id))
         if transfer.orphan_settled or self._lone_side(transfer) is not side:
             return
         # An orphan only once the peers moved on too: a lagging peer stream is not a missing side.
@@ -402,7 +377,7 @@ class TransferJoin:
         missing = "no decode engine received it" if side.role == SEND else f"{side.remote_engine_id} never sent it"
         detail = f"transfer {tid}: seen only on {side.role} side, {missing} ({why})"
         step = side.intent_step if side.intent_step is not None else side.first_step
-        return Violation.at(ORPHAN_TRANSFER, side.rank, step, detail, req_id=side.req_id)
+        return Violation.at(ViolationKind.ORPHAN_TRANSFER, side.rank, step, detail, req_id=side.req_id)
 
 
 def _flat(groups: list[list[int]]) -> list[int]:
@@ -454,7 +429,7 @@ class PendingRecv:
 
 
 @dataclass
-class RankTransfers:
+class PendingTransfers:
     sends: dict[str, HeldSend] = field(default_factory=dict)  # by transfer id
     recvs: dict[str, PendingRecv] = field(default_factory=dict)  # by request id
     block_sizes: list[int] = field(default_factory=list)
@@ -470,13 +445,13 @@ class TransferUse:
 
     def __init__(self, coverage: Coverage | None = None):
         self.coverage = coverage if coverage is not None else Coverage()
-        self.ranks: dict[RankKey, RankTransfers] = {}
+        self.ranks: dict[RankKey, PendingTransfers] = {}
 
     def apply(self, event: LedgerEvent, req_id_of=None) -> list[Violation]:
-        """`req_id_of(req_index)` names the rank's cached requests (the Ledger's RankState.req_id)."""
+        """`req_id_of(req_index)` names the rank's cached requests (the Ledger's RankTables.req_id)."""
         body, key = event.body, event.rank
         if isinstance(body, RankInfo):
-            self.ranks.setdefault(key, RankTransfers()).block_sizes = [g.block_size for g in body.kv_groups]
+            self.ranks.setdefault(key, PendingTransfers()).block_sizes = [g.block_size for g in body.kv_groups]
         elif isinstance(body, ConnectorEvent):
             return self._connector(key, body)
         elif isinstance(body, Step) and body.input is not None:
@@ -489,13 +464,13 @@ class TransferUse:
         tid, kind, step = body.transfer_id, body.kind, body.step
         if tid is None:
             return []
-        state = self.ranks.setdefault(key, RankTransfers())
+        state = self.ranks.setdefault(key, PendingTransfers())
         if kind == ConnectorKind.SEND_INTENT and tid not in state.sends:
             blocks = [set(g) - {0} for g in _blocks(body)]
             state.sends[tid] = HeldSend(tid, body.req_id, step, blocks)
         elif kind == ConnectorKind.SEND_DONE and tid in state.sends:
             return self._shipped(key, state.sends.pop(tid), step)
-        elif kind == ConnectorKind.EXPIRED or (kind == ConnectorKind.OTHER and body.detail == "send_cancelled"):
+        elif kind.ends_send:  # SEND_DONE is handled above
             state.sends.pop(tid, None)
         elif kind == ConnectorKind.RECV_INTENT and body.req_id:
             state.recvs[body.req_id] = PendingRecv(tid, step, _blocks(body))
@@ -516,9 +491,9 @@ class TransferUse:
             f"transfer {send.transfer_id}: block {block} of its pending send (intent at step {send.intent_step}) "
             f"was handed to request {req_id} at step {step}; the send completed at step {done_step}"
         )
-        return [Violation.at(SEND_BLOCK_REUSED, key, step, detail, req_id=send.req_id, group=group)]
+        return [Violation.at(ViolationKind.SEND_BLOCK_REUSED, key, step, detail, req_id=send.req_id, group=group)]
 
-    def _step(self, key: RankKey, state: RankTransfers, step: int, inp: StepInput, req_id_of) -> list[Violation]:
+    def _step(self, key: RankKey, state: PendingTransfers, step: int, inp: StepInput, req_id_of) -> list[Violation]:
         out: list[Violation] = []
         if state.sends:
             self._check_grants(key, state, step, inp, req_id_of, out)
@@ -527,11 +502,11 @@ class TransferUse:
         return out
 
     # -- prefill: blocks of a pending send handed to another request ---------------------------------
-    def _check_grants(self, key, state: RankTransfers, step: int, inp: StepInput, req_id_of, out) -> None:
+    def _check_grants(self, key, state: PendingTransfers, step: int, inp: StepInput, req_id_of, out) -> None:
         held = [s for s in state.sends.values() if s.intent_step <= step]
         if not held:
             return
-        self.coverage.checks["send_hold"] += 1
+        self.coverage.checks[Check.SEND_HOLD] += 1
         for req_id, group, blocks in _written_grants(inp, req_id_of, state.block_sizes):
             for send in held:
                 if req_id == send.req_id or group >= len(send.blocks):
@@ -541,12 +516,12 @@ class TransferUse:
                     send.reused.append((step, group, req_id, min(taken)))
 
     # -- decode: computing before the receive completed ---------------------------------------------
-    def _check_reads(self, key, state: RankTransfers, step: int, inp: StepInput, req_id_of, out) -> None:
+    def _check_reads(self, key, state: PendingTransfers, step: int, inp: StepInput, req_id_of, out) -> None:
         for req_id, computed, row in _scheduled(inp, req_id_of):
             recv = state.recvs.get(req_id)
             if recv is None:
                 continue
-            self.coverage.checks["transfer_read"] += 1
+            self.coverage.checks[Check.TRANSFER_READ] += 1
             done = recv.done_step is not None and recv.done_step < step
             failed = recv.failed_step is not None and recv.failed_step < step
             problem = None
@@ -561,7 +536,7 @@ class TransferUse:
                     problem = f"its receive failed at step {recv.failed_step}, yet it computes on block {min(lost)}"
             if problem:
                 detail = f"transfer {recv.transfer_id}: scheduled with {computed} computed token(s), but {problem}"
-                out.append(Violation.at(READ_BEFORE_TRANSFER, key, step, detail, req_id=req_id))
+                out.append(Violation.at(ViolationKind.READ_BEFORE_TRANSFER, key, step, detail, req_id=req_id))
             del state.recvs[req_id]  # checked at its first schedule: later steps compute on its own KV
 
 

@@ -4,49 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-WRITE_TARGET_MISMATCH = "write_target_mismatch"
-READ_TARGET_MISMATCH = "read_target_mismatch"
-UNOWNED_WRITE = "unowned_write"
-FOREIGN_BLOCK_WRITE = "foreign_block_write"
-BLOCK_OUT_OF_RANGE = "block_out_of_range"
-RANK_DIVERGENCE = "rank_divergence"
-RANK_MISSING = "rank_missing"
-SEQUENCE_GAP = "sequence_gap"
-DUPLICATE_EVENT = "duplicate_event"
-# Transfers between engines (core/transfers.py).
-TRANSFER_BLOCK_MISMATCH = "transfer_block_mismatch"
-TRANSFER_FAILED = "transfer_failed"
-TRANSFER_STUCK = "transfer_stuck"
-READ_BEFORE_TRANSFER = "read_before_transfer"
-SEND_BLOCK_REUSED = "send_block_reused"
-ORPHAN_TRANSFER = "orphan_transfer"
-TRANSFER_CONTENT_MISMATCH = "transfer_content_mismatch"
-# The content of sealed blocks (core/content.py).
-SEALED_BLOCK_MODIFIED = "sealed_block_modified"
-BLOCK_NOT_ZEROED = "block_not_zeroed"
-
-KINDS = (
-    WRITE_TARGET_MISMATCH,
-    READ_TARGET_MISMATCH,
-    UNOWNED_WRITE,
-    FOREIGN_BLOCK_WRITE,
-    BLOCK_OUT_OF_RANGE,
-    RANK_DIVERGENCE,
-    RANK_MISSING,
-    SEQUENCE_GAP,
-    DUPLICATE_EVENT,
-    TRANSFER_BLOCK_MISMATCH,
-    TRANSFER_FAILED,
-    TRANSFER_STUCK,
-    READ_BEFORE_TRANSFER,
-    SEND_BLOCK_REUSED,
-    ORPHAN_TRANSFER,
-    TRANSFER_CONTENT_MISMATCH,
-    SEALED_BLOCK_MODIFIED,
-    BLOCK_NOT_ZEROED,
-)
+from kvledger.schemas.kinds import ViolationKind, read
 
 
 class RankKey(NamedTuple):
@@ -64,7 +24,7 @@ class RankKey(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Violation:
-    kind: str
+    kind: ViolationKind
     engine_id: str
     dp_rank: int
     tp_rank: int
@@ -75,7 +35,12 @@ class Violation:
     detail: str
 
     @classmethod
-    def at(cls, kind: str, rank: RankKey, step: int | None, detail: str, *, req_id=None, group=None):
+    def of(cls, record: dict[str, Any]) -> Violation:
+        """A decoded `kvledger.Violation` record; a kind newer than this reader is OTHER."""
+        return cls(**{**record, "kind": read(ViolationKind, record["kind"])})
+
+    @classmethod
+    def at(cls, kind: ViolationKind, rank: RankKey, step: int | None, detail: str, *, req_id=None, group=None):
         return cls(kind, rank.engine_id, rank.dp, rank.tp, rank.pp, step, req_id, group, detail)
 
     def where(self) -> str:
@@ -84,7 +49,7 @@ class Violation:
 
     def to_record(self) -> dict:
         """As the Avro `kvledger.Violation` record (and the JSON line, minus 'type')."""
-        return asdict(self)
+        return asdict(self) | {"kind": str(self.kind)}
 
 
 @dataclass

@@ -34,6 +34,7 @@ from faust.types import TP, Message
 
 from kvledger.schemas import LEDGER_EVENT, VIOLATION, ConfluentCodec, SingleObjectCodec
 from kvledger.schemas.confluent import SchemaRegistry, value_subject
+from kvledger.schemas.kinds import Unchecked
 from kvledger.schemas.registry import raw_schema
 from kvledger.stream_app.kafka_security import KafkaSecurity
 from kvledger.stream_app.worker.client_logs import hold_repeated_client_logs
@@ -82,6 +83,8 @@ class WorkerSettings:
     kafka: KafkaSecurity = field(default_factory=KafkaSecurity)  # how every client authenticates (--kafka-config)
     # A Schema Registry (its Confluent API URL): Confluent-framed events are read, violations published so.
     schema_registry: str | None = None
+    # Start even on Faust/mode/aiokafka versions the fixes were not tested with (faust_fixes.py).
+    untested_client_libraries: bool = False
 
     def rocksdb_options(self) -> dict[str, int]:
         """Bounded RocksDB memory (Faust's defaults allow 2.7 GB per table and partition): half for
@@ -110,7 +113,7 @@ class StreamWorker:
     """Builds the Faust app and holds the engines it projects."""
 
     def __init__(self, settings: WorkerSettings):
-        close_faust_holes()
+        close_faust_holes(settings.untested_client_libraries)  # or UntestedClientLibraries (one line)
         hold_repeated_client_logs()
         self.settings = s = settings
         self.topics = Topics(s.topic_prefix)
@@ -339,7 +342,7 @@ class StreamWorker:
             projection.partition = partition
             if len(refused.dead_letters) > before:
                 # Rebuilt from the topic: from the committed offset on, the engine resyncs at its next snapshot.
-                projection.ledger.coverage.unchecked["checkpoint_refused"] += 1
+                projection.ledger.coverage.unchecked[Unchecked.CHECKPOINT_REFUSED] += 1
             self.engines[engine_id] = projection
             log.info(
                 "engine %s: %s, in a batch up to %s/%d",

@@ -43,44 +43,71 @@ which lost records about one run in seven before:
    the engine beside the worker (tests/e2e/test_broker_outage.py: its tokens/s fell to
    a third in CI). Metadata is now requested at most once per `retry_backoff_ms`
    (100 ms), as Kafka's own clients do (`retry.backoff.ms`).
+
+The fixes reach into private names of these libraries, so they hold for the versions they were
+tested with (`TESTED_WITH`) only. `close_faust_holes`, called as the worker starts, checks those
+exact versions and every name the fixes read or replace (`FIXES`: methods with the parameters the
+fixes call them with, properties, attributes an `__init__` assigns), and refuses to start on any
+difference, in one line naming it and the versions tested and installed: a fix not applied, or one
+that reads a renamed attribute, reopens its hole without a word. `--untested-client-libraries`
+(KVLEDGER_UNTESTED_CLIENT_LIBRARIES=1) starts the worker anyway, with a warning naming what
+failed, and applies the fixes whose every target is present.
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import importlib
+import inspect
 import logging
+import textwrap
 import time
-
-from aiokafka.client import AIOKafkaClient
-from aiokafka.consumer.subscription_state import TopicPartitionState
-from faust.transport import consumer as faust_consumer
-from faust.transport.drivers import aiokafka as faust_aiokafka
-from mode.utils.queues import FlowControlEvent
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 log = logging.getLogger("kvledger.worker")
 _PATCHED = False
 
+# The exact versions the fixes were tested with (the takeover, livelock and outage tests). To move
+# one: read every fix below against the new source, update `FIXES`, pass those tests, then here.
+TESTED_WITH = {"faust-streaming": "0.15.3", "mode-streaming": "0.7.1", "aiokafka": "0.14.0"}
+OVERRIDE = "--untested-client-libraries (or KVLEDGER_UNTESTED_CLIENT_LIBRARIES=1)"
 
-def close_faust_holes() -> None:
-    global _PATCHED
-    if _PATCHED:
-        return
-    needed = [
-        (faust_aiokafka.AIOKafkaConsumerThread, "getmany"),
-        (faust_aiokafka.AIOKafkaConsumerThread, "topic_partitions"),
-        (faust_aiokafka.AIOKafkaConsumerThread, "verify_event_path"),
-        (TopicPartitionState, "has_valid_position"),
-        (faust_aiokafka, "ensure_aiokafka_TP"),
-        (faust_consumer.Consumer, "perform_seek"),
-        (faust_consumer.Consumer, "_is_changelog_tp"),
-        (FlowControlEvent, "resume"),
-        (FlowControlEvent, "is_active"),
-        (AIOKafkaClient, "_metadata_update"),
-    ]
-    missing = [f"{getattr(owner, '__name__', owner)}.{name}" for owner, name in needed if not hasattr(owner, name)]
-    if missing:
-        log.warning("this Faust lacks %s: its fixes are not applied", ", ".join(missing))
-        return
+
+class UntestedClientLibraries(RuntimeError):
+    """Faust, mode or aiokafka differ from what the fixes were tested with; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A name a fix reads or replaces. `owner`: `module` or `module:Class`. `kind`:
+    "function": a function (a method) with `params` (as the fix calls it; `*` marks *args),
+        a coroutine function if `coroutine` (the fix awaits it);
+    "property": a property (the fix reads it as a value: a method there would read as true);
+    "self": an attribute the `__init__` of the class (or of a base) assigns to `self`."""
+
+    owner: str
+    name: str
+    kind: str = "function"
+    params: tuple[str, ...] = ()
+    coroutine: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.owner.replace(':', '.')}.{self.name}"
+
+
+@dataclass(frozen=True)
+class Fix:
+    hole: int  # as numbered in the docstring
+    apply: Callable[[], None]
+    targets: tuple[Target, ...]
+
+
+def _close_hole_1() -> None:
+    from faust.transport.drivers import aiokafka as faust_aiokafka
+
     thread_getmany = faust_aiokafka.AIOKafkaConsumerThread.getmany
 
     async def getmany(self, active_partitions, timeout):
@@ -89,6 +116,13 @@ def close_faust_holes() -> None:
             if not active_partitions:
                 return {}
         return await thread_getmany(self, active_partitions, timeout)
+
+    faust_aiokafka.AIOKafkaConsumerThread.getmany = getmany
+
+
+def _close_hole_2() -> None:
+    from faust.transport import consumer as faust_consumer
+    from faust.transport.drivers import aiokafka as faust_aiokafka
 
     faust_perform_seek = faust_consumer.Consumer.perform_seek
 
@@ -102,16 +136,34 @@ def close_faust_holes() -> None:
         if uncommitted:
             await self._thread.seek_to_beginning(*uncommitted)
 
-    thread_topic_partitions = faust_aiokafka.AIOKafkaConsumerThread.topic_partitions
+    faust_consumer.Consumer.perform_seek = perform_seek
 
-    def topic_partitions(self, topic: str) -> int | None:
-        return thread_topic_partitions(self, topic) or None
+
+def _close_hole_3() -> None:
+    from mode.utils.queues import FlowControlEvent
 
     flow_resume = FlowControlEvent.resume
 
     def resume(self) -> None:
         if not self.is_active():
             flow_resume(self)
+
+    FlowControlEvent.resume = resume
+
+
+def _close_hole_4() -> None:
+    from faust.transport.drivers import aiokafka as faust_aiokafka
+
+    thread_topic_partitions = faust_aiokafka.AIOKafkaConsumerThread.topic_partitions
+
+    def topic_partitions(self, topic: str) -> int | None:
+        return thread_topic_partitions(self, topic) or None
+
+    faust_aiokafka.AIOKafkaConsumerThread.topic_partitions = topic_partitions
+
+
+def _close_hole_5() -> None:
+    from faust.transport.drivers import aiokafka as faust_aiokafka
 
     thread_verify_event_path = faust_aiokafka.AIOKafkaConsumerThread.verify_event_path
 
@@ -122,6 +174,12 @@ def close_faust_holes() -> None:
         if state is not None and not state.has_valid_position:
             return None
         return thread_verify_event_path(self, now, tp)
+
+    faust_aiokafka.AIOKafkaConsumerThread.verify_event_path = verify_event_path
+
+
+def _close_hole_6() -> None:
+    from aiokafka.client import AIOKafkaClient
 
     client_metadata_update = AIOKafkaClient._metadata_update
 
@@ -135,10 +193,198 @@ def close_faust_holes() -> None:
         finally:
             self._kvledger_metadata_at = time.monotonic()
 
-    faust_aiokafka.AIOKafkaConsumerThread.getmany = getmany
-    faust_aiokafka.AIOKafkaConsumerThread.verify_event_path = verify_event_path
-    faust_aiokafka.AIOKafkaConsumerThread.topic_partitions = topic_partitions
-    faust_consumer.Consumer.perform_seek = perform_seek
-    FlowControlEvent.resume = resume
     AIOKafkaClient._metadata_update = _metadata_update
+
+
+_DRIVER = "faust.transport.drivers.aiokafka"
+_THREAD = f"{_DRIVER}:AIOKafkaConsumerThread"  # Faust's consumer thread
+_CONSUMER = f"{_DRIVER}:Consumer"  # Faust's consumer: what `self` is in perform_seek
+_STATE = "aiokafka.consumer.subscription_state"
+_TO_AIOKAFKA_TP = Target(_DRIVER, "ensure_aiokafka_TP", params=("tp",))
+
+# Every name each fix reads or replaces, down the private paths its code follows.
+FIXES = (
+    Fix(
+        1, _close_hole_1, (Target(_THREAD, "getmany", params=("self", "active_partitions", "timeout"), coroutine=True),)
+    ),
+    Fix(
+        2,
+        _close_hole_2,
+        (
+            Target("faust.transport.consumer:Consumer", "perform_seek", params=("self",), coroutine=True),
+            Target(_CONSUMER, "assignment", params=("self",)),
+            Target(_CONSUMER, "_is_changelog_tp", params=("self", "tp")),
+            Target(_CONSUMER, "_committed_offset", "self"),
+            Target(_CONSUMER, "_thread", "self"),
+            Target(_THREAD, "seek_to_beginning", params=("self", "*partitions"), coroutine=True),
+            _TO_AIOKAFKA_TP,
+        ),
+    ),
+    Fix(
+        3,
+        _close_hole_3,
+        (
+            Target("mode.utils.queues:FlowControlEvent", "resume", params=("self",)),
+            Target("mode.utils.queues:FlowControlEvent", "is_active", params=("self",)),
+        ),
+    ),
+    Fix(4, _close_hole_4, (Target(_THREAD, "topic_partitions", params=("self", "topic")),)),
+    Fix(
+        5,
+        _close_hole_5,
+        (
+            Target(_THREAD, "verify_event_path", params=("self", "now", "tp")),
+            Target(_THREAD, "_ensure_consumer", params=("self",)),
+            Target("aiokafka:AIOKafkaConsumer", "_fetcher", "self"),  # the consumer Faust's thread builds
+            Target("aiokafka.consumer.fetcher:Fetcher", "_subscriptions", "self"),
+            Target(f"{_STATE}:SubscriptionState", "subscription", "property"),
+            Target(f"{_STATE}:Subscription", "assignment", "property"),
+            Target(f"{_STATE}:Assignment", "state_value", params=("self", "tp")),
+            Target(f"{_STATE}:TopicPartitionState", "has_valid_position", "property"),
+            _TO_AIOKAFKA_TP,
+        ),
+    ),
+    Fix(
+        6,
+        _close_hole_6,
+        (
+            Target(
+                "aiokafka.client:AIOKafkaClient",
+                "_metadata_update",
+                params=("self", "cluster_metadata", "topics"),
+                coroutine=True,
+            ),
+            Target("aiokafka.client:AIOKafkaClient", "_retry_backoff", "self"),
+        ),
+    ),
+)
+
+
+def _owner(target: Target):
+    module, _, qualname = target.owner.partition(":")
+    owner = importlib.import_module(module)
+    for name in filter(None, qualname.split(".")):
+        owner = getattr(owner, name)
+    return owner
+
+
+def _init_assigns(cls: type, name: str) -> bool:
+    """Whether the `__init__` of `cls` or of one of its bases assigns `self.<name>`.
+
+    Read from the source, not from an instance: building an aiokafka client or consumer, or a Faust
+    consumer, takes a running loop, an app and a transport and may start tasks or connect, which a
+    check before start-up must not; and some of these attributes hold None until the client starts
+    (`_fetcher`), so an instance would show no more than the source does. An `__init__` whose source
+    cannot be read counts as not assigning it (the check refuses rather than guesses)."""
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if not inspect.isfunction(init):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        this = init.__code__.co_varnames[0] if init.__code__.co_argcount else "self"
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and node.attr == name
+                and isinstance(node.value, ast.Name)
+                and node.value.id == this
+            ):
+                return True
+    return False
+
+
+def _params(function) -> tuple[str, ...]:
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return tuple(stars.get(p.kind, "") + p.name for p in inspect.signature(function).parameters.values())
+
+
+def target_problem(target: Target) -> str | None:
+    """What is wrong with `target` in the installed libraries, or None."""
+    try:
+        owner = _owner(target)
+    except (ImportError, AttributeError):
+        return f"{target.owner.replace(':', '.')} is missing"
+    if target.kind == "self":
+        if _init_assigns(owner, target.name):
+            return None
+        return f"{target} is missing (no __init__ of {owner.__name__} or its bases assigns it)"
+    try:
+        value = inspect.getattr_static(owner, target.name)
+    except AttributeError:
+        return f"{target} is missing"
+    if target.kind == "property":
+        return None if isinstance(value, property) else f"{target} is no longer a property"
+    if not inspect.isfunction(value):
+        return f"{target} is no longer a function"
+    params = _params(value)
+    if params != target.params:
+        return f"{target} takes ({', '.join(params)}), the fix calls ({', '.join(target.params)})"
+    if inspect.iscoroutinefunction(value) != target.coroutine:
+        return f"{target} is {'no longer' if target.coroutine else 'now'} a coroutine function"
+    return None
+
+
+def installed_versions() -> dict[str, str | None]:
+    installed = {}
+    for package in TESTED_WITH:
+        try:
+            installed[package] = version(package)
+        except PackageNotFoundError:
+            installed[package] = None
+    return installed
+
+
+def _listed(versions: dict[str, str | None]) -> str:
+    return ", ".join(f"{package} {v or '(not installed)'}" for package, v in versions.items())
+
+
+def client_library_problems() -> tuple[list[str], dict[Target, str]]:
+    """The packages whose version differs from `TESTED_WITH`, and the targets that are not as the
+    fixes expect them (each with what is wrong)."""
+    installed = installed_versions()
+    packages = [
+        f"{package} {installed[package] or '(not installed)'} is not the tested {tested}"
+        for package, tested in TESTED_WITH.items()
+        if installed[package] != tested
+    ]
+    targets = {t: problem for fix in FIXES for t in fix.targets if (problem := target_problem(t)) is not None}
+    return packages, targets
+
+
+def close_faust_holes(untested_client_libraries: bool = False) -> list[int]:
+    """Close the holes (once per process); returns the holes this call closed.
+
+    Raises UntestedClientLibraries (one line) if a version or a target differs from what the fixes
+    were tested with, unless `untested_client_libraries`: then it logs a warning naming what differs
+    and closes the holes whose fix finds every one of its targets."""
+    global _PATCHED
+    if _PATCHED:
+        return []
+    packages, targets = client_library_problems()
+    if packages or targets:
+        found = "; ".join([*packages, *dict.fromkeys(targets.values())])
+        versions = f"tested with {_listed(TESTED_WITH)}; installed {_listed(installed_versions())}"
+        if not untested_client_libraries:
+            raise UntestedClientLibraries(
+                f"the worker's fixes to its Kafka client libraries are untested here: {found} ({versions}); "
+                f"{OVERRIDE} starts it anyway"
+            )
+    closed = []
+    for fix in FIXES:
+        if not any(t in targets for t in fix.targets):
+            fix.apply()
+            closed.append(fix.hole)
+    if packages or targets:
+        left_open = [fix.hole for fix in FIXES if fix.hole not in closed]
+        log.warning(
+            "started on untested Kafka client libraries, as allowed: %s (%s); holes left open: %s",
+            found,
+            versions,
+            ", ".join(map(str, left_open)) or "none",
+        )
     _PATCHED = True
+    return closed

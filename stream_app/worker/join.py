@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kvledger.schemas import LEDGER_EVENT, DecodeError, SingleObjectCodec, UnknownSchemaError
 from kvledger.schemas.registry import JOIN_CHECKPOINT
-from kvledger.stream_app.core.state import StateError, join_from_record, join_record
+from kvledger.stream_app.core.checkpoints import StateError, join_from_record, join_record
 from kvledger.stream_app.core.transfers import TransferJoin
 from kvledger.stream_app.worker.projection import (
     CheckpointError,

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
 
-from kvledger.stream_app.core.violations import KINDS
+from kvledger.schemas.kinds import ViolationKind
 
 disable_created_metrics()  # one series per metric: the dashboards need no `_created` twins
 
@@ -68,7 +68,7 @@ class WorkerMetrics:
                 continue
             del self._retiring[engine_id]
             series = [(self.events, (engine_id,))]
-            series += [(self.violations, (engine_id, kind)) for kind in KINDS]
+            series += [(self.violations, (engine_id, kind)) for kind in ViolationKind]
             series += [(self.producer_dropped, (engine_id, rank)) for rank in ranks]
             for metric, labels in series:
                 with contextlib.suppress(KeyError):  # never set

@@ -24,10 +24,10 @@ from kvledger.schemas import (
     UnknownSchemaError,
 )
 from kvledger.schemas.codec import Lookup
+from kvledger.schemas.kinds import PdRole
 from kvledger.schemas.registry import CHECKPOINT, CONNECTOR_EVENT, ENGINE_CHECKPOINT, HEALTH, STEP
 from kvledger.stream_app.core import Ledger, Violation
-from kvledger.stream_app.core.events import PdRole
-from kvledger.stream_app.core.state import StateError, ledger_from_record, ledger_record
+from kvledger.stream_app.core.checkpoints import StateError, ledger_from_record, ledger_record
 from kvledger.stream_app.core.violations import RankKey
 
 WAYPOINTS = 8  # checkpoints an engine keeps in memory for time travel ...

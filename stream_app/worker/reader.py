@@ -79,7 +79,7 @@ def read_violations(
                 stats.duplicates += 1
                 continue
             try:
-                violation = Violation(**codec.decode(message.value()))
+                violation = Violation.of(codec.decode(message.value()))
             except (DecodeError, TypeError):
                 stats.undecodable += 1
                 continue

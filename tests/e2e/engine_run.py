@@ -51,8 +51,8 @@ def start(spec: dict):
     extra = {"additional_config": {"kv_trace": spec["kv_trace"]}} if spec.get("kv_trace") else {}
     if spec.get("kv_events"):  # vLLM's own KV events publisher (ZMQ), for comparison
         extra["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": spec["kv_events"]}
-    if spec.get("ab_rounds"):  # the driver pauses and resumes tracing through the workers' extension
-        extra["worker_extension_cls"] = "kvledger.producer.plugin.TracingExtension"
+    if spec.get("ab_rounds"):  # the driver pauses, resumes and counts through the workers' extension
+        extra["worker_extension_cls"] = "tracing_costs.TracingCosts"  # beside this file (see there)
     if spec.get("num_blocks"):
         extra["num_gpu_blocks_override"] = spec["num_blocks"]
     if spec.get("speculative_config"):  # with stats on: the METRICS line reports vLLM's own spec counters
@@ -109,8 +109,8 @@ def main() -> None:
 
 def ab_rounds(llm, prompts, params, rounds: int) -> None:
     """Print `AB arm=off|on generate_s=S tokens=N cpu_s=C steps=K probes_s=P recorder_s=R` per
-    run, alternating which arm goes first, through the workers' `plugin.TracingExtension`; C, K,
-    P and R (see plugin.process_counters), summed over the workers: the worker processes' CPU
+    run, alternating which arm goes first, through the workers' `tracing_costs.TracingCosts`; C,
+    K, P and R (see tracing_costs.process_counters), summed over the workers: the worker processes' CPU
     seconds (all threads), steps, the probes' time on the engine thread, the recorder
     processes' CPU seconds."""
 

@@ -20,7 +20,7 @@ import pytest
 
 from kvledger.schemas.files import discover, read_segment
 from kvledger.schemas.packing import unpack_i32
-from kvledger.stream_app.core.rank import expand_slot_runs
+from kvledger.stream_app.core.rank_tables import expand_slot_runs
 from kvledger.stream_app.replay import replay
 from tests.e2e.conftest import assert_preempted_resumed_and_hit, step_inputs
 from tests.e2e.engine_run import TINY_LLAMA

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.producer.synthetic import FaultSpec, SimConfig, simulate
 from tests.stream_harness import (
     ENV,
     as_multiset,
@@ -32,6 +31,7 @@ from tests.stream_harness import (
     start_worker,
     wait_for,
 )
+from tests.synthetic.engine import FaultSpec, SimConfig, simulate
 
 pytestmark = pytest.mark.integration
 

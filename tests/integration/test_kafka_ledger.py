@@ -9,9 +9,9 @@ import pytest
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from kvledger.producer.synthetic import FaultSpec, GroupSpec, SimConfig, simulate
 from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
 from kvledger.stream_app.core import Ledger
+from tests.synthetic.engine import FaultSpec, GroupSpec, SimConfig, simulate
 
 pytestmark = pytest.mark.integration
 

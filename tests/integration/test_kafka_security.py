@@ -20,9 +20,9 @@ from confluent_kafka import Consumer
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KafkaSink
-from kvledger.producer.synthetic import FaultSpec, SimConfig, simulate
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from tests.stream_harness import KVLEDGER, events_done, free_port, kvledger, start_worker, wait_for
+from tests.synthetic.engine import FaultSpec, SimConfig, simulate
 
 pytestmark = pytest.mark.integration
 

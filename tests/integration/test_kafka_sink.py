@@ -12,9 +12,9 @@ from confluent_kafka import Consumer
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KafkaSink
-from kvledger.producer.synthetic import SimConfig, simulate
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.stream_app.core import Ledger
+from tests.synthetic.engine import SimConfig, simulate
 
 pytestmark = pytest.mark.integration
 

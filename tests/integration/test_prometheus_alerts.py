@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.producer.synthetic import FaultSpec, SimConfig, simulate
 from tests.stream_harness import Worker, events_done, free_port, online_violations, produce, start_worker, wait_for
+from tests.synthetic.engine import FaultSpec, SimConfig, simulate
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,6 @@ from kvledger.producer.config import RegistrySpec
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KafkaSink
-from kvledger.producer.synthetic import FaultSpec, SimConfig, simulate
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.schemas.codec import confluent_header
 from kvledger.schemas.registry import batch_raw, checkpoint_raw, raw_schema
@@ -43,6 +42,7 @@ from tests.stream_harness import (
     start_worker,
     wait_for,
 )
+from tests.synthetic.engine import FaultSpec, SimConfig, simulate
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,6 @@ import uuid
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from kvledger.producer.synthetic import FaultSpec, SimConfig, simulate
 from tests.stream_harness import (
     SOAK_ENGINE,
     FleetSpec,
@@ -30,6 +29,7 @@ from tests.stream_harness import (
     start_worker,
     wait_for,
 )
+from tests.synthetic.engine import FaultSpec, SimConfig, simulate
 
 pytestmark = pytest.mark.integration
 

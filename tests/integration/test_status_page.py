@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.producer.synthetic import FaultSpec, SimConfig, simulate
 from tests.stream_harness import events_done, produce, start_worker, wait_for
+from tests.synthetic.engine import FaultSpec, SimConfig, simulate
 
 pytestmark = pytest.mark.integration
 

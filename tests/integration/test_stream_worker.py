@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from kvledger.producer.sinks import FileSink
-from kvledger.producer.synthetic import FaultSpec, GroupSpec, SimConfig, simulate
 from tests.stream_harness import (
     CODEC,
     Worker,
@@ -32,6 +31,7 @@ from tests.stream_harness import (
     start_worker,
     wait_for,
 )
+from tests.synthetic.engine import FaultSpec, GroupSpec, SimConfig, simulate
 
 pytestmark = pytest.mark.integration
 

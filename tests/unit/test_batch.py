@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvledger.producer.synthetic import FAULTS, FaultSpec, SimConfig, simulate
 from kvledger.stream_app.core import Ledger, batch
+from tests.synthetic.engine import FAULTS, FaultSpec, SimConfig, simulate
 
 from .test_detectors import MULTI_RANK_FAULTS, configs
 

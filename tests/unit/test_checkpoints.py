@@ -19,11 +19,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from kvledger.producer.synthetic import FaultSpec, PdConfig, SimConfig, simulate, simulate_pd_pair
 from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
 from kvledger.schemas.registry import ENGINE_CHECKPOINT
 from kvledger.stream_app.core import Ledger
-from kvledger.stream_app.core.state import join_from_record, join_record, ledger_from_record, ledger_record
+from kvledger.stream_app.core.checkpoints import join_from_record, join_record, ledger_from_record, ledger_record
 from kvledger.stream_app.core.transfers import TransferJoin
 from kvledger.stream_app.worker.join import JoinProjection
 from kvledger.stream_app.worker.projection import (
@@ -38,6 +37,7 @@ from kvledger.stream_app.worker.projection import (
     join_chunks,
     split_checkpoint,
 )
+from tests.synthetic.engine import FaultSpec, PdConfig, SimConfig, simulate, simulate_pd_pair
 from tests.unit.test_core import REALISTIC
 
 CODEC = SingleObjectCodec(LEDGER_EVENT)
@@ -195,7 +195,7 @@ def test_a_checkpoint_whose_rows_contradict_themselves_is_refused():
     "ids", [[], [0, 1, 255], [256, 7], [70_000, 3], [1 << 24, 5], [(1 << 32) - 1], [-1, 4], [1 << 40, 2]]
 )
 def test_block_ids_pack_to_the_fewest_bytes_and_back(ids):
-    from kvledger.stream_app.core.state import pack_ids, unpack_ids
+    from kvledger.stream_app.core.checkpoints import pack_ids, unpack_ids
 
     data, width = pack_ids(np.asarray(ids, np.int64))
     assert unpack_ids(data, width).tolist() == ids

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from kvledger.producer.sinks import FileSink
-from kvledger.producer.synthetic import FAULT_KINDS, FAULTS, SHARING_FAULTS, FaultSpec, GroupSpec, SimConfig, simulate
 from kvledger.schemas import unpack_i32
 from kvledger.schemas.registry import STEP
 from kvledger.stream_app.replay import replay
+from tests.synthetic.engine import FAULT_KINDS, FAULTS, SHARING_FAULTS, FaultSpec, GroupSpec, SimConfig, simulate
 
 STEPS = 240
 ENGINE = "cli-engine"
@@ -38,7 +38,7 @@ VIOLATION_KEYS = {
     "detail",
 }
 SUMMARY_KEYS = {"type", "events", "steps", "ranks", "checks", "unchecked", "violations"}
-# Faults that need several ranks to be visible (as in producer/demo.py).
+# Faults that need several ranks to be visible (as in tests/synthetic/demo.py).
 MULTI_RANK = {"rank_divergence", "rank_missing"}
 
 
@@ -86,7 +86,7 @@ PLACEABLE = [f for f in FAULTS if f not in SHARING_FAULTS]  # this config has a 
 
 
 def spread_faults(names: list[str], steps: int, tp_size: int) -> tuple[FaultSpec, ...]:
-    """Faults evenly over the run; multi-rank faults on tp1 (how producer/demo.py places them)."""
+    """Faults evenly over the run; multi-rank faults on tp1 (how tests/synthetic/demo.py places them)."""
     spread = max(steps // (len(names) + 1), 1)
     return tuple(
         FaultSpec(name, spread * (i + 1), tp_rank=1 if name in MULTI_RANK and tp_size > 1 else 0)
@@ -434,7 +434,7 @@ _INJECTED = re.compile(
 def test_demo_records_faults_the_checker_finds(tmp_path):
     out = tmp_path / "demo"
     demo = subprocess.run(
-        [sys.executable, "-m", "kvledger.producer.demo", str(out), "--steps", "300"],
+        [sys.executable, "-m", "tests.synthetic.demo", str(out), "--steps", "300"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -10,10 +10,10 @@ import pytest
 
 from kvledger.producer import records
 from kvledger.producer.records import RankIdentity
-from kvledger.producer.synthetic import FaultSpec, GroupSpec, SimConfig, simulate
 from kvledger.schemas import pack_i32
 from kvledger.schemas.registry import CONNECTOR_EVENT
 from kvledger.stream_app.core import Ledger
+from tests.synthetic.engine import FaultSpec, GroupSpec, SimConfig, simulate
 
 RANK = RankIdentity("e1", incarnation=7)
 BS = 4
@@ -233,16 +233,6 @@ def test_same_events_same_violations_whatever_the_rank_interleaving():
         shuffled += by_rank[r][cursors[r] : cursors[r] + burst]
         cursors[r] += burst
     assert sorted(map(repr, _run(shuffled))) == sorted(map(repr, reference))
-
-
-def test_snapshot_restore_mid_stream_is_invisible():
-    events = simulate(REALISTIC).events
-    reference = _run(events)
-    for cut in (1, len(events) // 3, len(events) - 5):
-        ledger = Ledger()
-        first = [v for e in events[:cut] for v in ledger.apply(e)]
-        restored = Ledger.restore(ledger.snapshot())
-        assert first + _run(events[cut:], restored) == reference
 
 
 def test_gap_makes_checks_wait_for_the_next_snapshot():

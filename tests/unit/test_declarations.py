@@ -14,8 +14,9 @@ from kvledger.producer import records
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.vllm_mrv2 import MRV2RunnerProbe
 from kvledger.producer.vllm_v1 import V1RunnerProbe
+from kvledger.schemas.kinds import Declaration
 from kvledger.stream_app.core import Ledger
-from kvledger.stream_app.core.engine import DECLARATIONS
+from kvledger.stream_app.core.declarations import DECLARATIONS
 from tests.e2e.conftest import vllm_python
 
 BS = 4
@@ -50,7 +51,7 @@ def test_each_configuration_is_declared_from_the_vllm_config():
     eagle = declared(vllm_config(async_scheduling=True, spec=speculative("eagle", True)))
     assert list(eagle) == ["async_spec_decode", "drafter_kv_writes"] and "eagle drafter" in eagle["drafter_kv_writes"]
     # Every name a probe can declare is one the core acts on.
-    assert set(records.DECLARABLE) == set(DECLARATIONS)
+    assert set(Declaration) == set(DECLARATIONS)
 
 
 def probe(cls, config, **runner_attrs):
@@ -86,7 +87,7 @@ def test_the_config_attributes_read_exist_in_this_vllm():
         "assert config_declarations(config) == []\n"
         "config.parallel_config.decode_context_parallel_size = 2\n"
         "config.parallel_config.prefill_context_parallel_size = 2\n"
-        "print([name for name, _, _ in config_declarations(config)])\n"
+        "print([str(name) for name, _, _ in config_declarations(config)])\n"
     )
     proc = subprocess.run([vllm_python(), "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

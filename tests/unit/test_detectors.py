@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvledger.producer.synthetic import (
+from kvledger.stream_app.core import Ledger, Violation
+from tests.synthetic.engine import (
     FAULT_KINDS,
     FAULTS,
     Expected,
@@ -23,7 +24,6 @@ from kvledger.producer.synthetic import (
     SimConfig,
     simulate,
 )
-from kvledger.stream_app.core import Ledger, Violation
 
 MULTI_RANK_FAULTS = {"rank_divergence", "rank_missing"}
 

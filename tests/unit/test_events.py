@@ -9,26 +9,32 @@ from enum import StrEnum
 
 import pytest
 
-from kvledger.producer.synthetic import FaultSpec, PdConfig, SimConfig, simulate, simulate_pd_pair
+from kvledger.producer import records
 from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from kvledger.schemas.kinds import (
+    ConnectorKind,
+    DigestReason,
+    KvGroupKind,
+    PdRole,
+    Runner,
+    StepKind,
+    Unchecked,
+    connector_wire,
+)
 from kvledger.schemas.registry import raw_schema
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.core.events import (
     ConnectorEvent,
-    ConnectorKind,
-    DigestReason,
     Health,
-    KvGroupKind,
-    PdRole,
     RankInfo,
     Snapshot,
     Step,
-    StepKind,
     StepPlan,
     as_event,
     event_of,
 )
 from kvledger.stream_app.core.violations import RankKey
+from tests.synthetic.engine import FaultSpec, PdConfig, SimConfig, simulate, simulate_pd_pair
 
 CODEC = SingleObjectCodec(LEDGER_EVENT)
 
@@ -112,8 +118,35 @@ def test_the_enums_name_the_schema_symbols():
     }
     assert symbols.keys() == enums.keys()
     for name, enum in enums.items():
-        assert [m.value for m in enum] == symbols[name], name
+        written = [m.value for m in enum if enum is not ConnectorKind or connector_wire(m, None)[0] == m.value]
+        assert written == symbols[name], name
         assert all(m == m.value for m in enum)  # a member equals the symbol a checkpoint holds
+
+
+@pytest.mark.parametrize("kind", [ConnectorKind.SEND_CANCELLED, ConnectorKind.RECV_RELEASED])
+def test_a_connector_kind_without_a_symbol_is_written_as_other_and_read_back_typed(kind):
+    """The schema keeps its symbols (and fingerprint): the kind is named in `detail`, as ledgers written
+    before it was typed named it, and both read back as the kind."""
+    name, body = records.connector_event(3, "MooncakeConnector", kind, req_id="r", transfer_id="t")
+    assert body["kind"] == "OTHER" and body["detail"] in ("send_cancelled", "release_only")
+    (record,) = decoded([records.envelope(records.RankIdentity("e"), 0, 0, name, body)])
+    assert event_of(record).body.kind is kind
+
+
+def test_a_connector_kind_from_a_newer_writer_reads_as_other_and_is_counted():
+    name, body = records.connector_event(3, "MooncakeConnector", "SEND_INTENT", transfer_id="t")
+    event = event_of(records.envelope(records.RankIdentity("e"), 0, 0, name, body | {"kind": "SEND_REPLAYED"}))
+    assert event.body.kind is ConnectorKind.OTHER
+    ledger = Ledger()
+    ledger.apply(event)
+    assert ledger.coverage.unchecked[Unchecked.CONNECTOR_KIND_UNKNOWN] == 1
+
+
+def test_the_runner_reads_older_names_and_newer_ones():
+    info = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="mrv2")[1]
+    assert RankInfo.of(info).runner is Runner.V2
+    assert RankInfo.of(info | {"runner": "v3"}).runner is Runner.OTHER
+    assert RankInfo.of(info | {"runner": "v1"}).runner is Runner.V1
 
 
 def test_a_body_of_unknown_kind_is_refused_not_guessed():

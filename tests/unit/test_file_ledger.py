@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvledger.producer.sinks import FILE_LINGER_S
-from kvledger.producer.synthetic import SimConfig, simulate
 from kvledger.schemas.files import (
     DEFLATE_LEVEL,
     EndMarker,
@@ -32,6 +31,7 @@ from kvledger.schemas.files import (
     read_stream,
 )
 from kvledger.stream_app.replay import replay
+from tests.synthetic.engine import SimConfig, simulate
 
 BATCH = 5
 
@@ -448,7 +448,7 @@ from kvledger.producer import plugin
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import FileSink
-from kvledger.producer.synthetic import SimConfig, simulate
+from tests.synthetic.engine import SimConfig, simulate
 
 faulthandler.enable()  # a SIGABRT from the test dumps every thread's stack, should it hang
 

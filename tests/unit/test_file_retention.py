@@ -18,7 +18,6 @@ from kvledger.producer.config import DEFAULT_SEGMENT_BYTES, TraceConfig, TraceCo
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import FileSink, open_sink
-from kvledger.producer.synthetic import GroupSpec, SimConfig, simulate
 from kvledger.schemas.files import (
     UNCUT_SEGMENT_FACTOR,
     Retention,
@@ -33,6 +32,7 @@ from kvledger.schemas.files import (
 )
 from kvledger.schemas.registry import RANK_INFO, SNAPSHOT
 from kvledger.stream_app.replay import replay
+from tests.synthetic.engine import GroupSpec, SimConfig, simulate
 from tests.unit.test_cli import check_json
 
 ENGINE = "ret-engine"

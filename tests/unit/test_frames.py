@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from kvledger.producer import records
-from kvledger.producer.capture import RequestIndex
+from kvledger.producer.capture import RequestIndex, StepCapture
 from kvledger.producer.frames import (
     FrameKind,
     RepeatedIds,
+    body_of,
     pack,
     pack_parts,
     prefix_max,
@@ -148,21 +149,45 @@ def test_repeated_ids_are_encoded_once_and_again_when_they_change():
         ids(None)
 
 
-def test_scheduler_fields_of_an_older_vllm_read_its_absent_optional_fields_as_empty():
+def test_scheduler_fields_an_older_or_renaming_vllm_lacks_are_reported_missing_never_read_as_empty():
     so = scheduler_output(2)
     for name in ("preempted_req_ids", "new_block_ids_to_zero", "kv_cache_block_copies"):
         delattr(so, name)
     del so.scheduled_cached_reqs.resumed_req_ids
-    fields = scheduler_fields(so)
+    del so.scheduled_new_reqs[1].prompt_token_ids
+    missing: set[str] = set()
+    fields = scheduler_fields(so, None, missing)
+    assert missing == {
+        "SchedulerOutput.preempted_req_ids",
+        "SchedulerOutput.new_block_ids_to_zero",
+        "SchedulerOutput.kv_cache_block_copies",
+        "CachedRequestData.resumed_req_ids",
+        "NewRequestData.prompt_token_ids",
+    }
+    # The frame still has its columns (the recorder reads ten); the caller declares them unavailable.
     assert fields[2] == fields[7] == fields[8] == fields[9] == ()
-    assert fields[0] == [(r.req_id, r.block_ids, r.num_computed_tokens, 20) for r in so.scheduled_new_reqs]
+    assert fields[0] == [
+        ("r2-0", so.scheduled_new_reqs[0].block_ids, 0, 20),
+        ("r2-1", so.scheduled_new_reqs[1].block_ids, 16, 0),
+    ]
     assert fields[0][0][1] is so.scheduled_new_reqs[0].block_ids  # the list itself, encoded by the step's end
+    # Without a set to report them in, an optional field missing fails as a required one does.
+    for cached_ids in ((), (None,)):
+        with pytest.raises(AttributeError, match="prompt_token_ids"):
+            scheduler_fields(so, *cached_ids)
+    with pytest.raises(TypeError, match="missing must be a set"):
+        scheduler_fields(so, None, [])
+    # Present but None or empty is no absence: nothing reported.
+    full, missing = scheduler_output(1), set()
+    full.preempted_req_ids = None
+    assert scheduler_fields(full, None, missing)[7] == () and not missing
+    assert pack(scheduler_fields(full, None, missing)) == pack(scheduler_fields(full)) and not missing
     # Block copies of either form; a field every vLLM has, missing, fails loudly (the probe goes quiet).
     so.kv_cache_block_copies = [(5, 6, "extra"), SimpleNamespace(src=1, dst=2)]
-    assert scheduler_fields(so)[9] == [(5, 6), (1, 2)]
+    assert scheduler_fields(so, None, set())[9] == [(5, 6), (1, 2)]
     del so.finished_req_ids
     with pytest.raises(AttributeError, match="finished_req_ids"):
-        scheduler_fields(so)
+        scheduler_fields(so, None, set())
 
 
 def test_a_step_with_its_ids_encoded_ahead_is_the_same_frame(tmp_path):
@@ -267,3 +292,54 @@ def test_frames_wrap_and_a_full_ring_drops_them_counted(tmp_path):
     big = np.zeros(200, np.int32)
     accepted = [ring.write_frame(FrameKind.STEP, 1000 + k, 0, [big]) for k in range(10)]
     assert accepted[0] and not all(accepted) and ring.dropped == accepted.count(False)
+
+
+def test_a_probe_reading_a_scheduler_output_without_a_field_declares_step_input_unavailable_and_counts_steps():
+    """A field missing is an unavailable capability (a rename reads as nothing to zero or copy
+    otherwise): `step_input` unavailable, naming the fields, announced ahead of the first step
+    without them and again when another goes missing; every such step counted."""
+    from kvledger.producer.config import TraceConfig
+    from kvledger.producer.ring_recorder import RingRecorder
+    from kvledger.producer.vllm_v1 import V1RunnerProbe
+
+    runner = SimpleNamespace(vllm_config=SimpleNamespace(kv_transfer_config=None))
+    probe = V1RunnerProbe(runner, TraceConfig(enabled=True, snapshot_interval=0))
+    probe.unavailable, probe.connector_capabilities = {}, []  # as `attach` leaves them: every point found
+    probe.recorder = RingRecorder(records.RankIdentity("t", 0, 0, 0, 1), probe.config, spawn=False)
+    probe._rank_info = lambda: records.rank_info(  # what `_rank_info` reads of vLLM is not here
+        dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1", capabilities=probe.capabilities()
+    )
+    try:
+        for step in range(5):
+            so = scheduler_output(step)
+            if step >= 1:
+                del so.kv_cache_block_copies  # a rename, say
+            if step >= 3:
+                del so.scheduled_cached_reqs.resumed_req_ids
+            probe._before_step(so)
+            probe._after_step()
+        frames = [read_frame(bytes(r)) for r in probe.recorder.ring.records()]
+    finally:
+        probe.recorder.ring.close(unlink=True)
+    assert [f.kind for f in frames] == [
+        FrameKind.STEP,
+        FrameKind.BODY,
+        *[FrameKind.STEP] * 2,
+        FrameKind.BODY,
+        *[FrameKind.STEP] * 2,
+    ]
+    infos = [body_of(f.parts[0]) for f in frames if f.kind is FrameKind.BODY]
+    assert [name for name, _ in infos] == [records.RANK_INFO] * 2
+    [first], [then] = ([c for c in info["capabilities"] if c["name"] == "step_input"] for _, info in infos)
+    assert first["available"] is False and "SchedulerOutput.kv_cache_block_copies" in first["reason"]
+    assert "resumed_req_ids" not in first["reason"]
+    assert then["available"] is False
+    assert "CachedRequestData.resumed_req_ids, SchedulerOutput.kv_cache_block_copies" in then["reason"]
+    assert probe.steps_missing_fields == 4
+    assert probe.fields_missing == {"SchedulerOutput.kv_cache_block_copies", "CachedRequestData.resumed_req_ids"}
+    # The steps are still recorded, with what could be read, and the recorder builds their records.
+    steps = [f for f in frames if f.kind is FrameKind.STEP]
+    assert [f.seq for f in steps] == [0, 2, 3, 5, 6]
+    index = RequestIndex()
+    built = [StepCapture.from_parts(f.parts).record(index, False)[1] for f in steps]
+    assert [b["step"] for b in built] == [0, 1, 2, 3, 4]

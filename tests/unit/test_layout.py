@@ -1,4 +1,4 @@
-"""The rooms of the tree and the doors between them (see DESIGN.md).
+"""The rooms of the tree and the doors between them (see docs/design.md).
 
 The producer runs inside vLLM serving images and must import without the
 stream side's libraries; the stream side runs where no torch or vLLM exists.
@@ -7,6 +7,7 @@ stream side's libraries; the stream side runs where no torch or vLLM exists.
 from __future__ import annotations
 
 import ast
+import pkgutil
 import subprocess
 import sys
 import textwrap
@@ -25,14 +26,18 @@ DOORS = {
 }
 
 
-def _kvledger_imports(path: Path) -> set[str]:
+def _imports(path: Path) -> set[str]:
     modules = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             modules |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             modules.add(node.module)
-    return {m for m in modules if m.startswith("kvledger.")}
+    return modules
+
+
+def _kvledger_imports(path: Path) -> set[str]:
+    return {m for m in _imports(path) if m.startswith("kvledger.")}
 
 
 @pytest.mark.parametrize("room", sorted(DOORS))
@@ -61,9 +66,26 @@ def _import_all_blocking(package: str, blocked: list[str]) -> subprocess.Complet
 
 
 def test_producer_imports_without_the_stream_side():
-    result = _import_all_blocking("kvledger.producer", ["faust", "click", "rich", "aiokafka", "kvledger.stream_app"])
+    blocked = ["faust", "click", "rich", "aiokafka", "kvledger.stream_app", "tests"]
+    result = _import_all_blocking("kvledger.producer", blocked)
     assert result.returncode == 0, result.stderr
-    assert "kvledger.producer.synthetic" in result.stdout
+    assert "kvledger.producer.plugin" in result.stdout and "kvledger.producer.vllm_v1" in result.stdout
+
+
+def test_the_producer_ships_only_what_runs():
+    """The package installed into vLLM images holds no test or benchmark support: the synthetic
+    engine and its demo live in tests/synthetic/, and no producer module imports the test tree."""
+    import kvledger.producer
+
+    names = {info.name for info in pkgutil.walk_packages(kvledger.producer.__path__)}
+    assert "plugin" in names, names  # the installed package, seen whole
+    assert not {n for n in names if "synthetic" in n or "demo" in n}, names
+    files = {p.name for folder in kvledger.producer.__path__ for p in Path(folder).iterdir()}
+    assert not {f for f in files if "synthetic" in f or "demo" in f}, files
+    for path in (ROOT / "producer").rglob("*.py"):
+        tests = {m for m in _imports(path) if m == "tests" or m.startswith("tests.")}
+        assert not tests, f"{path.relative_to(ROOT)} imports {tests}"
+    assert {"engine.py", "demo.py"} <= {p.name for p in (ROOT / "tests" / "synthetic").iterdir()}
 
 
 def test_stream_side_imports_without_torch_or_vllm():

@@ -19,9 +19,9 @@ from kvledger.producer.config import (
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import FileSink
-from kvledger.producer.synthetic import SimConfig, simulate
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import replay
+from tests.synthetic.engine import SimConfig, simulate
 
 RANK = RankIdentity("eng-1", 0, 1, 0, incarnation=42)
 

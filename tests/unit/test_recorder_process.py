@@ -29,8 +29,9 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
 from kvledger.producer.ring_recorder import RingRecorder, meta_path, sweep_stale_rings
 from kvledger.producer.staging import Lease, Staged
-from kvledger.producer.synthetic import SimConfig, simulate
 from kvledger.stream_app.replay import iter_ledger, replay
+from tests.e2e import tracing_costs
+from tests.synthetic.engine import SimConfig, simulate
 
 from .test_frames import scheduler_output
 
@@ -142,7 +143,7 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
 from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.ring_recorder import RingRecorder, meta_path, sweep_stale_rings
-from kvledger.producer.synthetic import SimConfig, simulate
+from tests.synthetic.engine import SimConfig, simulate
 
 sim = [e["body"] for e in simulate(SimConfig(seed=2, steps=300, snapshot_interval=0)).events if e["tp_rank"] == 0]
 config = TraceConfig(enabled=True, action=TraceAction.RECORD, sink=SinkSpec("file", path=Path(sys.argv[1])))
@@ -399,16 +400,37 @@ def test_a_flush_that_interrupts_a_write_leaves_the_held_frames_in_order(tmp_pat
 
 
 def test_the_cost_counters_leave_out_their_own_wait_for_the_recorders(tmp_path, monkeypatch):
-    # bench/engine_overhead.py reads these after each arm: the wait for the recorders to read the
-    # arm's frames polls the ring every ms, CPU only the traced arm would spend and tracing never does.
+    # bench/engine_overhead.py reads these after each arm (tests/e2e/tracing_costs.py, the workers'
+    # extension): the wait for the recorders to read the arm's frames polls the ring every ms, CPU
+    # only the traced arm would spend and tracing never does.
     recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
     monkeypatch.setattr(plugin, "_probes", [SimpleNamespace(step=0, recorder=recorder)])
-    before, _, _, _ = plugin.process_counters()  # nothing to wait for
+    before, _, _, _ = tracing_costs.process_counters()  # nothing to wait for
     recorder.health(0)  # a frame nobody reads: the next counters wait their 2 s for it
     started = time.process_time()
-    after, steps, _, _ = plugin.process_counters()
+    after, steps, _, _ = tracing_costs.process_counters()
     waited = time.process_time() - started
     assert recorder.ring.pending and steps == 1
     assert waited > 0.002, "the wait polled for 2 s: it takes CPU"
     assert after - before < 0.25 * waited
     recorder.ring.close(unlink=True)
+
+
+def test_the_cost_counters_read_a_recorders_cpu_from_proc():
+    busy = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.2: pass\ninput()",
+        ],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while tracing_costs.recorder_cpu_s(busy.pid) < 0.2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert 0.2 <= tracing_costs.recorder_cpu_s(busy.pid) < 30
+    finally:
+        busy.communicate(b"\n", timeout=30)
+    assert tracing_costs.recorder_cpu_s(busy.pid) == 0.0  # gone (reaped): nothing to read
+    assert tracing_costs.recorder_cpu_s(None) == 0.0  # no recorder process

@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 
 from kvledger.producer import records
 from kvledger.producer.records import RankIdentity
-from kvledger.producer.synthetic import GroupSpec, SimConfig, simulate
 from kvledger.schemas import (
     LEDGER_EVENT,
     LEDGER_EVENT_BATCH,
@@ -55,7 +54,8 @@ from kvledger.schemas.registry import (
     STEP,
     raw_schema,
 )
-from kvledger.stream_app.core.rank import expand_slot_runs
+from kvledger.stream_app.core.rank_tables import expand_slot_runs
+from tests.synthetic.engine import GroupSpec, SimConfig, simulate
 
 SCHEMA_NAMES = ("ledger_event", "violation")
 PARSED = {"ledger_event": LEDGER_EVENT, "violation": VIOLATION}

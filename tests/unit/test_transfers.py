@@ -1,6 +1,6 @@
 """Transfers joined across engines: silent on clean pairs, each fault named with its transfer and request.
 
-Streams come from the synthetic prefill/decode pair (producer/synthetic.py),
+Streams come from the synthetic prefill/decode pair (tests/synthetic/engine.py),
 both engines' events interleaved at random, as a transfer-keyed stream
 delivers them; hypothesis explores seeds and shapes.
 """
@@ -16,10 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvledger.producer import records
-from kvledger.producer.synthetic import PD_FAULT_KINDS, PdConfig, simulate_pd_pair
+from kvledger.schemas.kinds import ConnectorKind, ViolationKind
 from kvledger.schemas.registry import CONNECTOR_EVENT, STEP
-from kvledger.stream_app.core import KINDS, Ledger, Violation
+from kvledger.stream_app.core import Ledger, Violation
+from kvledger.stream_app.core.events import event_of
 from kvledger.stream_app.core.transfers import TransferJoin, parse_digest
+from tests.synthetic.engine import PD_FAULT_KINDS, PdConfig, simulate_pd_pair
 
 TRANSFER_KINDS = {k for kinds in PD_FAULT_KINDS.values() for k in kinds} - {"foreign_block_write"}
 
@@ -36,7 +38,7 @@ def transfer_of(v: Violation) -> str | None:
 
 
 def test_new_kinds_are_known():
-    assert TRANSFER_KINDS | {"transfer_content_mismatch"} <= set(KINDS)
+    assert TRANSFER_KINDS | {"transfer_content_mismatch"} <= set(ViolationKind)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -237,3 +239,35 @@ def test_closed_transfers_are_retired_and_late_repeats_stay_quiet():
         last["body"][1]["step"] += 64 * 10  # FORGET_AFTER deadlines
         assert join.apply(last) == []
     assert join.retired == set()
+
+
+@pytest.mark.parametrize("ending", ["SEND_DONE", "EXPIRED", ConnectorKind.SEND_CANCELLED, None])
+def test_a_send_that_ended_releases_its_blocks_and_one_still_pending_holds_them(ending):
+    """Request p0 prefilled blocks 1-2 and finished; its send held them. Once the send ended, however it
+    ended (done, expired, cancelled because the prefill request was aborted), the blocks are free: a
+    later request granted them writes its own. While it is pending, that write is a foreign one."""
+    rank, seq, events = records.RankIdentity("p", incarnation=1), iter(range(100)), []
+
+    def add(body) -> None:
+        events.append(records.envelope(rank, next(seq), 0, *body))
+
+    def prefill(step: int, index: int, blocks: list[int], finished=()) -> None:
+        inp = records.step_input(
+            new_reqs=[records.new_request(index, f"p{index}", [blocks], 0, 8, 8)], finished=finished
+        )
+        group = records.group_plan(0, np.arange(8) + blocks[0] * 4, 8, [np.array(blocks)])
+        add(records.step(step, "REAL", inp, records.step_plan([index], [8], [0], [group])))
+
+    kv = [records.kv_group(0, "FULL_ATTENTION", 4, 16)]
+    add(records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=kv, vllm_version="t", runner="v1"))
+    prefill(0, 0, [1, 2])
+    add(records.connector_event(0, "test", "SEND_INTENT", req_id="p0", transfer_id="t0", block_ids=[[1, 2]]))
+    if ending is not None:
+        add(records.connector_event(1, "test", ending, req_id="p0", transfer_id="t0"))
+    prefill(1, 1, [1, 2], finished=["p0"])  # the scheduler hands p0's blocks to p1
+    ledger = Ledger(join_transfers=False)
+    found = [(v.kind, v.req_id) for e in events for v in ledger.apply(event_of(e))]
+    if ending is None:
+        assert (ViolationKind.FOREIGN_BLOCK_WRITE, "p1") in found
+    else:
+        assert found == [] and ledger.coverage.checks["exclusivity"] > 0

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvledger.producer.sinks import FileSink
-from kvledger.producer.synthetic import FaultSpec, GroupSpec, SimConfig, simulate
 from kvledger.stream_app.replay import query, replay
+from tests.synthetic.engine import FaultSpec, GroupSpec, SimConfig, simulate
 
 ENGINE = "travel-engine"
 FAULT_STEP = 40

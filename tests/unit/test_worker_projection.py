@@ -15,12 +15,12 @@ from collections import Counter
 
 import pytest
 
-from kvledger.producer.synthetic import PdConfig, SimConfig, simulate, simulate_pd_pair
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec, SingleObjectCodec
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.core.transfers import TransferJoin
 from kvledger.stream_app.worker.join import JoinProjection
 from kvledger.stream_app.worker.projection import Decoder, EngineProjection, Record
+from tests.synthetic.engine import PdConfig, SimConfig, simulate, simulate_pd_pair
 
 CODEC = SingleObjectCodec(LEDGER_EVENT)
 DEADLINE = 20

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvledger.schemas.kinds import ConnectorKind, TransferOutcome, TransferRole, read
 from kvledger.schemas.packing import pack_i32, unpack_i32
-from kvledger.stream_app.core.engine import Declared, LeadStep, Ledger, RankSlot, StepGroup
+from kvledger.stream_app.core.declarations import Declared
 from kvledger.stream_app.core.events import RankInfo, StepPlan
-from kvledger.stream_app.core.rank import RankState
+from kvledger.stream_app.core.ledger import Ledger, TrackedRank
+from kvledger.stream_app.core.rank_tables import RankTables
+from kvledger.stream_app.core.step_groups import LeadStep, StepGroup
 from kvledger.stream_app.core.transfers import (
     HeldSend,
     PendingRecv,
-    RankTransfers,
+    PendingTransfers,
     Side,
     Transfer,
     TransferJoin,
@@ -66,7 +69,7 @@ def _ints(data: bytes) -> np.ndarray:
 
 
 # -- a rank's tables ------------------------------------------------------------------------------
-def _same_tables(a: RankState, b: RankState) -> bool:
+def _same_tables(a: RankTables, b: RankTables) -> bool:
     if a.index_of != b.index_of or a.num_rows != b.num_rows or a.free_rows != b.free_rows:
         return False
     if a.pending_sends.keys() != b.pending_sends.keys() or len(a.groups) != len(b.groups):
@@ -109,7 +112,7 @@ def unpack_ids(data: bytes, width: int) -> np.ndarray:
     return wide.view("<u4").ravel().astype(np.int64)
 
 
-def table_record(state: RankState) -> Record:
+def table_record(state: RankTables) -> Record:
     n = state.num_rows
     ids = list(state.index_of)
     indices = np.fromiter(state.index_of.values(), np.int64, len(ids))
@@ -139,8 +142,8 @@ def table_record(state: RankState) -> Record:
     }
 
 
-def table_from_record(key: RankKey, info: RankInfo, rec: Record) -> RankState:
-    state = RankState(key, info)
+def table_from_record(key: RankKey, info: RankInfo, rec: Record) -> RankTables:
+    state = RankTables(key, info)
     if len(rec["groups"]) != len(state.groups):
         raise StateError(f"{key}: tables of {len(rec['groups'])} groups for a rank of {len(state.groups)}")
     n = rec["num_rows"]
@@ -236,8 +239,8 @@ def _step_group_from_record(rec: Record) -> StepGroup:
         group.lost.setdefault((r["tp"], r["pp"]), []).append((r["after"], before))
     group.settled_through = rec["settled_through"]
     for r in rec["lead_steps"]:
-        found_input = [Violation(**v) for v in r["found_input"]]
-        found_plan = [Violation(**v) for v in r["found_plan"]]
+        found_input = [Violation.of(v) for v in r["found_input"]]
+        found_plan = [Violation.of(v) for v in r["found_plan"]]
         ls = LeadStep(r["input_fingerprint"], r["plan_fingerprint"], r["checked"], found_input, found_plan)
         group.lead_steps[r["step"]] = ls
     for r in rec["early"]:
@@ -245,7 +248,7 @@ def _step_group_from_record(rec: Record) -> StepGroup:
     return group
 
 
-def _slot_record(key: RankKey, slot: RankSlot, table) -> Record:
+def _slot_record(key: RankKey, slot: TrackedRank, table) -> Record:
     return {
         "rank": _rank(key),
         "incarnation": slot.incarnation,
@@ -261,7 +264,7 @@ def _slot_record(key: RankKey, slot: RankSlot, table) -> Record:
     }
 
 
-def _transfers_record(key: RankKey, state: RankTransfers) -> Record:
+def _transfers_record(key: RankKey, state: PendingTransfers) -> Record:
     return {
         "rank": _rank(key),
         "block_sizes": list(state.block_sizes),
@@ -289,8 +292,8 @@ def _transfers_record(key: RankKey, state: RankTransfers) -> Record:
     }
 
 
-def _transfers_from_record(rec: Record) -> RankTransfers:
-    state = RankTransfers(block_sizes=list(rec["block_sizes"]))
+def _transfers_from_record(rec: Record) -> PendingTransfers:
+    state = PendingTransfers(block_sizes=list(rec["block_sizes"]))
     for s in rec["sends"]:
         blocks = [set(_ints(b).tolist()) for b in s["blocks"]]
         reused = [(r["step"], r["group"], r["req_id"], r["block"]) for r in s["reused"]]
@@ -343,13 +346,13 @@ def ledger_from_record(engine_id: str, rec: Record) -> Ledger:
     ledger = Ledger(rank_window=rec["rank_window"], join_transfers=False)
     ledger.events, ledger.steps = rec["events"], rec["steps"]
     _coverage_into(ledger.coverage, rec["coverage"])
-    states: list[RankState | None] = []
+    states: list[RankTables | None] = []
     for srec in rec["ranks"]:
         key = _key(srec["rank"])
         if key.engine_id != engine_id:
             raise StateError(f"rank {key} in the checkpoint of engine {engine_id}")
         info = RankInfo.of(srec["info"]) if srec["info"] is not None else None
-        slot = RankSlot(srec["incarnation"], srec["next_seq"], info=info)
+        slot = TrackedRank(srec["incarnation"], srec["next_seq"], info=info)
         slot.desynced, slot.last_step = srec["desynced"], srec["last_step"]
         slot.events_dropped, slot.gap_after_step = srec["events_dropped"], srec["gap_after_step"]
         slot.closed_step = srec["closed_step"]  # `closed` is written for readers; it follows from this
@@ -376,7 +379,7 @@ def ledger_from_record(engine_id: str, rec: Record) -> Ledger:
     return ledger
 
 
-def _copy_tables(source: RankState, key: RankKey, info: RankInfo) -> RankState:
+def _copy_tables(source: RankTables, key: RankKey, info: RankInfo) -> RankTables:
     """Another rank's own copy of identical tables (each rank's evolve on their own afterwards)."""
     return table_from_record(key, info, table_record(source))
 
@@ -404,9 +407,11 @@ def _side_record(side: Side) -> Record:
 
 def _side_from_record(rec: Record) -> Side:
     blocks = None if rec["blocks"] is None else [_ints(b).tolist() for b in rec["blocks"]]
-    fields = {k: rec[k] for k in ("role", "req_id", "first_step", "intent_step", "num_tokens", "remote_engine_id")}
-    fields |= {k: rec[k] for k in ("outcome", "done_step", "digest", "stuck", "open_counted", "peer_clock")}
-    return Side(_key(rec["rank"]), blocks=blocks, seen={(s["kind"], s["step"]) for s in rec["seen"]}, **fields)
+    fields = {k: rec[k] for k in ("req_id", "first_step", "intent_step", "num_tokens", "remote_engine_id")}
+    fields |= {k: rec[k] for k in ("done_step", "digest", "stuck", "open_counted", "peer_clock")}
+    outcome = None if rec["outcome"] is None else TransferOutcome(rec["outcome"])
+    seen = {(read(ConnectorKind, s["kind"]), s["step"]) for s in rec["seen"]}
+    return Side(_key(rec["rank"]), TransferRole(rec["role"]), blocks=blocks, outcome=outcome, seen=seen, **fields)
 
 
 def join_record(join: TransferJoin) -> Record:

@@ -1,8 +1,9 @@
 """Record a synthetic multi-rank trace into a file ledger, optionally with faults.
 
-    python -m kvledger.producer.demo OUT_DIR [--steps N] [--tp N] [--faults all|none|a,b]
+    python -m tests.synthetic.demo OUT_DIR [--steps N] [--tp N] [--faults all|none|a,b]
 
-Prints each injected fault and where the ledger must find it.
+from the checkout's root (`make demo-synthetic` runs it, then checks the ledger). Prints each
+injected fault and where the ledger must find it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import sys
 
 from kvledger.producer.sinks import FileSink
-from kvledger.producer.synthetic import FAULTS, SHARING_FAULTS, FaultSpec, GroupSpec, SimConfig, simulate
+from tests.synthetic.engine import FAULTS, SHARING_FAULTS, FaultSpec, GroupSpec, SimConfig, simulate
 
 # Faults that need several ranks to be visible.
 _MULTI_RANK = {"rank_divergence", "rank_missing"}
@@ -26,7 +27,7 @@ def _faults(names: list[str], steps: int, tp_size: int) -> tuple[FaultSpec, ...]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvledger.producer.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.synthetic.demo", description=__doc__.splitlines()[0])
     parser.add_argument("out", help="ledger directory to write (created)")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from kvledger.schemas.kinds import Check, ConnectorKind, KvGroupKind, Unchecked, ViolationKind, group_unchecked
 from kvledger.schemas.packing import expand_slot_runs, unpack_digests, unpack_i32
 from kvledger.stream_app.core.checks import (
     GrantFacts,
@@ -26,10 +27,8 @@ from kvledger.stream_app.core.checks import (
 )
 from kvledger.stream_app.core.events import (
     ConnectorEvent,
-    ConnectorKind,
     DraftPass,
     GroupPlan,
-    KvGroupKind,
     NewRequest,
     RankInfo,
     Snapshot,
@@ -37,19 +36,10 @@ from kvledger.stream_app.core.events import (
     StepPlan,
 )
 from kvledger.stream_app.core.tables import NULL_BLOCK, GroupTable, written_from
-from kvledger.stream_app.core.violations import (
-    BLOCK_OUT_OF_RANGE,
-    FOREIGN_BLOCK_WRITE,
-    READ_TARGET_MISMATCH,
-    UNOWNED_WRITE,
-    WRITE_TARGET_MISMATCH,
-    Coverage,
-    RankKey,
-    Violation,
-)
+from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
 
 
-class RankState:
+class RankTables:
     def __init__(self, key: RankKey, info: RankInfo):
         self.key = key
         self.groups = [
@@ -128,7 +118,7 @@ class RankState:
         rows = self._rows(indices)
         known = rows >= 0
         if not known.all():
-            cov.unchecked["unknown_request"] += int((~known).sum())
+            cov.unchecked[Unchecked.UNKNOWN_REQUEST] += int((~known).sum())
             rows = rows[known]
         self.computed[rows] = unpack_i32(inp.cached_num_computed_tokens)[known]
         self.scheduled[rows] = unpack_i32(inp.cached_num_scheduled_tokens)[known]
@@ -175,7 +165,7 @@ class RankState:
         """
         if blocks.size == 0:
             return
-        cov.checks["overwrite_target"] += int(blocks.size)
+        cov.checks[Check.OVERWRITE_TARGET] += int(blocks.size)
         holders = self.holders(blocks)
         sending = np.zeros(blocks.size, bool)
         for g in self.groups:
@@ -188,13 +178,13 @@ class RankState:
         for i in np.flatnonzero(bad)[:1].tolist():  # one violation per step and kind of overwrite
             b = int(blocks[i])
             if outside[i]:
-                kind, why = BLOCK_OUT_OF_RANGE, "outside the pool"
+                kind, why = ViolationKind.BLOCK_OUT_OF_RANGE, "outside the pool"
             elif sending[i]:
-                kind, why = FOREIGN_BLOCK_WRITE, "a pending KV send still reads it"
+                kind, why = ViolationKind.FOREIGN_BLOCK_WRITE, "a pending KV send still reads it"
             elif holders[i] > 1:
-                kind, why = FOREIGN_BLOCK_WRITE, f"{holders[i]} live requests hold it"
+                kind, why = ViolationKind.FOREIGN_BLOCK_WRITE, f"{holders[i]} live requests hold it"
             else:
-                kind, why = FOREIGN_BLOCK_WRITE, "a live request already held it before this step"
+                kind, why = ViolationKind.FOREIGN_BLOCK_WRITE, "a live request already held it before this step"
             more = f" ({int(bad.sum())} such blocks)" if bad.sum() > 1 else ""
             out.append(self._violation(kind, step, f"the scheduler {what} block {b}, but {why}{more}"))
 
@@ -222,7 +212,7 @@ class RankState:
         blocks = unpack_i32(inp.append_block_ids)
         ok = (rows >= 0) & (gids < len(self.groups))
         if not ok.all():
-            cov.unchecked["unknown_request"] += int((~ok).sum())
+            cov.unchecked[Unchecked.UNKNOWN_REQUEST] += int((~ok).sum())
         ends = np.cumsum(counts)
         for gid in np.unique(gids[ok]).tolist():
             mine = ok & (gids == gid)
@@ -259,7 +249,7 @@ class RankState:
         )
         suspect = ~inside
         suspect[real] = grant_failures(facts)
-        cov.checks["exclusivity"] += int(real.sum())
+        cov.checks[Check.EXCLUSIVITY] += int(real.sum())
         if not suspect.any():
             return
         for row in np.unique(owner[suspect]).tolist():
@@ -269,7 +259,7 @@ class RankState:
             if outside.size:
                 out.append(
                     self._violation(
-                        BLOCK_OUT_OF_RANGE,
+                        ViolationKind.BLOCK_OUT_OF_RANGE,
                         step,
                         f"scheduler handed block ids {outside[:8].tolist()} outside the pool of {g.num_blocks} blocks",
                         req_id,
@@ -288,7 +278,7 @@ class RankState:
                     whose = "another live request holds it"
                 out.append(
                     self._violation(
-                        FOREIGN_BLOCK_WRITE,
+                        ViolationKind.FOREIGN_BLOCK_WRITE,
                         step,
                         f"scheduler handed block {b} to be written, but {whose}"
                         + (f" ({taken.size} such blocks)" if taken.size > 1 else ""),
@@ -311,10 +301,10 @@ class RankState:
         known = rows >= 0
         all_known = bool(known.all())
         if not all_known:
-            cov.unchecked["unknown_request"] += int((~known).sum())
+            cov.unchecked[Unchecked.UNKNOWN_REQUEST] += int((~known).sum())
             rows = np.where(known, rows, 0)
         n_known = int(known.sum())
-        cov.checks["position"] += n_known
+        cov.checks[Check.POSITION] += n_known
         requests = RequestFacts(
             first_pos, num_tokens, self.computed[rows], self.scheduled[rows], None if all_known else known
         )
@@ -327,26 +317,26 @@ class RankState:
         for gp in plan.groups:
             gid = gp.group_id
             if gid >= len(self.groups):
-                cov.unchecked["unknown_group"] += 1
+                cov.unchecked[Unchecked.UNKNOWN_GROUP] += 1
                 continue
             g = self.groups[gid]
             facts = GroupFacts(gid, g.block_size)
             if not g.kind.addresses_slots:
-                cov.unchecked[f"{g.kind.lower()}_group"] += 1
+                cov.unchecked[group_unchecked(g.kind)] += 1
                 if g.kind != KvGroupKind.MAMBA:
                     continue
-                cov.checks["state_rows"] += n_known  # the rows its kernels index state by can be compared
+                cov.checks[Check.STATE_ROWS] += n_known  # the rows its kernels index state by can be compared
             else:
                 slots = expand_slot_runs(gp.slot_runs)
                 num_real = gp.num_real
                 if slots.size != num_real + gp.num_padding:
-                    cov.unchecked["malformed_plan"] += 1
+                    cov.unchecked[Unchecked.MALFORMED_PLAN] += 1
                     continue
-                cov.checks["write"] += n_known
-                cov.checks["read"] += n_known
-                cov.checks["padding"] += 1
+                cov.checks[Check.WRITE] += n_known
+                cov.checks[Check.READ] += n_known
+                cov.checks[Check.PADDING] += 1
                 if num_real < total:
-                    cov.unchecked["tokens_without_slot"] += total - num_real
+                    cov.unchecked[Unchecked.TOKENS_WITHOUT_SLOT] += total - num_real
                 n = min(num_real, total)
                 # Real entries beyond the scheduled tokens are owned by nobody, like padding.
                 self._token_facts(facts, g, slots[:n], tok_req, tok_rows, tok_known, pos)
@@ -370,7 +360,7 @@ class RankState:
         row_lens = unpack_i32(gp.row_lens)
         digests = unpack_digests(gp.row_digests)
         if row_lens.size != rows.size or digests.size != rows.size:
-            cov.unchecked["malformed_plan"] += 1
+            cov.unchecked[Unchecked.MALFORMED_PLAN] += 1
             return
         facts.plan_lens, facts.plan_digests = row_lens, digests
         facts.ledger_lens, facts.ledger_digests, facts.known = g.lens[rows], g.digests[rows], known
@@ -392,7 +382,7 @@ class RankState:
         for i in np.flatnonzero(bad).tolist():
             out.append(
                 self._violation(
-                    WRITE_TARGET_MISMATCH,
+                    ViolationKind.WRITE_TARGET_MISMATCH,
                     step,
                     f"plan writes {r.ntok[i]} token(s) from position {r.first[i]}; scheduler handed "
                     f"{r.scheduled[i]} token(s) from computed position {r.computed[i]}",
@@ -411,7 +401,7 @@ class RankState:
             exp = f"slot {f.expected[t]}" if f.in_row[t] else "a slot past the end of its row"
             out.append(
                 self._violation(
-                    WRITE_TARGET_MISMATCH,
+                    ViolationKind.WRITE_TARGET_MISMATCH,
                     step,
                     f"{toks.size} token(s) written to the wrong slot; first: expected {exp}, actual slot {f.real[t]}",
                     req_id,
@@ -424,7 +414,7 @@ class RankState:
             if outside.size:
                 out.append(
                     self._violation(
-                        BLOCK_OUT_OF_RANGE,
+                        ViolationKind.BLOCK_OUT_OF_RANGE,
                         step,
                         f"slot mapping writes block {int(outside[0])}, outside the pool of {g.num_blocks} blocks",
                         req_id,
@@ -445,7 +435,7 @@ class RankState:
                     whose = "held by another live request"
                 out.append(
                     self._violation(
-                        FOREIGN_BLOCK_WRITE,
+                        ViolationKind.FOREIGN_BLOCK_WRITE,
                         step,
                         f"slot mapping writes block {b}, which is {whose}",
                         req_id,
@@ -457,7 +447,7 @@ class RankState:
         for t in _first_token_per_request(np.flatnonzero(null), f.tok_req):
             out.append(
                 self._violation(
-                    FOREIGN_BLOCK_WRITE,
+                    ViolationKind.FOREIGN_BLOCK_WRITE,
                     step,
                     f"writes position {f.pos[t]} into the null block (the ledger's row has block 0 there)",
                     self.req_id(int(indices[_req(t, f.tok_req)])),
@@ -469,7 +459,7 @@ class RankState:
         stray = f.padding[bad]
         out.append(
             self._violation(
-                UNOWNED_WRITE,
+                ViolationKind.UNOWNED_WRITE,
                 step,
                 f"{stray.size} padding slot(s) write real blocks; first slot {int(stray[0])} (block "
                 f"{int(stray[0]) // g.block_size}); no scheduled token owns them",
@@ -495,7 +485,11 @@ class RankState:
                     detail += f"; first difference at position {j}: expected block {ledger_row[j]}, read {actual[j]}"
             elif n == ledger_row.size:
                 detail += " with different block ids (digest differs)"
-            out.append(self._violation(READ_TARGET_MISMATCH, step, detail, self.req_id(int(indices[i])), g.group_id))
+            out.append(
+                self._violation(
+                    ViolationKind.READ_TARGET_MISMATCH, step, detail, self.req_id(int(indices[i])), g.group_id
+                )
+            )
 
     _reporters: ClassVar[dict] = {"positions": _report_positions}
     _group_reporters: ClassVar[dict] = {
@@ -511,7 +505,8 @@ class RankState:
         slot formula, at positions the scheduler reserved (its lookahead included)."""
         gid = dp.group_id
         if gid >= len(self.groups) or not self.groups[gid].kind.addresses_slots:
-            cov.unchecked["draft_unknown_group" if gid >= len(self.groups) else "draft_unchecked_group"] += 1
+            unknown = gid >= len(self.groups)
+            cov.unchecked[Unchecked.DRAFT_UNKNOWN_GROUP if unknown else Unchecked.DRAFT_UNCHECKED_GROUP] += 1
             return
         g = self.groups[gid]
         slots = expand_slot_runs(dp.slot_runs)
@@ -520,11 +515,11 @@ class RankState:
         if not (num_tokens.size == first.size and num_tokens.size in (0, indices.size)) or (
             slots.size != n + dp.num_padding or n != int(num_tokens.sum())
         ):
-            cov.unchecked["malformed_plan"] += 1
+            cov.unchecked[Unchecked.MALFORMED_PLAN] += 1
             return
         found: list[Violation] = []
         facts = GroupFacts(gid, g.block_size, padding=slots[n:])
-        cov.checks["draft_padding"] += 1
+        cov.checks[Check.DRAFT_PADDING] += 1
         if num_tokens.size:  # else a pass serving no request (dummy run): all padding
             self._draft_facts(
                 step, facts, g, dp.pass_index, indices, rows, known, num_tokens, first, slots[:n], found, cov
@@ -541,15 +536,15 @@ class RankState:
         clamped = (pos == 0) & (real == -1) if k > 0 else np.zeros(real.size, bool)
         tok_known = known[tok_req] & ~clamped
         n_known = int(known.sum())
-        cov.checks["draft_position"] += n_known
-        cov.checks["draft_write"] += n_known
+        cov.checks[Check.DRAFT_POSITION] += n_known
+        cov.checks[Check.DRAFT_WRITE] += n_known
         lo, hi = self.computed[rows] + k, self.computed[rows] + self.scheduled[rows] - 1 + k
         outside = draft_position_failures(pos, lo[tok_req], hi[tok_req], tok_known)
         for t in _first_token_per_request(np.flatnonzero(outside), tok_req):
             r = int(tok_req[t])
             out.append(
                 self._violation(
-                    WRITE_TARGET_MISMATCH,
+                    ViolationKind.WRITE_TARGET_MISMATCH,
                     step,
                     f"writes position {pos[t]}; the scheduler handed {self.scheduled[rows[r]]} token(s) from "
                     f"computed position {self.computed[rows[r]]}, so this pass may write positions {lo[r]}..{hi[r]}",
@@ -568,7 +563,7 @@ class RankState:
             self.pending_sends[tid] = blocks
             for g, b in zip(self.groups, blocks, strict=False):
                 g.hold_for_send(b, +1)
-        elif event.kind in (ConnectorKind.SEND_DONE, ConnectorKind.EXPIRED) and tid in self.pending_sends:
+        elif event.kind.ends_send and tid in self.pending_sends:
             for g, b in zip(self.groups, self.pending_sends.pop(tid), strict=False):
                 g.hold_for_send(b, -1)
 

@@ -7,16 +7,19 @@ in-engine raise mode get the same answers from the same events.
 
 from __future__ import annotations
 
-import copy
-import hashlib
-from dataclasses import dataclass, field, replace
-from operator import attrgetter
+from dataclasses import dataclass
 
-import numpy as np
-
-from kvledger.schemas.packing import unpack_i32
+from kvledger.schemas.kinds import (
+    CONTENT_DIGESTS,
+    Check,
+    ConnectorKind,
+    StepKind,
+    Unchecked,
+    ViolationKind,
+)
 from kvledger.stream_app.core import batch
 from kvledger.stream_app.core.content import ContentLedger
+from kvledger.stream_app.core.declarations import Declared, check_declared_plan
 from kvledger.stream_app.core.events import (
     ConnectorEvent,
     Health,
@@ -25,120 +28,24 @@ from kvledger.stream_app.core.events import (
     Snapshot,
     Step,
     StepInput,
-    StepKind,
     StepPlan,
     as_event,
 )
-from kvledger.stream_app.core.rank import RankState
+from kvledger.stream_app.core.fingerprints import input_fingerprint, plan_fingerprint
+from kvledger.stream_app.core.rank_tables import RankTables
+from kvledger.stream_app.core.step_groups import LeadStep, StepGroup, rekeyed
 from kvledger.stream_app.core.transfers import DEFAULT_DEADLINE_STEPS, TransferJoin, TransferUse
-from kvledger.stream_app.core.violations import (
-    BLOCK_OUT_OF_RANGE,
-    DUPLICATE_EVENT,
-    FOREIGN_BLOCK_WRITE,
-    RANK_DIVERGENCE,
-    RANK_MISSING,
-    SEQUENCE_GAP,
-    WRITE_TARGET_MISMATCH,
-    Coverage,
-    RankKey,
-    Violation,
-)
-
-CONTENT_DIGESTS = "content_digests"  # the capability a rank that cannot digest its blocks declares
-
-# -- declarations -------------------------------------------------------------------------
-# A rank declares a configuration whose addressing the checks do not model as an unavailable
-# capability of that name (kvledger.producer.records.DECLARABLE). Each voids some checks, which
-# are then counted unchecked under the declaration's name and never reported:
-#   plan: the whole plan check (counted per request); writes / positions: those checks;
-#   behind: the position check of a request whose plan is behind the scheduler's computed
-#   tokens (async speculative decoding); steps: counted once per checked step (writes that are
-#   not in the plan); rank_plans: the cross-rank compare of plans (each rank's differs).
-DECLARATIONS: dict[str, tuple[str, ...]] = {
-    "decode_context_parallel": ("writes", "rank_plans"),
-    "prefill_context_parallel": ("plan", "rank_plans"),
-    "async_spec_decode": ("behind",),
-    "adaptive_verification": ("positions", "writes"),
-    "drafter_kv_writes": ("steps",),
-}
-
-
-@dataclass(frozen=True)
-class Declared:
-    """What a rank's declarations void: each field names the declaration voiding it, or None."""
-
-    plan: str | None = None
-    writes: str | None = None
-    positions: str | None = None
-    behind: str | None = None
-    steps: str | None = None
-    rank_plans: str | None = None
-
-    @classmethod
-    def of(cls, info: RankInfo) -> Declared | None:
-        voids: dict[str, str] = {}
-        for cap in info.capabilities:
-            if not cap.available:
-                for effect in DECLARATIONS.get(cap.name, ()):
-                    voids.setdefault(effect, cap.name)
-        return cls(**voids) if voids else None
-
-
-def _is_position(v: Violation) -> bool:
-    return v.kind == WRITE_TARGET_MISMATCH and v.group is None
-
-
-def _is_write(v: Violation) -> bool:
-    return v.kind in (FOREIGN_BLOCK_WRITE, BLOCK_OUT_OF_RANGE) or (
-        v.kind == WRITE_TARGET_MISMATCH and v.group is not None
-    )
-
-
-def _behind(state: RankState, plan: StepPlan) -> set[str]:
-    """Requests whose plan starts before the scheduler's computed tokens, with its token count."""
-    indices = unpack_i32(plan.req_indices).astype(np.int64)
-    inside = (indices >= 0) & (indices < state.row_of.size)
-    rows = np.where(inside, state.row_of[np.where(inside, indices, 0)], -1)
-    known = rows >= 0
-    rows = np.where(known, rows, 0)
-    first, num_tokens = unpack_i32(plan.first_positions), unpack_i32(plan.num_tokens)
-    behind = known & (first < state.computed[rows]) & (num_tokens == state.scheduled[rows])
-    return {state.req_id(int(i)) for i in indices[behind]}
-
-
-def check_declared_plan(state: RankState, declared: Declared, step: int, plan: StepPlan, out, cov: Coverage) -> None:
-    """`RankState.check_plan` under a rank's declarations: voided checks counted, never reported."""
-    if declared.plan:
-        cov.unchecked[declared.plan] += len(unpack_i32(plan.req_indices))
-        return
-    if declared.steps:
-        cov.unchecked[declared.steps] += 1
-    tolerated = _behind(state, plan) if declared.behind else set()
-    found: list[Violation] = []
-    own = Coverage()
-    state.check_plan(step, plan, found, own)
-    for v in found:
-        if (declared.writes and _is_write(v)) or (_is_position(v) and (declared.positions or v.req_id in tolerated)):
-            continue
-        out.append(v)
-    voids = ((declared.writes, ("write", "draft_write")), (declared.positions, ("position", "draft_position")))
-    for voided, checks in voids:
-        for check in checks if voided else ():
-            own.unchecked[voided] += own.checks.pop(check, 0)
-    if tolerated and not declared.positions:
-        own.checks["position"] -= len(tolerated)
-        own.unchecked[declared.behind] += len(tolerated)
-    cov.merge(own)
+from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
 
 
 @dataclass
-class RankSlot:
+class TrackedRank:
     """What the ledger knows about one rank stream."""
 
     incarnation: int
     next_seq: int
     info: RankInfo | None = None
-    state: RankState | None = None
+    state: RankTables | None = None
     desynced: bool = False  # events were lost: checks wait for a snapshot
     last_step: int = -1
     events_dropped: int = 0
@@ -151,107 +58,6 @@ class RankSlot:
     def closed(self) -> bool:
         """The rank said it shut down (Health.closing): nothing more comes from it."""
         return self.closed_step is not None
-
-
-@dataclass
-class LeadStep:
-    """What the lead rank's step said and what its checks found, for the other ranks to match."""
-
-    input_fp: bytes
-    plan_fp: bytes
-    checked: bool  # the lead's tables were in sync: its findings below are the whole truth
-    found_input: list[Violation]  # what applying the step's input revealed
-    found_plan: list[Violation]  # what checking its plan revealed
-    # The step itself, while pending (not in checkpoints): a rank whose step equals it needs no hashing.
-    body: Step | None = field(default=None, compare=False)
-
-
-@dataclass
-class StepGroup:
-    """The ranks of one engine and DP rank that must agree step by step.
-
-    They get the same scheduler output and run the same plan, so only the lead
-    (the lowest TP/PP rank) replays the block tables; every other rank is
-    compared with it by fingerprints of its input and plan. A rank that agrees
-    gets the lead's findings; one whose plan differs is checked against the
-    lead's tables at that step (when the lead's step came first, or the rank's
-    plan waits for it), else counted unchecked (`rank_plan_unverified`).
-    """
-
-    expected: frozenset[tuple[int, int]]  # (tp, pp) ranks
-    # step -> rank -> (input fingerprint, plan fingerprint, whether the rank's own checks passed:
-    # None when they could not run)
-    pending: dict[int, dict[tuple[int, int], tuple[bytes, bytes, bool | None]]] = field(default_factory=dict)
-    lead_steps: dict[int, LeadStep] = field(default_factory=dict)  # steps still pending, as the lead saw them
-    early: dict[int, dict[tuple[int, int], StepPlan]] = field(default_factory=dict)  # plans that came before the lead's
-    last_step: dict[tuple[int, int], int] = field(default_factory=dict)
-    missing_since: dict[tuple[int, int], int] = field(default_factory=dict)  # open runs of missed steps
-    # Steps a rank's records were lost for, (after, before) exclusive: not the rank's fault.
-    lost: dict[tuple[int, int], list[tuple[int, float]]] = field(default_factory=dict)
-    settled_through: int = -1  # a watermark settled every step up to here: later records for them are late
-
-    @property
-    def lead(self) -> tuple[int, int]:
-        return min(self.expected)
-
-
-def _fingerprint(parts) -> bytes:
-    # SHA-256 (CPU instructions on current x86 and Arm hosts: ~2.5x BLAKE2b's speed here), cut to 12 bytes.
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part if isinstance(part, bytes) else repr(part).encode())
-    return h.digest()[:12]
-
-
-_PACKED_INPUT = (
-    "cached_req_indices",
-    "cached_num_computed_tokens",
-    "cached_num_scheduled_tokens",
-    "resumed_req_indices",
-    "append_req_indices",
-    "append_group_ids",
-    "append_counts",
-    "append_block_ids",
-    "block_ids_to_zero",
-    "block_copies",
-)
-
-
-_packed_input = attrgetter(*_PACKED_INPUT)
-
-
-def input_fingerprint(inp: StepInput | None) -> bytes:
-    if inp is None:
-        return b""
-    parts = [*_packed_input(inp), inp.finished_req_ids, inp.preempted_req_ids]
-    for r in inp.new_reqs:
-        parts += [
-            r.req_index,
-            r.req_id,
-            r.num_computed_tokens,
-            r.num_scheduled_tokens,
-            *r.block_ids,
-        ]
-    return _fingerprint(parts)
-
-
-def plan_fingerprint(plan: StepPlan | None) -> bytes:
-    if plan is None:
-        return b""
-    parts = [plan.req_indices, plan.num_tokens, plan.first_positions]
-    for g in plan.groups:
-        parts += [
-            g.group_id,
-            g.slot_runs,
-            g.num_real,
-            g.num_padding,
-            g.row_lens,
-            g.row_digests,
-        ]
-    for d in plan.draft_writes or ():  # ranks agree on their drafter's passes too
-        parts += [d.group_id, d.pass_index, d.num_tokens, d.first_positions, d.slot_runs]
-        parts += [d.num_real, d.num_padding]
-    return _fingerprint(parts)
 
 
 class Ledger:
@@ -269,7 +75,7 @@ class Ledger:
         self.rank_window = rank_window
         # Longest run of step events `apply_many` checks at once.
         self.batch_steps = batch_steps
-        self.ranks: dict[RankKey, RankSlot] = {}
+        self.ranks: dict[RankKey, TrackedRank] = {}
         self.step_groups: dict[tuple[str, int], StepGroup] = {}
         self.coverage = Coverage()
         # Transfers: each rank's own use of them, and (unless a stream worker runs the
@@ -304,6 +110,8 @@ class Ledger:
         elif isinstance(body, Snapshot):
             self._snapshot(key, slot, body)
         elif isinstance(body, ConnectorEvent):
+            if body.kind is ConnectorKind.OTHER:  # a newer writer's kind: nothing reads it here
+                self.coverage.unchecked[Unchecked.CONNECTOR_KIND_UNKNOWN] += 1
             if slot.state is not None and not slot.desynced:
                 slot.state.apply_connector(body)
         elif isinstance(body, Health):
@@ -396,7 +204,7 @@ class Ledger:
         # What `apply` does around a clean step, in order.
         self.events += len(seen)
         self.steps += len(seen)
-        self.coverage.checks["sequence"] += len(seen)
+        self.coverage.checks[Check.SEQUENCE] += len(seen)
         for key, (seq, step) in expect.items():
             slot = self.ranks[key]
             slot.next_seq, slot.last_step = seq, step - 1
@@ -471,17 +279,6 @@ class Ledger:
         if group is not None:
             group.lost.setdefault((key.tp, key.pp), []).append((after, before))
 
-    def snapshot(self) -> dict:
-        """An in-memory copy of the whole state (restore with `Ledger.restore`); what leaves the
-        process is a record of it (core/state.py), never this."""
-        return copy.deepcopy(self.__dict__)
-
-    @classmethod
-    def restore(cls, state: dict) -> Ledger:
-        ledger = cls.__new__(cls)
-        ledger.__dict__.update(copy.deepcopy(state))
-        return ledger
-
     @property
     def closed(self) -> bool:
         """Every rank seen said it shut down: the engine can be retired once its steps are settled."""
@@ -492,31 +289,36 @@ class Ledger:
         return sum(s.events_dropped for s in self.ranks.values())
 
     # -- sequence -------------------------------------------------------------------------
-    def _sequence(self, key: RankKey, event: LedgerEvent, out: list[Violation]) -> RankSlot | None:
+    def _sequence(self, key: RankKey, event: LedgerEvent, out: list[Violation]) -> TrackedRank | None:
         seq = event.seq
         slot = self.ranks.get(key)
         if slot is None or slot.incarnation != event.incarnation:
             if slot is not None:
-                self.coverage.unchecked["rank_restarted"] += 1
+                self.coverage.unchecked[Unchecked.RANK_RESTARTED] += 1
                 self._content_lost(key)
-            slot = self.ranks[key] = RankSlot(event.incarnation, seq + 1)
+            slot = self.ranks[key] = TrackedRank(event.incarnation, seq + 1)
             if seq != 0:
                 # Its earlier records are gone (a retention window, a consumer that started late):
                 # up to its first step, its absence is not the rank's fault.
                 slot.desynced = True
                 slot.gap_after_step = -1
-                self.coverage.unchecked["joined_mid_stream"] += 1
+                self.coverage.unchecked[Unchecked.JOINED_MID_STREAM] += 1
             return slot
-        self.coverage.checks["sequence"] += 1
+        self.coverage.checks[Check.SEQUENCE] += 1
         if seq < slot.next_seq:
             out.append(
-                Violation.at(DUPLICATE_EVENT, key, None, f"event seq {seq} seen again (next expected {slot.next_seq})")
+                Violation.at(
+                    ViolationKind.DUPLICATE_EVENT,
+                    key,
+                    None,
+                    f"event seq {seq} seen again (next expected {slot.next_seq})",
+                )
             )
             return None
         if seq > slot.next_seq:
             out.append(
                 Violation.at(
-                    SEQUENCE_GAP,
+                    ViolationKind.SEQUENCE_GAP,
                     key,
                     slot.last_step if slot.last_step >= 0 else None,
                     f"events {slot.next_seq}..{seq - 1} missing ({seq - slot.next_seq} lost); "
@@ -530,7 +332,7 @@ class Ledger:
         return slot
 
     # -- bodies ------------------------------------------------------------------------------
-    def _rank_info(self, key: RankKey, slot: RankSlot, info: RankInfo) -> None:
+    def _rank_info(self, key: RankKey, slot: TrackedRank, info: RankInfo) -> None:
         gkey = (key.engine_id, key.dp)
         expected = frozenset((t, p) for t in range(info.tp_size) for p in range(info.pp_size))
         group = self.step_groups.get(gkey)
@@ -539,12 +341,12 @@ class Ledger:
         if self.follower(key):
             slot.state = None  # compared with the lead, never replayed
         elif slot.info is None or slot.info.kv_groups != info.kv_groups:
-            slot.state = None if slot.desynced else RankState(key, info)
+            slot.state = None if slot.desynced else RankTables(key, info)
         elif slot.state is None:  # it just became its group's lead: its tables come with a snapshot
             slot.desynced = True
         changed = slot.info is None or slot.info.capabilities != info.capabilities
         if changed and any(c.name == CONTENT_DIGESTS and not c.available for c in info.capabilities):
-            self.coverage.unchecked[CONTENT_DIGESTS] += 1  # asked for and not taken: said once per rank
+            self.coverage.unchecked[Unchecked.CONTENT_DIGESTS] += 1  # asked for and not taken: said once per rank
         slot.info = info
         slot.declared = Declared.of(info)
 
@@ -553,7 +355,7 @@ class Ledger:
         group = self.step_groups.get((key.engine_id, key.dp))
         return group is not None and len(group.expected) > 1 and (key.tp, key.pp) != group.lead
 
-    def tables_of(self, key: RankKey) -> RankState | None:
+    def tables_of(self, key: RankKey) -> RankTables | None:
         """The block tables a rank's steps are checked against: its own, or its group lead's."""
         slot = self.ranks.get(key)
         if slot is None or not self.follower(key):
@@ -570,34 +372,34 @@ class Ledger:
             key = self._keys[(engine_id, dp, tp, pp)] = RankKey(engine_id, dp, tp, pp)
         return key
 
-    def _snapshot(self, key: RankKey, slot: RankSlot, snap: Snapshot) -> None:
+    def _snapshot(self, key: RankKey, slot: TrackedRank, snap: Snapshot) -> None:
         if slot.info is None:
-            self.coverage.unchecked["snapshot_without_rank_info"] += 1
+            self.coverage.unchecked[Unchecked.SNAPSHOT_WITHOUT_RANK_INFO] += 1
             return
         if self.follower(key):
             slot.desynced = False  # nothing to load: it is compared, not replayed
             return
         if slot.desynced or slot.state is None:
             if slot.state is None:
-                slot.state = RankState(key, slot.info)
+                slot.state = RankTables(key, slot.info)
             slot.state.load_snapshot(snap)
             slot.desynced = False
             slot.last_step = snap.step
-            self.coverage.checks["resync"] += 1
+            self.coverage.checks[Check.RESYNC] += 1
 
-    def _step(self, key: RankKey, slot: RankSlot, step: Step, out: list[Violation]) -> None:
+    def _step(self, key: RankKey, slot: TrackedRank, step: Step, out: list[Violation]) -> None:
         self.steps += 1
         n = step.step
         if 0 <= slot.last_step < n - 1 and not slot.desynced:
             # The rank skipped steps without losing events: it never recorded
             # them, so its tables may have missed their inputs.
             slot.desynced = True
-            self.coverage.unchecked["steps_not_recorded"] += n - 1 - slot.last_step
+            self.coverage.unchecked[Unchecked.STEPS_NOT_RECORDED] += n - 1 - slot.last_step
             self._content_lost(key)  # a reseal may have been among them
         elif 0 <= n <= slot.last_step and not slot.desynced:
             # A step number again or backwards (a writer's bug): which tables it meant is unknown.
             slot.desynced = True
-            self.coverage.unchecked["step_not_after_last"] += 1
+            self.coverage.unchecked[Unchecked.STEP_NOT_AFTER_LAST] += 1
             self._content_lost(key)
         if slot.gap_after_step is not None:
             self._lost_steps(key, slot.gap_after_step, n)
@@ -612,7 +414,7 @@ class Ledger:
         checked = slot.state is not None and not slot.desynced
         mark = found
         if not checked:
-            self.coverage.unchecked["after_gap" if slot.desynced else "no_rank_info"] += 1
+            self.coverage.unchecked[Unchecked.AFTER_GAP if slot.desynced else Unchecked.NO_RANK_INFO] += 1
         else:
             state = slot.state
             if step.input is not None:
@@ -622,7 +424,7 @@ class Ledger:
                 self._check_plan(state, slot.declared, n, step.plan, out)
                 self._note_writes(key, n, step.plan)
             elif step.kind == StepKind.REAL and step.input is not None and _has_tokens(step.input):
-                self.coverage.unchecked["no_plan"] += 1
+                self.coverage.unchecked[Unchecked.NO_PLAN] += 1
         self._cross_rank(key, step, out=out, lead=(checked, out[found:mark], out[mark:]))
 
     # -- content of sealed blocks ------------------------------------------------------------------
@@ -637,10 +439,10 @@ class Ledger:
                 return False
         return True
 
-    def _check_content(self, key: RankKey, slot: RankSlot, step: Step, out: list[Violation]) -> None:
+    def _check_content(self, key: RankKey, slot: TrackedRank, step: Step, out: list[Violation]) -> None:
         """A rank's digests, against its own earlier ones (every rank: its heads or layers are its own)."""
         if slot.info is None:
-            self.coverage.unchecked["content_without_rank_info"] += len(step.content.reasons)
+            self.coverage.unchecked[Unchecked.CONTENT_WITHOUT_RANK_INFO] += len(step.content.reasons)
             return
         content = self.content.get((key.engine_id, key.dp))
         if content is None:
@@ -661,7 +463,7 @@ class Ledger:
         if content is not None:
             content.forget_rank(key)
 
-    def _check_plan(self, state: RankState, declared: Declared | None, step: int, plan: StepPlan, out) -> None:
+    def _check_plan(self, state: RankTables, declared: Declared | None, step: int, plan: StepPlan, out) -> None:
         if declared is not None:
             check_declared_plan(state, declared, step, plan, out, self.coverage)
         else:
@@ -678,7 +480,7 @@ class Ledger:
         last = group.last_step.get(rank, -1)
         group.last_step[rank] = n
         if n <= group.settled_through and n not in group.pending:
-            self.coverage.unchecked["rank_late_after_settle"] += 1
+            self.coverage.unchecked[Unchecked.RANK_LATE_AFTER_SETTLE] += 1
             return
         entry = group.pending.setdefault(n, {})
         known = group.lead_steps.get(n) if lead is None else None
@@ -735,11 +537,11 @@ class Ledger:
         Whether the rank's checks passed; None when they could not run."""
         found: list[Violation] = []
         if input_fp == ls.input_fp:
-            found += _rekeyed(ls.found_input, key)
+            found += rekeyed(ls.found_input, key)
         declared = self.ranks[key].declared
         own_share = declared is not None and declared.rank_plans is not None
         if plan_fp == ls.plan_fp and not own_share:
-            found += _rekeyed(ls.found_plan, key)
+            found += rekeyed(ls.found_plan, key)
             verified = ls.checked
         elif plan is None:
             verified = plan_fp == ls.plan_fp and ls.checked
@@ -749,9 +551,9 @@ class Ledger:
             if verified:
                 own: list[Violation] = []
                 self._check_plan(lead.state, declared, n, plan, own)
-                found += _rekeyed(own, key)
+                found += rekeyed(own, key)
             else:
-                self.coverage.unchecked["rank_plan_unverified"] += 1
+                self.coverage.unchecked[Unchecked.RANK_PLAN_UNVERIFIED] += 1
         out += found
         if found:
             return False
@@ -762,24 +564,24 @@ class Ledger:
         group.lead_steps.pop(step, None)
         unmatched = group.early.pop(step, None)  # the lead never reported the step: plans not checked
         if unmatched:
-            self.coverage.unchecked["rank_plan_unverified"] += len(unmatched)
+            self.coverage.unchecked[Unchecked.RANK_PLAN_UNVERIFIED] += len(unmatched)
         engine_id, dp = gkey
-        self.coverage.checks["rank_compare"] += 1
+        self.coverage.checks[Check.RANK_COMPARE] += 1
         for rank in sorted(group.expected - entry.keys()):
             if any(after < step < before for after, before in group.lost.get(rank, ())):
-                self.coverage.unchecked["rank_records_lost"] += 1
+                self.coverage.unchecked[Unchecked.RANK_RECORDS_LOST] += 1
                 continue
             slot = self.ranks.get(self._key_of(engine_id, dp, *rank))
             if slot is not None and slot.closed_step is not None and slot.closed_step < step:
                 # It said it shut down first (a shutdown reaches the ranks one by one, and the group's
                 # last step can be an empty one that only tells the workers what finished).
-                self.coverage.unchecked["rank_closed_before_step"] += 1
+                self.coverage.unchecked[Unchecked.RANK_CLOSED_BEFORE_STEP] += 1
                 continue
-            self.coverage.unchecked["rank_missing_steps"] += 1
+            self.coverage.unchecked[Unchecked.RANK_MISSING_STEPS] += 1
             if group.missing_since.get(rank) is None:
                 group.missing_since[rank] = step
                 detail = f"rank never reported step {step}, which {len(entry)} other rank(s) did"
-                out.append(Violation.at(RANK_MISSING, RankKey(engine_id, dp, *rank), step, detail))
+                out.append(Violation.at(ViolationKind.RANK_MISSING, RankKey(engine_id, dp, *rank), step, detail))
         for part, what in ((0, "step input"), (1, "step plan")):
             holders: dict[bytes, list[tuple[int, int]]] = {}
             for rank in sorted(entry):
@@ -800,15 +602,10 @@ class Ledger:
                         f"{what} differs from tp{ref[0]}-pp{ref[1]}'s "
                         f"({len(majority)} of {len(entry)} ranks agree on it)"
                     )
-                    out.append(Violation.at(RANK_DIVERGENCE, RankKey(engine_id, dp, *rank), step, detail))
+                    out.append(Violation.at(ViolationKind.RANK_DIVERGENCE, RankKey(engine_id, dp, *rank), step, detail))
 
 
 _TRANSFER_BODIES = (Step, ConnectorEvent, RankInfo)
-
-
-def _rekeyed(found: list[Violation], key: RankKey) -> list[Violation]:
-    """The lead's findings as another rank of its group would have made them."""
-    return [replace(v, tp_rank=key.tp, pp_rank=key.pp) for v in found]
 
 
 def _has_tokens(inp: StepInput) -> bool:

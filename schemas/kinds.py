@@ -1,0 +1,290 @@
+"""Every kind the ledger names, once: the enums of the contract.
+
+Writers (the probes, the synthetic engine) and readers (the ledger core, the
+stream worker, the CLI) import these and nothing else for a kind. Each is a
+`StrEnum`, so a member is its symbol: it compares equal to the string an Avro
+decoder hands out, hashes as that string (a `Counter` of coverage reasons keeps
+one key per reason whether a checkpoint or the core counted it) and formats as
+it in a message.
+
+A symbol from a newer writer never fails a reader: `read` maps it to the
+enum's named fallback (`OTHER`), and the reader counts what it could not
+interpret as unchecked. Avro enums in `avro/*.avsc` carry the same symbols and
+name that fallback as their default; fields that stay Avro strings for evolution
+(the runner, a violation's kind, coverage reasons) document these values.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from functools import cache
+from typing import TypeVar
+
+E = TypeVar("E", bound=StrEnum)
+
+
+def read(enum: type[E], symbol: str) -> E:
+    """The member of `symbol`; a symbol this reader does not know is the enum's `OTHER`."""
+    return symbols(enum).get(symbol, enum.OTHER)  # type: ignore[attr-defined]
+
+
+@cache
+def symbols(enum: type[E]) -> dict[str, E]:
+    """Symbol -> member, for decoders on the hot path (an enum's call is slow there)."""
+    return {m.value: m for m in enum}
+
+
+# -- ledger events ------------------------------------------------------------------------------
+class PdRole(StrEnum):
+    """The engine's role in a prefill/decode pair (kv_transfer_config.kv_role)."""
+
+    NONE = "NONE"
+    PREFILL = "PREFILL"
+    DECODE = "DECODE"
+    BOTH = "BOTH"
+
+
+class KvGroupKind(StrEnum):
+    """Attention kind of a KV cache group: how its layers address their blocks."""
+
+    FULL_ATTENTION = "FULL_ATTENTION"
+    SLIDING_WINDOW = "SLIDING_WINDOW"
+    MAMBA = "MAMBA"
+    MLA = "MLA"
+    OTHER = "OTHER"
+
+    @property
+    def addresses_slots(self) -> bool:
+        """Its layers write tokens through slot = block * block_size + offset (the write checks apply);
+        Mamba state and unknown kinds do not."""
+        return self not in (KvGroupKind.MAMBA, KvGroupKind.OTHER)
+
+
+class StepKind(StrEnum):
+    """Why the model runner ran."""
+
+    REAL = "REAL"
+    DUMMY = "DUMMY"
+    PROFILE = "PROFILE"
+    WARMUP = "WARMUP"
+
+
+class DigestReason(StrEnum):
+    """Why a sealed block's content digest was taken (see BlockDigests in the contract)."""
+
+    SEALED = "SEALED"  # it just became full: the reference
+    READ = "READ"  # a prefix-cache hit or a resume reads it again
+    RELEASED = "RELEASED"  # a request holding it finished or was preempted
+    SWEEP = "SWEEP"  # the background sweep
+    ZEROED = "ZEROED"  # the scheduler had it zeroed: its digest must be 0
+    OTHER = "OTHER"  # a reason newer than this reader: not compared
+
+
+class ConnectorKind(StrEnum):
+    """What a KV connector observed about one transfer."""
+
+    SEND_INTENT = "SEND_INTENT"  # the prefill side holds blocks to send
+    RECV_INTENT = "RECV_INTENT"  # the decode side asked for blocks into its own
+    SEND_DONE = "SEND_DONE"  # the send completed: its blocks are free to reuse
+    RECV_DONE = "RECV_DONE"  # the blocks arrived: the request may read them
+    RECV_FAILED = "RECV_FAILED"  # the receive failed
+    INVALID_BLOCKS = "INVALID_BLOCKS"  # blocks whose load failed (get_block_ids_with_load_errors)
+    EXPIRED = "EXPIRED"  # the send was dropped after its timeout: its blocks are released
+    SEND_CANCELLED = "SEND_CANCELLED"  # the send will not happen (its prefill request was aborted)
+    RECV_RELEASED = "RECV_RELEASED"  # a pull with no blocks: it only tells the prefill side to release
+    OTHER = "OTHER"  # a kind newer than this reader
+
+    @property
+    def role(self) -> TransferRole | None:
+        """Which side of a transfer the kind speaks for; None for kinds tied to no side."""
+        return _ROLES.get(self)
+
+    @property
+    def ends_send(self) -> bool:
+        """The send is over, whatever became of it: the blocks its intent held are released."""
+        return self in (ConnectorKind.SEND_DONE, ConnectorKind.EXPIRED, ConnectorKind.SEND_CANCELLED)
+
+
+class TransferRole(StrEnum):
+    """A side of a transfer between two engines."""
+
+    SEND = "send"
+    RECV = "recv"
+
+
+class TransferOutcome(StrEnum):
+    """How one side of a transfer ended (a checkpoint keeps it by symbol)."""
+
+    DONE = "DONE"  # sent or received
+    FAILED = "FAILED"  # the receive failed
+    EXPIRED = "EXPIRED"  # the prefill engine gave up on the send
+    RELEASED = "RELEASED"  # cancelled, or a pull that only released the prefill side's blocks
+
+
+_ROLES = {
+    ConnectorKind.SEND_INTENT: TransferRole.SEND,
+    ConnectorKind.SEND_DONE: TransferRole.SEND,
+    ConnectorKind.EXPIRED: TransferRole.SEND,
+    ConnectorKind.SEND_CANCELLED: TransferRole.SEND,
+    ConnectorKind.RECV_INTENT: TransferRole.RECV,
+    ConnectorKind.RECV_DONE: TransferRole.RECV,
+    ConnectorKind.RECV_FAILED: TransferRole.RECV,
+    ConnectorKind.RECV_RELEASED: TransferRole.RECV,
+}
+
+# Kinds the Avro enum has no symbol for: written as OTHER with their name in `detail` (the schema's
+# fingerprint stays, so readers of every version read them), read back as these kinds.
+_AS_DETAIL = {ConnectorKind.SEND_CANCELLED: "send_cancelled", ConnectorKind.RECV_RELEASED: "release_only"}
+_OF_DETAIL = {detail: kind for kind, detail in _AS_DETAIL.items()}
+
+
+def connector_wire(kind: ConnectorKind, detail: str | None) -> tuple[str, str | None]:
+    """The (symbol, detail) a connector event of `kind` is written as."""
+    named = _AS_DETAIL.get(kind)
+    return (ConnectorKind.OTHER.value, named) if named is not None else (kind.value, detail)
+
+
+def connector_kind(symbol: str, detail: str | None) -> ConnectorKind:
+    """A connector event's kind as written by `connector_wire`; a symbol this reader does not know, or an
+    OTHER it cannot name, is OTHER."""
+    kind = read(ConnectorKind, symbol)
+    if kind is ConnectorKind.OTHER and detail is not None:
+        return _OF_DETAIL.get(detail, kind)
+    return kind
+
+
+class Runner(StrEnum):
+    """The model runner the probes attached to (RankInfo.runner, an Avro string)."""
+
+    V1 = "v1"  # gpu_model_runner.GPUModelRunner (the default on CPU hosts)
+    V2 = "v2"  # Model Runner V2 (vllm/v1/worker/gpu), the default on GPUs
+    SYNTHETIC = "synthetic"  # the synthetic engine of the tests
+    OTHER = "other"  # a runner newer than this reader
+
+
+# Ledgers written before the runner was an enum named Model Runner V2 so.
+_LEGACY_RUNNERS = {"mrv2": Runner.V2}
+
+
+def runner(symbol: str) -> Runner:
+    """RankInfo.runner as this reader knows it (older ledgers' names included)."""
+    return _LEGACY_RUNNERS.get(symbol) or read(Runner, symbol)
+
+
+# -- what a rank declares ---------------------------------------------------------------------
+# The capability a rank reports for sealed blocks' content digests: unavailable when asked for and not
+# taken (counted unchecked once per rank under this name), which voids no other check.
+CONTENT_DIGESTS = "content_digests"
+
+
+class Declaration(StrEnum):
+    """A configuration whose addressing the ledger's checks do not model. A rank running one reports it
+    as an unavailable capability of this name (the reason says why); the checks it voids are counted
+    unchecked under the same name, never reported as violations."""
+
+    DECODE_CONTEXT_PARALLEL = "decode_context_parallel"
+    PREFILL_CONTEXT_PARALLEL = "prefill_context_parallel"
+    ASYNC_SPEC_DECODE = "async_spec_decode"
+    DRAFTER_KV_WRITES = "drafter_kv_writes"
+    ADAPTIVE_VERIFICATION = "adaptive_verification"
+
+
+# -- what the ledger reports ---------------------------------------------------------------------
+class ViolationKind(StrEnum):
+    """What a violation says went wrong (Violation.kind, an Avro string: new kinds may be added)."""
+
+    WRITE_TARGET_MISMATCH = "write_target_mismatch"
+    READ_TARGET_MISMATCH = "read_target_mismatch"
+    UNOWNED_WRITE = "unowned_write"
+    FOREIGN_BLOCK_WRITE = "foreign_block_write"
+    BLOCK_OUT_OF_RANGE = "block_out_of_range"
+    RANK_DIVERGENCE = "rank_divergence"
+    RANK_MISSING = "rank_missing"
+    SEQUENCE_GAP = "sequence_gap"
+    DUPLICATE_EVENT = "duplicate_event"
+    # Transfers between engines (core/transfers.py).
+    TRANSFER_BLOCK_MISMATCH = "transfer_block_mismatch"
+    TRANSFER_FAILED = "transfer_failed"
+    TRANSFER_STUCK = "transfer_stuck"
+    READ_BEFORE_TRANSFER = "read_before_transfer"
+    SEND_BLOCK_REUSED = "send_block_reused"
+    ORPHAN_TRANSFER = "orphan_transfer"
+    TRANSFER_CONTENT_MISMATCH = "transfer_content_mismatch"
+    # The content of sealed blocks (core/content.py).
+    SEALED_BLOCK_MODIFIED = "sealed_block_modified"
+    BLOCK_NOT_ZEROED = "block_not_zeroed"
+    OTHER = "other"  # a kind newer than this reader (read from a topic or a file)
+
+
+class Check(StrEnum):
+    """A check the ledger ran, as coverage counts it."""
+
+    SEQUENCE = "sequence"  # an event's place in its rank's stream
+    RESYNC = "resync"  # a snapshot brought a rank's tables back
+    OVERWRITE_TARGET = "overwrite_target"  # blocks handed out were free
+    EXCLUSIVITY = "exclusivity"  # a written block is held by its writer alone
+    POSITION = "position"  # query positions against computed tokens
+    WRITE = "write"  # the slot mapping against the tables
+    READ = "read"  # the block-table rows attention read
+    PADDING = "padding"  # padding entries write nothing
+    STATE_ROWS = "state_rows"  # a state group's rows
+    DRAFT_POSITION = "draft_position"
+    DRAFT_WRITE = "draft_write"
+    DRAFT_PADDING = "draft_padding"
+    RANK_COMPARE = "rank_compare"  # the ranks of a step group agree
+    CONTENT_SEALED = "content_sealed"  # a sealed block's reference digest taken
+    CONTENT_ZEROED = "content_zeroed"  # a block to zero read zero
+    CONTENT_VERIFIED = "content_verified"  # a sealed block's digest equal to its reference
+    TRANSFER_JOIN = "transfer_join"  # both sides of a transfer met
+    TRANSFER_BLOCKS = "transfer_blocks"  # their block lists line up
+    TRANSFER_CONTENT = "transfer_content"  # their content digests agree
+    TRANSFER_READ = "transfer_read"  # a request read received blocks after they arrived
+    SEND_HOLD = "send_hold"  # a pending send's blocks stayed with it
+
+
+class Unchecked(StrEnum):
+    """Why a check could not run, as coverage counts it (with the Declarations, which void checks too)."""
+
+    # The stream itself.
+    NO_RANK_INFO = "no_rank_info"  # steps before the rank said who it is
+    AFTER_GAP = "after_gap"  # events were lost: checks wait for a snapshot
+    STEPS_NOT_RECORDED = "steps_not_recorded"  # the rank skipped step numbers without losing events
+    STEP_NOT_AFTER_LAST = "step_not_after_last"  # a step number again or backwards
+    RANK_RESTARTED = "rank_restarted"  # a new incarnation: its state starts over
+    JOINED_MID_STREAM = "joined_mid_stream"  # the reader started after the rank did
+    SNAPSHOT_WITHOUT_RANK_INFO = "snapshot_without_rank_info"
+    CHECKPOINT_REFUSED = "checkpoint_refused"  # a stream worker could not restore its checkpoint
+    # A step's plan.
+    NO_PLAN = "no_plan"  # a real step with tokens and no plan recorded
+    UNKNOWN_REQUEST = "unknown_request"  # a request the tables do not hold
+    UNKNOWN_GROUP = "unknown_group"  # a group the rank's layout does not have
+    MAMBA_GROUP = "mamba_group"  # a state group: no slots to check (its rows are)
+    OTHER_GROUP = "other_group"  # a group of a kind this reader does not model
+    MALFORMED_PLAN = "malformed_plan"  # columns that do not line up
+    TOKENS_WITHOUT_SLOT = "tokens_without_slot"  # scheduled tokens past the slot mapping's real entries
+    DRAFT_UNKNOWN_GROUP = "draft_unknown_group"
+    DRAFT_UNCHECKED_GROUP = "draft_unchecked_group"
+    # The ranks of a step group.
+    RANK_PLAN_UNVERIFIED = "rank_plan_unverified"  # a follower's differing plan met no lead tables
+    RANK_LATE_AFTER_SETTLE = "rank_late_after_settle"
+    RANK_RECORDS_LOST = "rank_records_lost"
+    RANK_CLOSED_BEFORE_STEP = "rank_closed_before_step"
+    RANK_MISSING_STEPS = "rank_missing_steps"
+    # Content digests.
+    CONTENT_DIGESTS = CONTENT_DIGESTS  # asked for and not taken (the capability's name)
+    CONTENT_WITHOUT_RANK_INFO = "content_without_rank_info"
+    CONTENT_COLUMNS_MISALIGNED = "content_columns_misaligned"
+    CONTENT_DIGEST_OF_UNKNOWN_REASON = "content_digest_of_unknown_reason"
+    CONTENT_WITHOUT_SEAL = "content_without_seal"
+    # Transfers.
+    TRANSFER_OPEN_AT_END = "transfer_open_at_end"
+    TRANSFER_PEER_NOT_IN_INPUT = "transfer_peer_not_in_input"
+    TRANSFER_PARTIAL_PULL = "transfer_partial_pull"  # decode had a prefix hit: it pulls the tail
+    TRANSFER_DIGEST_UNREADABLE = "transfer_digest_unreadable"
+    TRANSFER_DIGEST_LAYOUT_DIFFERS = "transfer_digest_layout_differs"
+    CONNECTOR_KIND_UNKNOWN = "connector_kind_unknown"  # a connector event of a kind newer than this reader
+
+
+def group_unchecked(kind: KvGroupKind) -> Unchecked:
+    """Why a group of a kind whose layers do not address slots has its write checks unchecked."""
+    return Unchecked.MAMBA_GROUP if kind is KvGroupKind.MAMBA else Unchecked.OTHER_GROUP
