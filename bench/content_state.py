@@ -20,8 +20,8 @@ import numpy as np
 
 from kvledger.producer import records
 from kvledger.producer.content import GroupRows, SealTracker
+from kvledger.schemas.events import BlockDigests, typed
 from kvledger.stream_app.core.content import ContentLedger
-from kvledger.stream_app.core.events import BlockDigests
 from kvledger.stream_app.core.violations import Coverage, RankKey
 
 BLOCK_SIZE = 16
@@ -61,7 +61,7 @@ def ledger_figures(sealed: int, tp: int) -> tuple[float, float]:
         d = records.block_digests(
             np.zeros(blocks[part].size, np.int32), blocks[part], values[part], [reason] * blocks[part].size
         )
-        return BlockDigests.of(d)
+        return typed(BlockDigests, d)
 
     seals = [digests("SEALED", at) for at in range(0, sealed, chunk)]
     sweeps = [digests("SWEEP", at) for at in range(0, sealed, chunk)]

@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from kvledger.producer import records
+from kvledger.schemas.events import events_of
 from kvledger.schemas.registry import RANK_INFO
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.worker.projection import CHUNK_BYTES, EngineProjection
@@ -85,11 +86,11 @@ def rank_events(num_blocks: int, requests: int, steps: int, tp: int) -> list[dic
         runner="v1",
     )
     ranks = [records.RankIdentity("fleet-engine", tp_rank=t) for t in range(tp)]
-    events = [records.envelope(r, 0, 0, *info) for r in ranks]
+    events = [records.envelope(r, 0, 0, info) for r in ranks]
     assert info[0] == RANK_INFO
     for n, (inp, plan) in enumerate(engine_steps(num_blocks, requests, steps)):
         body = records.step(n, "REAL", inp, plan)
-        events += [records.envelope(r, n + 1, 0, *body) for r in ranks]
+        events += [records.envelope(r, n + 1, 0, body) for r in ranks]
     return events
 
 
@@ -103,9 +104,9 @@ def measure(num_blocks: int, requests: int, steps: int, tp: int) -> dict:
     warm, timed = events[: tp * 2], events[tp * 2 :]
     before = _rss_mb()
     ledger = Ledger(join_transfers=False)
-    assert not ledger.apply_many(warm)
+    assert not ledger.apply_many(events_of(warm))
     start = time.perf_counter()
-    found = ledger.apply_many(timed)
+    found = ledger.apply_many(events_of(timed))
     replay = time.perf_counter() - start
     assert not found, found[:3]
     del events, warm, timed

@@ -31,6 +31,7 @@ import numpy as np
 
 from kvledger.producer import _hotpath, records
 from kvledger.schemas import pack_i32
+from kvledger.schemas.events import BODY_NAMES, Body, body_of
 
 
 class FrameKind(IntEnum):
@@ -133,14 +134,14 @@ pack_into = _encoder.encode_into
 unpack = msgspec.msgpack.Decoder().decode
 
 
-def body_part(body: tuple[str, dict]) -> bytes:
-    """A built record body as one frame part."""
-    return pack(body)
+def body_part(body: Body) -> bytes:
+    """A built record body as one frame part: its kind's name and its fields (MessagePack: data only)."""
+    return pack((BODY_NAMES[type(body)], body))
 
 
-def body_of(part) -> tuple[str, dict]:
-    name, body = unpack(part)
-    return name, body
+def body_from_part(part) -> Body:
+    """The body `body_part` packed, typed again."""
+    return body_of(*unpack(part))
 
 
 def _encoded_ids(ids: list[str]) -> msgspec.Raw:

@@ -29,6 +29,7 @@ from typing import Protocol
 
 from kvledger.producer import records
 from kvledger.producer.records import RankIdentity
+from kvledger.schemas.events import Body, Health
 
 log = logging.getLogger("kvledger.producer")
 
@@ -91,7 +92,7 @@ class RankRecorder:
     # -- hot path ------------------------------------------------------------------------
     def capture(
         self,
-        body: tuple[str, dict] | Callable[[], tuple[str, dict]],
+        body: Body | Callable[[], Body],
         *,
         seq: int | None = None,
         at_us: int | None = None,
@@ -123,7 +124,7 @@ class RankRecorder:
         """Events buffered, not yet handed to the sink."""
         return len(self._buffer)
 
-    def health(self, step: int, closing: bool = False) -> tuple[str, dict]:
+    def health(self, step: int, closing: bool = False) -> Health:
         counts = (self.captured, self.dropped, self.probe_ns, self.capacity, self.high_water)
         return records.health(step, *counts, closing=closing)
 
@@ -174,7 +175,7 @@ class RankRecorder:
         return self.request_flush(wake=False).wait(timeout) and not self._buffer
 
     def _flush_buffer(self) -> None:
-        batch = []
+        batch, bodies = [], []
         while self._buffer:
             seq, at_us, body = self._buffer.popleft()
             if callable(body):
@@ -184,13 +185,14 @@ class RankRecorder:
                     log.exception("kv_trace: could not build an event")
                     self.sink_failed += 1
                     continue
-            batch.append(records.envelope(self.identity, seq, at_us, *body))
+            batch.append(records.envelope(self.identity, seq, at_us, body))
+            bodies.append((seq, at_us, body))
         if not batch:
             return
         self._newest_us, self._unflushed = batch[-1]["emitted_at_us"], True
         if self._observer is not None:
             try:
-                self._observer(batch)
+                self._observer([records.event(self.identity, *typed) for typed in bodies])
             except Exception:
                 log.exception("kv_trace: in-process check failed; it stops")
                 self._observer = None

@@ -22,13 +22,14 @@ import msgspec
 
 from kvledger.producer.capture import HealthCapture, RequestIndex, SnapshotCapture, StepCapture
 from kvledger.producer.config import TraceAction
-from kvledger.producer.frames import FrameKind, body_of, read_frame
+from kvledger.producer.frames import FrameKind, body_from_part, read_frame
 from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
 from kvledger.producer.ring_recorder import RecorderMeta, meta_path, read_meta
 from kvledger.producer.sinks import open_sink
+from kvledger.schemas.events import LedgerEvent
 
 log = logging.getLogger("kvledger.producer")
 
@@ -55,7 +56,7 @@ class ViolationLogger:
 
         self.ledger = Ledger()
 
-    def __call__(self, events: list[dict]) -> None:
+    def __call__(self, events: list[LedgerEvent]) -> None:
         for v in self.ledger.apply_many(events):
             log.warning(
                 "kv_trace: %s on %s dp%d/tp%d/pp%d: %s",
@@ -86,7 +87,7 @@ class FrameReader:
         if kind is FrameKind.HEALTH:
             r = self.recorder
             return HealthCapture.from_parts(parts).record(self.ring.dropped + r.dropped, r.capacity, r.high_water)
-        return body_of(parts[0])
+        return body_from_part(parts[0])
 
     def read(self, limit: int) -> int:
         """Hand up to `limit` frames to the recorder; returns how many."""

@@ -1,8 +1,8 @@
 """Builders of ledger records from what a rank observed.
 
-Shared by the vLLM probes and the synthetic engine, so both emit exactly the
-same shapes. Inputs are numpy arrays or lists; outputs are dicts ready for
-the Avro writer (`kvledger.schemas`).
+Shared by the vLLM probes and the synthetic engine, so both emit exactly the same records. Inputs
+are numpy arrays or lists; outputs are the contract's typed records (`kvledger.schemas.events`,
+where each is defined), packed as it says; `envelope` makes one the dict the Avro writer takes.
 """
 
 from __future__ import annotations
@@ -14,9 +14,29 @@ from itertools import chain
 import numpy as np
 
 from kvledger.schemas import pack_digests, pack_i32
-from kvledger.schemas.kinds import ConnectorKind, Declaration, connector_wire
+from kvledger.schemas.events import (
+    BODY_NAMES,
+    BlockDigests,
+    Body,
+    Capability,
+    ConnectorEvent,
+    DraftPass,
+    GroupPlan,
+    Health,
+    KvGroup,
+    LedgerEvent,
+    NewRequest,
+    RankInfo,
+    RankKey,
+    Snapshot,
+    SnapshotRequest,
+    Step,
+    StepInput,
+    StepPlan,
+    body_record,
+)
+from kvledger.schemas.kinds import ConnectorKind, Declaration, DigestReason, KvGroupKind, PdRole, Runner, StepKind
 from kvledger.schemas.packing import length_term, mix_blocks, pack_u64, position_weights
-from kvledger.schemas.registry import CONNECTOR_EVENT, HEALTH, RANK_INFO, SNAPSHOT, STEP
 
 
 @dataclass(frozen=True)
@@ -28,7 +48,8 @@ class RankIdentity:
     incarnation: int = 0
 
 
-def envelope(rank: RankIdentity, seq: int, emitted_at_us: int, body_name: str, body: dict) -> dict:
+def envelope(rank: RankIdentity, seq: int, emitted_at_us: int, body: Body) -> dict:
+    """A LedgerEvent as the Avro writer takes it (`kvledger.schemas.events.avro_datum` names its branches)."""
     return {
         "engine_id": rank.engine_id,
         "dp_rank": rank.dp_rank,
@@ -37,39 +58,18 @@ def envelope(rank: RankIdentity, seq: int, emitted_at_us: int, body_name: str, b
         "incarnation": rank.incarnation,
         "seq": seq,
         "emitted_at_us": emitted_at_us,
-        "body": (body_name, body),
+        "body": (BODY_NAMES[type(body)], body_record(body)),
     }
 
 
-# A Step's optional parts, by the names of their union branches.
-_BRANCHES = (("input", "kvledger.StepInput"), ("plan", "kvledger.StepPlan"), ("content", "kvledger.BlockDigests"))
+def event(rank: RankIdentity, seq: int, emitted_at_us: int, body: Body) -> LedgerEvent:
+    """A LedgerEvent as the core reads it (the in-engine check: no encoding on the way)."""
+    key = RankKey(rank.engine_id, rank.dp_rank, rank.tp_rank, rank.pp_rank)
+    return LedgerEvent(key, rank.incarnation, seq, emitted_at_us, body)
 
 
-def avro_datum(event: dict) -> dict:
-    """`event` as the Avro writer takes it fastest, written to the same bytes: a Step's optional parts
-    name their union's branch (fastavro's tuple notation), so none is validated against each branch
-    to find it (a third of a decode step's encoding). The event itself is left as the checks read it."""
-    name, body = event["body"]
-    if name != STEP:
-        return event
-    named = dict(body)
-    for field, branch in _BRANCHES:
-        if body[field] is not None:
-            named[field] = (branch, body[field])
-    plan = body["plan"]
-    if plan is not None and plan["draft_writes"] is not None:
-        named["plan"] = ("kvledger.StepPlan", {**plan, "draft_writes": ("array", plan["draft_writes"])})
-    return {**event, "body": (name, named)}
-
-
-def kv_group(group_id: int, kind: str, block_size: int, num_blocks: int, sliding_window: int | None = None) -> dict:
-    return {
-        "group_id": group_id,
-        "kind": kind,
-        "block_size": block_size,
-        "num_blocks": num_blocks,
-        "sliding_window": sliding_window,
-    }
+def kv_group(group_id: int, kind: str, block_size: int, num_blocks: int, sliding_window: int | None = None) -> KvGroup:
+    return KvGroup(group_id, KvGroupKind(kind), block_size, num_blocks, sliding_window)
 
 
 def rank_info(
@@ -77,26 +77,26 @@ def rank_info(
     dp_size: int,
     tp_size: int,
     pp_size: int,
-    kv_groups: list[dict],
+    kv_groups: list[KvGroup],
     vllm_version: str,
     runner: str,
     pd_role: str = "NONE",
     capabilities: Sequence[tuple[str, bool, str | None]] = (),
     full_rows: bool = False,
     snapshot_interval: int = 0,
-) -> tuple[str, dict]:
-    return RANK_INFO, {
-        "dp_size": dp_size,
-        "tp_size": tp_size,
-        "pp_size": pp_size,
-        "pd_role": pd_role,
-        "vllm_version": vllm_version,
-        "runner": runner,
-        "kv_groups": kv_groups,
-        "capabilities": [{"name": n, "available": a, "reason": r} for n, a, r in capabilities],
-        "full_rows": full_rows,
-        "snapshot_interval": snapshot_interval,
-    }
+) -> RankInfo:
+    return RankInfo(
+        dp_size,
+        tp_size,
+        pp_size,
+        PdRole(pd_role),
+        vllm_version,
+        Runner(runner),
+        list(kv_groups),
+        [Capability(n, a, r) for n, a, r in capabilities],
+        full_rows,
+        snapshot_interval,
+    )
 
 
 def _size(config, name: str) -> int:
@@ -249,20 +249,14 @@ def group_plan_from_table(
     table: np.ndarray,
     lens: np.ndarray,
     full_rows: bool = False,
-) -> dict:
+) -> GroupPlan:
     """A GroupPlan from block-table rows as runners hold them: `table[i, :lens[i]]`."""
     rows = None
     if full_rows:
         rows = pack_i32(table[np.arange(table.shape[1]) < np.asarray(lens)[:, None]])
-    return {
-        "group_id": group_id,
-        "slot_runs": slot_runs(slot_mapping),
-        "num_real": int(num_real),
-        "num_padding": int(len(slot_mapping) - num_real),
-        "row_lens": pack_i32(lens),
-        "row_digests": pack_digests(table_digests(table, lens)),
-        "rows": rows,
-    }
+    padding = int(len(slot_mapping) - num_real)
+    digests = pack_digests(table_digests(table, lens))
+    return GroupPlan(group_id, slot_runs(slot_mapping), int(num_real), padding, pack_i32(lens), digests, rows)
 
 
 def group_plan(
@@ -271,17 +265,12 @@ def group_plan(
     num_real: int,
     rows: Sequence[np.ndarray],
     full_rows: bool = False,
-) -> dict:
+) -> GroupPlan:
     lens = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
-    return {
-        "group_id": group_id,
-        "slot_runs": slot_runs(slot_mapping),
-        "num_real": int(num_real),
-        "num_padding": int(len(slot_mapping) - num_real),
-        "row_lens": lens.tobytes(),
-        "row_digests": pack_digests(row_digests(rows)),
-        "rows": pack_i32(np.concatenate(rows)) if full_rows and len(rows) else (b"" if full_rows else None),
-    }
+    packed = pack_i32(np.concatenate(rows)) if full_rows and len(rows) else (b"" if full_rows else None)
+    padding = int(len(slot_mapping) - num_real)
+    digests = pack_digests(row_digests(rows))
+    return GroupPlan(group_id, slot_runs(slot_mapping), int(num_real), padding, lens.tobytes(), digests, packed)
 
 
 def new_request(
@@ -291,20 +280,14 @@ def new_request(
     num_computed_tokens: int,
     num_prompt_tokens: int,
     num_scheduled_tokens: int,
-) -> dict:
-    return {
-        "req_index": req_index,
-        "req_id": req_id,
-        "block_ids": [pack_i32(b) for b in block_ids],
-        "num_computed_tokens": num_computed_tokens,
-        "num_prompt_tokens": num_prompt_tokens,
-        "num_scheduled_tokens": num_scheduled_tokens,
-    }
+) -> NewRequest:
+    blocks = [pack_i32(b) for b in block_ids]
+    return NewRequest(req_index, req_id, blocks, num_computed_tokens, num_prompt_tokens, num_scheduled_tokens)
 
 
 def step_input(
     *,
-    new_reqs: Sequence[dict] = (),
+    new_reqs: Sequence[NewRequest] = (),
     cached: Sequence[tuple[int, int, int]] = (),
     cached_columns: tuple[Sequence[int], Sequence[int], Sequence[int]] | None = None,
     resumed: Sequence[int] = (),
@@ -313,7 +296,7 @@ def step_input(
     preempted: Sequence[str] = (),
     blocks_to_zero: Sequence[int] = (),
     block_copies: Sequence[tuple[int, int]] = (),
-) -> dict:
+) -> StepInput:
     """A StepInput record.
 
     cached: (req_index, num_computed_tokens, num_scheduled_tokens) per cached request, or the
@@ -326,23 +309,22 @@ def step_input(
     indices, computed, scheduled = cached_columns
     # The appends' columns: one array of (req_index, group_id, count) rows, their blocks end to end.
     heads = np.array([(a[0], a[1], len(a[2])) for a in appends], _I32).reshape(-1, 3) if appends else None
-    return {
-        "new_reqs": list(new_reqs),
-        "cached_req_indices": _i32(indices),
-        "cached_num_computed_tokens": _i32(computed),
-        "cached_num_scheduled_tokens": _i32(scheduled),
-        "resumed_req_indices": _i32(resumed),
-        "append_req_indices": heads[:, 0].tobytes() if appends else b"",
-        "append_group_ids": heads[:, 1].tobytes() if appends else b"",
-        "append_counts": heads[:, 2].tobytes() if appends else b"",
-        "append_block_ids": pack_i32(np.fromiter(chain.from_iterable(a[2] for a in appends), np.int64))
-        if appends
-        else b"",
-        "finished_req_ids": list(finished),
-        "preempted_req_ids": list(preempted),
-        "block_ids_to_zero": _i32(blocks_to_zero),
-        "block_copies": _i32(np.asarray(block_copies, np.int64).reshape(-1)) if len(block_copies) else b"",
-    }
+    append_blocks = pack_i32(np.fromiter(chain.from_iterable(a[2] for a in appends), np.int64)) if appends else b""
+    return StepInput(
+        list(new_reqs),
+        _i32(indices),
+        _i32(computed),
+        _i32(scheduled),
+        _i32(resumed),
+        heads[:, 0].tobytes() if appends else b"",
+        heads[:, 1].tobytes() if appends else b"",
+        heads[:, 2].tobytes() if appends else b"",
+        append_blocks,
+        list(finished),
+        list(preempted),
+        _i32(blocks_to_zero),
+        _i32(np.asarray(block_copies, np.int64).reshape(-1)) if len(block_copies) else b"",
+    )
 
 
 def _i32(values) -> bytes:
@@ -355,72 +337,39 @@ def _i32(values) -> bytes:
 
 
 def step_plan(
-    req_indices, num_tokens, first_positions, groups: list[dict], draft_writes: list[dict] | None = None
-) -> dict:
-    return {
-        "req_indices": _i32(req_indices),
-        "num_tokens": pack_i32(num_tokens),
-        "first_positions": pack_i32(first_positions),
-        "groups": groups,
-        "draft_writes": draft_writes,
-    }
+    req_indices, num_tokens, first_positions, groups: list[GroupPlan], draft_writes: list[DraftPass] | None = None
+) -> StepPlan:
+    return StepPlan(_i32(req_indices), pack_i32(num_tokens), pack_i32(first_positions), groups, draft_writes)
 
 
-def draft_pass(group_id: int, pass_index: int, num_tokens, first_positions, slot_mapping: np.ndarray) -> dict:
+def draft_pass(group_id: int, pass_index: int, num_tokens, first_positions, slot_mapping: np.ndarray) -> DraftPass:
     """A DraftPass: one drafter pass's slot mapping; its first sum(num_tokens) entries are real."""
     num_real = int(np.sum(num_tokens, dtype=np.int64))
-    return {
-        "group_id": group_id,
-        "pass_index": pass_index,
-        "num_tokens": pack_i32(num_tokens),
-        "first_positions": pack_i32(first_positions),
-        "slot_runs": slot_runs(slot_mapping),
-        "num_real": num_real,
-        "num_padding": int(len(slot_mapping) - num_real),
-    }
+    padding = int(len(slot_mapping) - num_real)
+    runs = slot_runs(slot_mapping)
+    return DraftPass(group_id, pass_index, pack_i32(num_tokens), pack_i32(first_positions), runs, num_real, padding)
 
 
-def step(step: int, kind: str, inp: dict | None, plan: dict | None, content: dict | None = None) -> tuple[str, dict]:
-    return STEP, {"step": step, "kind": kind, "input": inp, "plan": plan, "content": content}
+def step(
+    step: int, kind: str, inp: StepInput | None, plan: StepPlan | None, content: BlockDigests | None = None
+) -> Step:
+    return Step(step, StepKind(kind), inp, plan, content)
 
 
-def block_digests(groups, blocks, digests: np.ndarray, reasons: Sequence[str]) -> dict:
+def block_digests(groups, blocks, digests: np.ndarray, reasons: Sequence[str]) -> BlockDigests:
     """A BlockDigests: per digest its group, block, digest (uint64, carried as int64 bits) and reason."""
-    return {
-        "group_ids": pack_i32(groups),
-        "block_ids": pack_i32(blocks),
-        "digests": pack_u64(np.asarray(digests, np.int64).view(np.uint64)),
-        "reasons": list(reasons),
-    }
+    packed = pack_u64(np.asarray(digests, np.int64).view(np.uint64))
+    return BlockDigests(pack_i32(groups), pack_i32(blocks), packed, [DigestReason(r) for r in reasons])
 
 
-def snapshot(step: int, requests: list[tuple[int, str, int, list[np.ndarray]]]) -> tuple[str, dict]:
-    return SNAPSHOT, {
-        "step": step,
-        "requests": [
-            {
-                "req_index": i,
-                "req_id": r,
-                "num_computed_tokens": c,
-                "block_ids": [pack_i32(b) for b in blocks],
-            }
-            for i, r, c, blocks in requests
-        ],
-    }
+def snapshot(step: int, requests: list[tuple[int, str, int, list[np.ndarray]]]) -> Snapshot:
+    return Snapshot(step, [SnapshotRequest(i, r, c, [pack_i32(b) for b in blocks]) for i, r, c, blocks in requests])
 
 
 def health(
     step: int, captured: int, dropped: int, probe_ns: int, capacity: int, high_water: int, closing: bool = False
-) -> tuple[str, dict]:
-    return HEALTH, {
-        "step": step,
-        "events_captured": captured,
-        "events_dropped": dropped,
-        "probe_ns": probe_ns,
-        "buffer_capacity": capacity,
-        "buffer_high_water": high_water,
-        "closing": closing,
-    }
+) -> Health:
+    return Health(step, captured, dropped, probe_ns, capacity, high_water, closing)
 
 
 def connector_event(
@@ -435,21 +384,13 @@ def connector_event(
     num_tokens: int | None = None,
     digest: bytes | None = None,
     detail: str | None = None,
-) -> tuple[str, dict]:
+) -> ConnectorEvent:
     """A ConnectorEvent record; block_ids per KV cache group."""
-    symbol, detail = connector_wire(ConnectorKind(kind), detail)
-    return CONNECTOR_EVENT, {
-        "step": step,
-        "connector": connector,
-        "kind": symbol,
-        "req_id": req_id,
-        "transfer_id": transfer_id,
-        "remote_engine_id": remote_engine_id,
-        "block_ids": [pack_i32(b) for b in block_ids],
-        "num_tokens": num_tokens,
-        "digest": digest,
-        "detail": detail,
-    }
+    blocks = [pack_i32(b) for b in block_ids]
+    kind = ConnectorKind(kind)
+    return ConnectorEvent(
+        step, connector, kind, req_id, transfer_id, remote_engine_id, blocks, num_tokens, digest, detail
+    )
 
 
 # -- transfer digests (their reader: kvledger.stream_app.core.transfers.parse_digest) -------------

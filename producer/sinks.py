@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.producer.config import RegistrySpec, SinkSpec
-from kvledger.producer.records import avro_datum
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
+from kvledger.schemas.events import avro_datum
 from kvledger.schemas.files import Retention, SegmentWriter
 from kvledger.schemas.registry import batch_raw
 

@@ -425,7 +425,7 @@ class V1RunnerProbe:
         sent = self.recorder.health(step)
         if self._checker is not None and sent is not None:  # raise mode holds no frame
             body = sent.record(self.recorder.dropped, 0, 0)
-            self._checker.apply(records.envelope(self.recorder.identity, sent.captured, 0, *body))
+            self._checker.apply(records.event(self.recorder.identity, sent.captured, 0, body))
 
     def _record(self, body, ready: Callable[[], bool] | None = None) -> None:
         """A built record, or a function building one: a connector's event, built now, or once
@@ -436,7 +436,7 @@ class V1RunnerProbe:
         body = body() if callable(body) else body
         seq = self.recorder.body(body)
         if self._checker is not None:  # raise: check on the engine thread, before the step returns
-            found = self._checker.apply(records.envelope(self.recorder.identity, seq, 0, *body))
+            found = self._checker.apply(records.event(self.recorder.identity, seq, 0, body))
             if found:
                 self._violations += found
 

@@ -34,6 +34,14 @@ def symbols(enum: type[E]) -> dict[str, E]:
     return {m.value: m for m in enum}
 
 
+class Open(StrEnum):
+    """An enum readers keep open to newer writers: a symbol it does not know is its OTHER member."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> StrEnum:
+        return cls.OTHER  # type: ignore[attr-defined]
+
+
 # -- ledger events ------------------------------------------------------------------------------
 class PdRole(StrEnum):
     """The engine's role in a prefill/decode pair (kv_transfer_config.kv_role)."""
@@ -44,7 +52,7 @@ class PdRole(StrEnum):
     BOTH = "BOTH"
 
 
-class KvGroupKind(StrEnum):
+class KvGroupKind(Open):
     """Attention kind of a KV cache group: how its layers address their blocks."""
 
     FULL_ATTENTION = "FULL_ATTENTION"
@@ -69,7 +77,7 @@ class StepKind(StrEnum):
     WARMUP = "WARMUP"
 
 
-class DigestReason(StrEnum):
+class DigestReason(Open):
     """Why a sealed block's content digest was taken (see BlockDigests in the contract)."""
 
     SEALED = "SEALED"  # it just became full: the reference
@@ -80,7 +88,7 @@ class DigestReason(StrEnum):
     OTHER = "OTHER"  # a reason newer than this reader: not compared
 
 
-class ConnectorKind(StrEnum):
+class ConnectorKind(Open):
     """What a KV connector observed about one transfer."""
 
     SEND_INTENT = "SEND_INTENT"  # the prefill side holds blocks to send
@@ -153,7 +161,7 @@ def connector_kind(symbol: str, detail: str | None) -> ConnectorKind:
     return kind
 
 
-class Runner(StrEnum):
+class Runner(Open):
     """The model runner the probes attached to (RankInfo.runner, an Avro string)."""
 
     V1 = "v1"  # gpu_model_runner.GPUModelRunner (the default on CPU hosts)
@@ -161,14 +169,10 @@ class Runner(StrEnum):
     SYNTHETIC = "synthetic"  # the synthetic engine of the tests
     OTHER = "other"  # a runner newer than this reader
 
-
-# Ledgers written before the runner was an enum named Model Runner V2 so.
-_LEGACY_RUNNERS = {"mrv2": Runner.V2}
-
-
-def runner(symbol: str) -> Runner:
-    """RankInfo.runner as this reader knows it (older ledgers' names included)."""
-    return _LEGACY_RUNNERS.get(symbol) or read(Runner, symbol)
+    @classmethod
+    def _missing_(cls, value: object) -> Runner:
+        # Probes before the runner was typed named Model Runner V2 'mrv2'.
+        return cls.V2 if value == "mrv2" else cls.OTHER
 
 
 # -- what a rank declares ---------------------------------------------------------------------
@@ -190,7 +194,7 @@ class Declaration(StrEnum):
 
 
 # -- what the ledger reports ---------------------------------------------------------------------
-class ViolationKind(StrEnum):
+class ViolationKind(Open):
     """What a violation says went wrong (Violation.kind, an Avro string: new kinds may be added)."""
 
     WRITE_TARGET_MISMATCH = "write_target_mismatch"

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from kvledger.schemas.events import LedgerEvent, Step, StepPlan, event_of
 from kvledger.schemas.files import LedgerPathError, RankStream, ReadProblem, discover, read_stream
 from kvledger.schemas.packing import expand_slot_runs, unpack_digests, unpack_i32, wire_digests
-from kvledger.schemas.registry import STEP
 from kvledger.stream_app.core import Ledger, RankKey, Violation
 from kvledger.stream_app.core.checks import (
     GroupFacts,
@@ -29,7 +29,6 @@ from kvledger.stream_app.core.checks import (
     token_positions,
     write_failures,
 )
-from kvledger.stream_app.core.events import StepPlan
 from kvledger.stream_app.core.rank_tables import RankTables
 
 # Events handed to the core at once (its fast path checks runs of steps together).
@@ -164,7 +163,8 @@ def replay(
             for v in found:
                 on_violation(v)
 
-    chunk: list[dict] = []
+    chunk: list[LedgerEvent] = []
+    typed_for = result.ledger.key_of
     for _, event in events:
         if isinstance(event, StreamLost):
             report(result.ledger.apply_many(chunk))
@@ -172,7 +172,7 @@ def replay(
             s = event.stream
             result.ledger.stream_lost(s.engine_id, s.dp, s.tp, s.pp)
             continue
-        chunk.append(event)
+        chunk.append(event_of(event, typed_for))  # decoded once, here at the edge
         if len(chunk) == _CHUNK:
             report(result.ledger.apply_many(chunk))
             chunk = []
@@ -312,12 +312,11 @@ class RequestTrace:
         # rank -> its latest step plan and that step: drawn if the tables still stand at that step
         self.plans: dict[RankKey, tuple[int, StepPlan]] = {}
 
-    def apply(self, at: int, event: dict) -> None:
+    def apply(self, at: int, event: LedgerEvent) -> None:
         self.ledger.apply(event)
-        key = RankKey(self.engine_id, event["dp_rank"], event["tp_rank"], event["pp_rank"])
-        name, body = event["body"]
-        if name == STEP and body.get("plan") is not None:
-            self.plans[key] = (body["step"], StepPlan.of(body["plan"]))
+        key, body = event.rank, event.body
+        if isinstance(body, Step) and body.plan is not None:
+            self.plans[key] = (body.step, body.plan)
         state = self.ledger.tables_of(key)
         if state is not None and self.req_id in state.index_of:
             self.seen[key] = (self.seen.get(key, (at, at))[0], at)
@@ -348,5 +347,5 @@ def query(root: str | Path, engine_id: str, req_id: str, step: int | None = None
         if step is not None and at > step:
             break  # merged by step: everything after is later too
         if not isinstance(event, StreamLost):
-            trace.apply(at, event)
+            trace.apply(at, event_of(event, trace.ledger.key_of))
     return trace.views()

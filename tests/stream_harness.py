@@ -30,6 +30,7 @@ from confluent_kafka.admin import AdminClient
 
 from kvledger.producer.sinks import KAFKA_DEFAULTS, KafkaSink
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec, SingleObjectCodec
+from kvledger.schemas.events import events_of
 from kvledger.schemas.registry import STEP, VIOLATION
 from kvledger.stream_app.core import Ledger, Violation
 from tests.synthetic.engine import FaultSpec, SimConfig, SyntheticEngine
@@ -390,7 +391,7 @@ class EngineSlot:
 
     def _replay(self, events: list[dict]) -> None:
         config, life = self.engine.cfg, self.reference.lives[self.engine.cfg.engine_id]
-        found = self.ledger.apply_many(events)
+        found = self.ledger.apply_many(events_of(events))
         life.events += len(events)
         if self.ahead is None:  # these were the life's last events
             found += self.ledger.finish()

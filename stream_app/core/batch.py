@@ -22,6 +22,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from kvledger.schemas.events import Step
 from kvledger.schemas.kinds import Check, KvGroupKind, StepKind
 from kvledger.schemas.packing import (
     expand_slot_runs,
@@ -41,7 +42,6 @@ from kvledger.stream_app.core.checks import (
     slot_targets,
     token_positions,
 )
-from kvledger.stream_app.core.events import Step
 from kvledger.stream_app.core.rank_tables import RankTables
 from kvledger.stream_app.core.tables import NULL_BLOCK, positions_differ, written_from
 

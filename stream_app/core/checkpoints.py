@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvledger.schemas.events import RankInfo, StepPlan, to_record, typed
 from kvledger.schemas.kinds import ConnectorKind, TransferOutcome, TransferRole, read
 from kvledger.schemas.packing import pack_i32, unpack_i32
 from kvledger.stream_app.core.declarations import Declared
-from kvledger.stream_app.core.events import RankInfo, StepPlan
 from kvledger.stream_app.core.ledger import Ledger, TrackedRank
 from kvledger.stream_app.core.rank_tables import RankTables
 from kvledger.stream_app.core.step_groups import LeadStep, StepGroup
@@ -219,7 +219,7 @@ def _step_group_record(dp: int, group: StepGroup) -> Record:
             for step, ls in group.lead_steps.items()
         ],
         "early": [
-            {"step": step, "tp": tp, "pp": pp, "plan": plan.to_record()}
+            {"step": step, "tp": tp, "pp": pp, "plan": to_record(plan)}
             for step, plans in group.early.items()
             for (tp, pp), plan in plans.items()
         ],
@@ -244,7 +244,7 @@ def _step_group_from_record(rec: Record) -> StepGroup:
         ls = LeadStep(r["input_fingerprint"], r["plan_fingerprint"], r["checked"], found_input, found_plan)
         group.lead_steps[r["step"]] = ls
     for r in rec["early"]:
-        group.early.setdefault(r["step"], {})[(r["tp"], r["pp"])] = StepPlan.of(r["plan"])
+        group.early.setdefault(r["step"], {})[(r["tp"], r["pp"])] = typed(StepPlan, r["plan"])
     return group
 
 
@@ -253,7 +253,7 @@ def _slot_record(key: RankKey, slot: TrackedRank, table) -> Record:
         "rank": _rank(key),
         "incarnation": slot.incarnation,
         "next_seq": slot.next_seq,
-        "info": slot.info.to_record() if slot.info is not None else None,
+        "info": to_record(slot.info) if slot.info is not None else None,
         "desynced": slot.desynced,
         "last_step": slot.last_step,
         "events_dropped": slot.events_dropped,
@@ -351,7 +351,7 @@ def ledger_from_record(engine_id: str, rec: Record) -> Ledger:
         key = _key(srec["rank"])
         if key.engine_id != engine_id:
             raise StateError(f"rank {key} in the checkpoint of engine {engine_id}")
-        info = RankInfo.of(srec["info"]) if srec["info"] is not None else None
+        info = typed(RankInfo, srec["info"]) if srec["info"] is not None else None
         slot = TrackedRank(srec["incarnation"], srec["next_seq"], info=info)
         slot.desynced, slot.last_step = srec["desynced"], srec["last_step"]
         slot.events_dropped, slot.gap_after_step = srec["events_dropped"], srec["gap_after_step"]

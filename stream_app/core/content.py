@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvledger.schemas.events import BlockDigests, StepPlan
 from kvledger.schemas.kinds import Check, DigestReason, Unchecked, ViolationKind
 from kvledger.schemas.packing import expand_slot_runs, unpack_i32, unpack_u64
-from kvledger.stream_app.core.events import BlockDigests, StepPlan
 from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
 
 _COMPARED = (DigestReason.READ, DigestReason.RELEASED, DigestReason.SWEEP)

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvledger.schemas.events import RankInfo, StepPlan
 from kvledger.schemas.kinds import Check, Declaration, ViolationKind
 from kvledger.schemas.packing import unpack_i32
-from kvledger.stream_app.core.events import RankInfo, StepPlan
 from kvledger.stream_app.core.rank_tables import RankTables
 from kvledger.stream_app.core.violations import Coverage, Violation
 

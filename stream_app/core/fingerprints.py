@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from operator import attrgetter
 
-from kvledger.stream_app.core.events import StepInput, StepPlan
+from kvledger.schemas.events import StepInput, StepPlan
 
 
 def _fingerprint(parts) -> bytes:

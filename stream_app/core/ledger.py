@@ -7,8 +7,19 @@ in-engine raise mode get the same answers from the same events.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvledger.schemas.events import (
+    ConnectorEvent,
+    Health,
+    LedgerEvent,
+    RankInfo,
+    Snapshot,
+    Step,
+    StepInput,
+    StepPlan,
+)
 from kvledger.schemas.kinds import (
     CONTENT_DIGESTS,
     Check,
@@ -20,17 +31,6 @@ from kvledger.schemas.kinds import (
 from kvledger.stream_app.core import batch
 from kvledger.stream_app.core.content import ContentLedger
 from kvledger.stream_app.core.declarations import Declared, check_declared_plan
-from kvledger.stream_app.core.events import (
-    ConnectorEvent,
-    Health,
-    LedgerEvent,
-    RankInfo,
-    Snapshot,
-    Step,
-    StepInput,
-    StepPlan,
-    as_event,
-)
 from kvledger.stream_app.core.fingerprints import input_fingerprint, plan_fingerprint
 from kvledger.stream_app.core.rank_tables import RankTables
 from kvledger.stream_app.core.step_groups import LeadStep, StepGroup, rekeyed
@@ -91,11 +91,9 @@ class Ledger:
         self.steps = 0
 
     # -- entry points -------------------------------------------------------------------
-    def apply(self, event: LedgerEvent | dict) -> list[Violation]:
-        """The violations an event reveals; a decoded record (a dict) is typed here first (core/events.py)."""
-        return self._apply(as_event(event, self._key_of))
-
-    def _apply(self, event: LedgerEvent) -> list[Violation]:
+    def apply(self, event: LedgerEvent) -> list[Violation]:
+        """The violations an event reveals (an edge types a decoded record with
+        `kvledger.schemas.events.event_of(record, ledger.key_of)`)."""
         out: list[Violation] = []
         key = event.rank
         self.events += 1
@@ -128,7 +126,7 @@ class Ledger:
         if self.transfer_join is not None:
             out += self.transfer_join.apply(event)
 
-    def apply_many(self, events: list[LedgerEvent] | list[dict]) -> list[Violation]:
+    def apply_many(self, events: Iterable[LedgerEvent]) -> list[Violation]:
         """`apply` each event, in order; the same violations and coverage, faster.
 
         Runs of steps are first tried on the batched fast path (core/batch.py),
@@ -136,9 +134,8 @@ class Ledger:
         event by event.
         """
         out: list[Violation] = []
-        run: list[LedgerEvent] = []  # typed as they come: only a run's worth of typed events is alive
-        for record in events:
-            event = as_event(record, self._key_of)
+        run: list[LedgerEvent] = []
+        for event in events:  # an iterator: an edge may type its records as they are read
             if isinstance(event.body, Step):
                 run.append(event)
                 if len(run) == self.batch_steps:
@@ -148,7 +145,7 @@ class Ledger:
             if run:
                 self._run(run, out)
                 run = []
-            out += self._apply(event)
+            out += self.apply(event)
         if run:
             self._run(run, out)
         return out
@@ -156,7 +153,7 @@ class Ledger:
     def _run(self, run: list[LedgerEvent], out: list[Violation]) -> None:
         if len(run) < 2 or not self._fast_run(run, out):
             for event in run:
-                out += self._apply(event)
+                out += self.apply(event)
 
     def _fast_run(self, events: list[LedgerEvent], out: list[Violation]) -> bool:
         per_rank: dict[RankKey, list[Step]] = {}
@@ -364,9 +361,10 @@ class Ledger:
         return lead.state if lead is not None and not lead.desynced else None
 
     def _lead_key(self, key: RankKey) -> RankKey:
-        return self._key_of(key.engine_id, key.dp, *self.step_groups[(key.engine_id, key.dp)].lead)
+        return self.key_of(key.engine_id, key.dp, *self.step_groups[(key.engine_id, key.dp)].lead)
 
-    def _key_of(self, engine_id: str, dp: int, tp: int, pp: int) -> RankKey:
+    def key_of(self, engine_id: str, dp: int, tp: int, pp: int) -> RankKey:
+        """The rank's key, interned: the edges that type records for this ledger pass this to `event_of`."""
         key = self._keys.get((engine_id, dp, tp, pp))
         if key is None:
             key = self._keys[(engine_id, dp, tp, pp)] = RankKey(engine_id, dp, tp, pp)
@@ -492,7 +490,7 @@ class Ledger:
             clean = (not found_input and not found_plan) if checked else None
             early = group.early.pop(n, {})
             for other, (o_input, o_plan, _) in list(entry.items()):  # ranks whose step came first
-                other_key = self._key_of(key.engine_id, key.dp, *other)
+                other_key = self.key_of(key.engine_id, key.dp, *other)
                 verdict = self._match(other_key, n, ls, o_input, o_plan, early.get(other), out)
                 entry[other] = (o_input, o_plan, verdict)
         else:
@@ -571,7 +569,7 @@ class Ledger:
             if any(after < step < before for after, before in group.lost.get(rank, ())):
                 self.coverage.unchecked[Unchecked.RANK_RECORDS_LOST] += 1
                 continue
-            slot = self.ranks.get(self._key_of(engine_id, dp, *rank))
+            slot = self.ranks.get(self.key_of(engine_id, dp, *rank))
             if slot is not None and slot.closed_step is not None and slot.closed_step < step:
                 # It said it shut down first (a shutdown reaches the ranks one by one, and the group's
                 # last step can be an empty one that only tells the workers what finished).

@@ -13,6 +13,16 @@ from typing import ClassVar
 
 import numpy as np
 
+from kvledger.schemas.events import (
+    ConnectorEvent,
+    DraftPass,
+    GroupPlan,
+    NewRequest,
+    RankInfo,
+    Snapshot,
+    StepInput,
+    StepPlan,
+)
 from kvledger.schemas.kinds import Check, ConnectorKind, KvGroupKind, Unchecked, ViolationKind, group_unchecked
 from kvledger.schemas.packing import expand_slot_runs, unpack_digests, unpack_i32
 from kvledger.stream_app.core.checks import (
@@ -24,16 +34,6 @@ from kvledger.stream_app.core.checks import (
     plan_failures,
     slot_targets,
     token_positions,
-)
-from kvledger.stream_app.core.events import (
-    ConnectorEvent,
-    DraftPass,
-    GroupPlan,
-    NewRequest,
-    RankInfo,
-    Snapshot,
-    StepInput,
-    StepPlan,
 )
 from kvledger.stream_app.core.tables import NULL_BLOCK, GroupTable, written_from
 from kvledger.stream_app.core.violations import Coverage, RankKey, Violation

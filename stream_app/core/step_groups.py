@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from kvledger.stream_app.core.events import Step, StepPlan
+from kvledger.schemas.events import Step, StepPlan
 from kvledger.stream_app.core.violations import RankKey, Violation
 
 

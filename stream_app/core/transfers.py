@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvledger.schemas.events import ConnectorEvent, LedgerEvent, RankInfo, Step, StepInput
 from kvledger.schemas.kinds import Check, ConnectorKind, TransferOutcome, TransferRole, Unchecked, ViolationKind
 from kvledger.schemas.packing import unpack_i32
-from kvledger.stream_app.core.events import ConnectorEvent, LedgerEvent, RankInfo, Step, StepInput, as_event
 from kvledger.stream_app.core.tables import written_from
 from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
 
@@ -141,9 +141,7 @@ class TransferJoin:
         self._due: dict[RankKey, list[tuple[int, str, str]]] = {}  # rank -> heap of (step, transfer, role)
 
     # -- entry points ---------------------------------------------------------------------
-    def apply(self, event: LedgerEvent | dict) -> list[Violation]:
-        """A decoded record (a dict) is typed here first (core/events.py)."""
-        event = as_event(event)
+    def apply(self, event: LedgerEvent) -> list[Violation]:
         body, key = event.body, event.rank
         if isinstance(body, Step):
             return self.advance(key, body.step)

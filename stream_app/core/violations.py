@@ -4,22 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
+from kvledger.schemas.events import RankKey
 from kvledger.schemas.kinds import ViolationKind, read
-
-
-class RankKey(NamedTuple):
-    """One rank of one engine. A tuple: it keys most of the core's dicts, hashed several times per
-    event, and a tuple hashes in C."""
-
-    engine_id: str
-    dp: int
-    tp: int
-    pp: int
-
-    def __str__(self) -> str:
-        return f"{self.engine_id}/dp{self.dp}-tp{self.tp}-pp{self.pp}"
 
 
 @dataclass(frozen=True, slots=True)

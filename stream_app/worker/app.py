@@ -34,6 +34,7 @@ from faust.types import TP, Message
 
 from kvledger.schemas import LEDGER_EVENT, VIOLATION, ConfluentCodec, SingleObjectCodec
 from kvledger.schemas.confluent import SchemaRegistry, value_subject
+from kvledger.schemas.events import avro_datum, event_record
 from kvledger.schemas.kinds import Unchecked
 from kvledger.schemas.registry import raw_schema
 from kvledger.stream_app.kafka_security import KafkaSecurity
@@ -405,7 +406,8 @@ class StreamWorker:
             await self.deadletter_topic.send(key=r.key, value=r.value, headers=headers)
             m.deadletters.labels(dead.reason).inc()
         for transfer_id, event in outcome.transfers:
-            await self.transfers_topic.send(key=transfer_id.encode(), value=self.event_codec.encode(event))
+            value = self.event_codec.encode(avro_datum(event_record(event)))
+            await self.transfers_topic.send(key=transfer_id.encode(), value=value)
         for health in outcome.health:
             m.producer_dropped.labels(health.engine_id, health.rank).set(health.events_dropped)
         for engine_id, n in outcome.events.items():
@@ -553,7 +555,7 @@ class StreamWorker:
             if self.anchors[engine_id].message.tp not in assigned:
                 continue
             for event in self.engines[engine_id].progress():
-                value = self.event_codec.encode(event)
+                value = self.event_codec.encode(avro_datum(event_record(event)))
                 for partition in range(self.settings.partitions):
                     await self.transfers_topic.send(key=engine_id.encode(), value=value, partition=partition)
 

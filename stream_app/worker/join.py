@@ -11,6 +11,7 @@ partition of that topic, checkpointed like an engine.
 from __future__ import annotations
 
 from kvledger.schemas import LEDGER_EVENT, DecodeError, SingleObjectCodec, UnknownSchemaError
+from kvledger.schemas.events import event_of
 from kvledger.schemas.registry import JOIN_CHECKPOINT
 from kvledger.stream_app.core.checkpoints import StateError, join_from_record, join_record
 from kvledger.stream_app.core.transfers import TransferJoin
@@ -61,11 +62,12 @@ class JoinProjection:
                 continue
             self.next_offset = record.offset + 1
             try:
-                event = self.codec.decode(record.value)
-                found = self.join.apply(event)
-            except (DecodeError, UnknownSchemaError) as exc:  # only the worker writes here: a bug, kept aside
+                event = event_of(self.codec.decode(record.value))  # decoded once, here at the edge
+            except (DecodeError, UnknownSchemaError, ValueError) as exc:  # only the worker writes here: a bug
                 out.dead_letters.append(DeadLetter(record, "undecodable", str(exc)))
                 continue
+            try:
+                found = self.join.apply(event)
             except Exception as exc:  # one bad record never stops the join
                 out.dead_letters.append(DeadLetter(record, "rejected_by_join", f"{type(exc).__name__}: {exc}"))
                 continue

@@ -24,8 +24,9 @@ from kvledger.schemas import (
     UnknownSchemaError,
 )
 from kvledger.schemas.codec import Lookup
-from kvledger.schemas.kinds import PdRole
-from kvledger.schemas.registry import CHECKPOINT, CONNECTOR_EVENT, ENGINE_CHECKPOINT, HEALTH, STEP
+from kvledger.schemas.events import ConnectorEvent, Health, LedgerEvent, Step, event_of
+from kvledger.schemas.kinds import PdRole, StepKind
+from kvledger.schemas.registry import CHECKPOINT, ENGINE_CHECKPOINT
 from kvledger.stream_app.core import Ledger, Violation
 from kvledger.stream_app.core.checkpoints import StateError, ledger_from_record, ledger_record
 from kvledger.stream_app.core.violations import RankKey
@@ -83,7 +84,7 @@ class Outcome:
 
     violations: list[IssuedViolation] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
-    transfers: list[tuple[str, dict]] = field(default_factory=list)  # (transfer id, connector event)
+    transfers: list[tuple[str, LedgerEvent]] = field(default_factory=list)  # (transfer id, connector event)
     health: list[ProducerHealth] = field(default_factory=list)
     events: Counter = field(default_factory=Counter)  # engine -> events applied
     unchecked: Counter = field(default_factory=Counter)  # reason -> newly unchecked
@@ -193,18 +194,10 @@ class ViolationIds:
         return cls({item["digest"]: item["count"] for item in items})
 
 
-def progress_event(key: RankKey, incarnation: int, step: int) -> dict:
-    """A rank's clock for the transfer join: a Step event with neither input nor plan."""
-    return {
-        "engine_id": key.engine_id,
-        "dp_rank": key.dp,
-        "tp_rank": key.tp,
-        "pp_rank": key.pp,
-        "incarnation": incarnation,
-        "seq": -1,  # not a ledger event of the rank's own sequence
-        "emitted_at_us": 0,
-        "body": (STEP, {"step": step, "kind": "REAL", "input": None, "plan": None}),
-    }
+def progress_event(key: RankKey, incarnation: int, step: int) -> LedgerEvent:
+    """A rank's clock for the transfer join: a Step event with neither input nor plan (its seq -1: not an
+    event of the rank's own sequence)."""
+    return LedgerEvent(key, incarnation, -1, 0, Step(step, StepKind.REAL))
 
 
 class EngineProjection:
@@ -237,7 +230,7 @@ class EngineProjection:
         # Since the last checkpoint: its bytes and the events applied after it, to
         # rebuild the state when a record makes the core raise.
         self._base: bytes = base if base is not None else self.checkpoint()
-        self._log: list[tuple[Record, dict] | None] = []
+        self._log: list[tuple[Record, LedgerEvent] | None] = []
 
     # -- checkpoints ---------------------------------------------------------------------
     def checkpoint(self) -> bytes:
@@ -275,7 +268,7 @@ class EngineProjection:
         return blob
 
     # -- applying -----------------------------------------------------------------------
-    def apply(self, items: list[tuple[Record, dict]]) -> Outcome:
+    def apply(self, items: list[tuple[Record, LedgerEvent]]) -> Outcome:
         """Apply decoded events of this engine, in offset order; skip what the state already covers.
 
         A rebalance makes the consumer seek back to the committed offset, so
@@ -304,13 +297,13 @@ class EngineProjection:
         out.violations += self.ids.issue(found)
         out.events[self.engine_id] += len(items)
         for _, event in items:
-            name, body = event["body"]
-            if name == CONNECTOR_EVENT and body.get("transfer_id"):
-                out.transfers.append((body["transfer_id"], event))
+            body = event.body
+            if isinstance(body, ConnectorEvent) and body.transfer_id:
+                out.transfers.append((body.transfer_id, event))
                 self.forwarded_transfers = True
-            elif name == HEALTH:
-                rank = f"dp{event['dp_rank']}-tp{event['tp_rank']}-pp{event['pp_rank']}"
-                out.health.append(ProducerHealth(self.engine_id, rank, body["events_dropped"]))
+            elif isinstance(body, Health):
+                rank = f"dp{event.rank.dp}-tp{event.rank.tp}-pp{event.rank.pp}"
+                out.health.append(ProducerHealth(self.engine_id, rank, body.events_dropped))
         out.unchecked += self._new_unchecked()
         return out
 
@@ -327,14 +320,14 @@ class EngineProjection:
         """Steps are waiting for ranks that have not reported them yet."""
         return any(group.pending for group in self.ledger.step_groups.values())
 
-    def progress(self) -> list[dict]:
+    def progress(self) -> list[LedgerEvent]:
         """Progress events of the ranks that moved since the last call (the join's clock).
 
         Forward them only once every connector event up to those steps was
         sent: the join must see a rank's transfer events before its clock
         passes them.
         """
-        out: list[dict] = []
+        out: list[LedgerEvent] = []
         if not self.joins_transfers:
             return out
         for key, slot in self.ledger.ranks.items():
@@ -358,7 +351,9 @@ class EngineProjection:
         self.reported_unchecked = Counter(now)
         return delta
 
-    def _apply_one_by_one(self, items: list[tuple[Record, dict]]) -> tuple[list[Violation], dict[int, DeadLetter]]:
+    def _apply_one_by_one(
+        self, items: list[tuple[Record, LedgerEvent]]
+    ) -> tuple[list[Violation], dict[int, DeadLetter]]:
         """Rebuild from the last checkpoint, event by event, leaving out every event the core raises on
         (by its place in `items`)."""
         rejected: dict[int, DeadLetter] = {}
@@ -399,7 +394,8 @@ class Decoder:
     def __init__(self, lookup: Lookup | None = None) -> None:
         self.codec = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH, lookup=lookup)
 
-    def decode(self, record: Record) -> list[dict] | DeadLetter:
+    def decode(self, record: Record) -> list[LedgerEvent] | DeadLetter:
+        """The record's events, typed (decoded once, here at the worker's edge)."""
         if record.value is None:
             return DeadLetter(record, "undecodable", "record without a value")
         try:
@@ -410,15 +406,19 @@ class Decoder:
             return DeadLetter(record, "undecodable", str(exc))
         if not events:
             return DeadLetter(record, "undecodable", "an empty batch")
-        for event in events:
-            if record.key != event["engine_id"].encode():
+        try:
+            typed = [event_of(event) for event in events]
+        except ValueError as exc:  # readable Avro, not a ledger event this reader can type
+            return DeadLetter(record, "undecodable", str(exc))
+        for event in typed:
+            if record.key != event.engine_id.encode():
                 # Keyed otherwise, the engine's ranks may sit in several partitions, out of order.
-                detail = f"key {record.key!r} is not the engine id {event['engine_id']!r}"
+                detail = f"key {record.key!r} is not the engine id {event.engine_id!r}"
                 return DeadLetter(record, "wrong_key", detail)
-        return events
+        return typed
 
-    def split(self, records: list[Record]) -> tuple[dict[str, list[tuple[Record, dict]]], list[DeadLetter]]:
-        per_engine: dict[str, list[tuple[Record, dict]]] = {}
+    def split(self, records: list[Record]) -> tuple[dict[str, list[tuple[Record, LedgerEvent]]], list[DeadLetter]]:
+        per_engine: dict[str, list[tuple[Record, LedgerEvent]]] = {}
         dead: list[DeadLetter] = []
         for record in records:
             decoded = self.decode(record)
@@ -426,5 +426,5 @@ class Decoder:
                 dead.append(decoded)
                 continue
             for event in decoded:
-                per_engine.setdefault(event["engine_id"], []).append((record, event))
+                per_engine.setdefault(event.engine_id, []).append((record, event))
         return per_engine, dead

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from confluent_kafka import TopicPartition
 
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
+from kvledger.schemas.events import event_of
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.kafka_security import PLAINTEXT, KafkaSecurity
 from kvledger.stream_app.replay import RequestTrace, RequestView
@@ -89,9 +90,10 @@ def travel(
     start = base.next_offset if base is not None else 0
     trace = RequestTrace(engine_id, req_id, ledger)
     past: set[tuple[int, int, int]] = set()  # ranks whose stream went beyond `step`: the rest of it too
-    for event in partition_events(bootstrap, topic, partition, engine_id, start, end, security, codec):
-        rank = (event["dp_rank"], event["tp_rank"], event["pp_rank"])
-        at = event["body"][1].get("step")
+    for record in partition_events(bootstrap, topic, partition, engine_id, start, end, security, codec):
+        event = event_of(record, ledger.key_of)  # decoded once, here at the edge
+        rank = (event.rank.dp, event.rank.tp, event.rank.pp)
+        at = getattr(event.body, "step", None)  # RankInfo has none
         if rank in past or (at is not None and at > step):
             past.add(rank)
             continue

@@ -55,6 +55,7 @@ from confluent_kafka import Consumer, TopicPartition
 from kvledger.producer.config import SinkSpec
 from kvledger.producer.ring_recorder import meta_path, read_meta
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
+from kvledger.schemas.events import event_of
 from kvledger.stream_app.core import Ledger
 from tests.conftest import OutageBroker
 from tests.stream_harness import Worker, as_multiset, online_violations, start_worker, violation_key
@@ -640,7 +641,7 @@ def test_the_worker_resumes_catches_up_and_agrees_with_a_replay(outage):
     # What the worker published is what a replay of the topic finds: one sequence_gap per gap in the
     # seqs, with its count, and nothing else; the checks after each gap were counted, not run.
     ledger = Ledger()
-    offline = [v for e in events for v in ledger.apply(e)] + ledger.finish()
+    offline = [v for e in events for v in ledger.apply(event_of(e))] + ledger.finish()
     online, summary = online_violations(outage.bootstrap, outage.prefix)
     assert as_multiset(online) == Counter(violation_key(v) for v in offline)
     seqs = [e["seq"] for e in events]

@@ -19,6 +19,7 @@ import uuid
 
 import pytest
 
+from kvledger.schemas.events import event_of
 from kvledger.stream_app.core import Ledger
 from tests.e2e.test_vllm_trace import PRESSURE
 from tests.stream_harness import (
@@ -52,7 +53,7 @@ def assert_every_event_delivered_and_clean(events: list[dict]) -> None:
     assert events[-1]["body"][0] == "kvledger.Health" and events[-1]["body"][1]["events_dropped"] == 0
     assert events[-1]["body"][1]["closing"] and not any(e["body"][1].get("closing") for e in events[:-1])
     ledger = Ledger()
-    assert [v for e in events for v in ledger.apply(e)] + ledger.finish() == []
+    assert [v for e in events for v in ledger.apply(event_of(e))] + ledger.finish() == []
     assert ledger.closed  # the engine shut down cleanly: a worker would retire it now
     assert ledger.coverage.checks["write"] > 10
 

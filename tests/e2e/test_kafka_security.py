@@ -10,6 +10,7 @@ import re
 import uuid
 from pathlib import Path
 
+from kvledger.schemas.events import events_of
 from kvledger.stream_app.core import Ledger
 from tests.e2e.test_vllm_trace import PRESSURE
 from tests.stream_harness import BATCHES, read_all
@@ -32,7 +33,7 @@ def test_an_engine_traces_over_sasl_ssl_and_wrong_credentials_cost_only_events(
     # Read back over the same broker's PLAINTEXT listener: what the engine wrote over SASL_SSL.
     events = [e for m in read_all(kafka_bootstrap, topic) for e in BATCHES.decode(m.value())]
     ledger = Ledger()
-    assert ledger.apply_many(events) + ledger.finish() == []
+    assert ledger.apply_many(events_of(events)) + ledger.finish() == []
     assert ledger.coverage.checks["write"] > 10 and ledger.closed
 
     wrong = engine(traced_over_sasl(config, topic, **{"sasl.password": "wrong", "message.timeout.ms": 2000}))

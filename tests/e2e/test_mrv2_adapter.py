@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 
+from kvledger.schemas.events import events_of
 from kvledger.schemas.files import discover, read_segment
 from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.core import Ledger
@@ -41,7 +42,7 @@ def bodies(evs: list[dict], name: str) -> list[dict]:
 
 def check(evs: list[dict]) -> Ledger:
     ledger = Ledger()
-    ledger.violations = ledger.apply_many(evs) + ledger.finish()
+    ledger.violations = ledger.apply_many(events_of(evs)) + ledger.finish()
     return ledger
 
 
@@ -63,7 +64,7 @@ def test_mrv2_clean_run_is_silent_checked_and_resyncs_at_its_snapshots(tmp_path)
     # Batches were padded as a FULL CUDA graph pads them, and the padding was recorded.
     assert len(real) == 12 and all(g["num_padding"] > 0 for s in real for g in s["plan"]["groups"])
     [info, *_] = bodies(evs, "kvledger.RankInfo")
-    assert info["runner"] == "mrv2" and info["snapshot_interval"] == 4
+    assert info["runner"] == "v2" and info["snapshot_interval"] == 4
     available = {c["name"]: c["available"] for c in info["capabilities"]}
     assert available == {"step_input": True, "step_plan": True, "dummy_runs": True, "connector": False}
 

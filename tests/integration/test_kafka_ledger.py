@@ -10,6 +10,7 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from kvledger.schemas.events import event_of
 from kvledger.stream_app.core import Ledger
 from tests.synthetic.engine import FaultSpec, GroupSpec, SimConfig, simulate
 
@@ -29,7 +30,7 @@ CONFIG = SimConfig(
 
 def _replay(events):
     ledger = Ledger()
-    return [v for e in events for v in ledger.apply(e)] + ledger.finish()
+    return [v for e in events for v in ledger.apply(event_of(e))] + ledger.finish()
 
 
 def _round_trip(bootstrap: str, events: list[dict]) -> list[dict]:

@@ -21,6 +21,7 @@ from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KafkaSink
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
+from kvledger.schemas.events import body_of
 from tests.stream_harness import KVLEDGER, events_done, free_port, kvledger, start_worker, wait_for
 from tests.synthetic.engine import FaultSpec, SimConfig, simulate
 
@@ -37,7 +38,7 @@ def record(bootstrap: str, topic: str, settings: dict) -> RankRecorder:
     events = simulate(SimConfig(seed=3, steps=40, snapshot_interval=20)).events
     recorder = RankRecorder(RankIdentity("sasl-engine", 0, 0, 0, 1), KafkaSink(bootstrap, topic, settings))
     for event in events:
-        recorder.capture(event["body"])
+        recorder.capture(body_of(*event["body"]))
     recorder.close(step=39, timeout=20)
     return recorder
 

@@ -13,6 +13,7 @@ from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KafkaSink
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
+from kvledger.schemas.events import body_of, event_of
 from kvledger.stream_app.core import Ledger
 from tests.synthetic.engine import SimConfig, simulate
 
@@ -46,7 +47,7 @@ def test_two_ranks_trace_to_kafka(kafka_bootstrap):
         tp: RankRecorder(RankIdentity("sim-engine", 0, tp, 0, 1), KafkaSink(kafka_bootstrap, topic)) for tp in (0, 1)
     }
     for event in sim.events:
-        recorders[event["tp_rank"]].capture(event["body"])
+        recorders[event["tp_rank"]].capture(body_of(*event["body"]))
     for recorder in recorders.values():
         recorder.close(step=149, timeout=30)
         assert recorder.dropped == 0
@@ -59,7 +60,7 @@ def test_two_ranks_trace_to_kafka(kafka_bootstrap):
         assert [e["seq"] for e in mine] == list(range(len(mine)))
         assert [e["body"] for e in mine[:-1]] == [e["body"] for e in sim.events if e["tp_rank"] == tp]
     ledger = Ledger()
-    assert [v for e in received for v in ledger.apply(e)] + ledger.finish() == []
+    assert [v for e in received for v in ledger.apply(event_of(e))] + ledger.finish() == []
     assert ledger.coverage.checks["rank_compare"] == 150
 
 
@@ -71,7 +72,7 @@ def test_broker_down_loses_exactly_what_was_captured():
     recorder = RankRecorder(RankIdentity("eng-down"), sink)
     started = time.monotonic()
     for event in simulate(SimConfig(seed=7, steps=50, snapshot_interval=0, health_interval=0)).events:
-        recorder.capture(event["body"])
+        recorder.capture(body_of(*event["body"]))
     capture_seconds = time.monotonic() - started
     recorder.close(step=49, timeout=10)
     assert sink.delivered == 0

@@ -27,6 +27,7 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KafkaSink
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.schemas.codec import confluent_header
+from kvledger.schemas.events import body_of
 from kvledger.schemas.registry import batch_raw, checkpoint_raw, raw_schema
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.worker.topics import Topics, ensure_topics
@@ -248,7 +249,7 @@ def test_a_newer_writer_schema_is_read_by_the_current_worker_and_an_incompatible
             KafkaSink(kafka_bootstrap, topic, registry=RegistrySpec(schema_registry)),
         )
         for event in current[:40]:
-            recorder.capture(event["body"])
+            recorder.capture(body_of(*event["body"]))
         recorder.close(step=40, timeout=10)
     assert recorder.sink.schema_id is None and recorder.sink.delivered == 0
     assert recorder.dropped == recorder.sink.lost == recorder.captured == 41  # the closing Health too

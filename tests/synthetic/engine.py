@@ -187,6 +187,8 @@ class _BlockPool:
                 self.free.append(b)
 
     def cache(self, block_hash: int, block: int) -> None:
+        if not 0 < block < len(self.ref):  # a block id past the pool (an injected fault) is never a hit
+            return
         if block_hash not in self.block_of and block not in self.hash_of:
             self.block_of[block_hash] = block
             self.hash_of[block] = block_hash
@@ -247,7 +249,7 @@ class SyntheticEngine:
         seq = self.seq[rank]
         self.seq[rank] += 1
         self.clock_us += 1000
-        return records.envelope(rank, seq, self.clock_us, *body)
+        return records.envelope(rank, seq, self.clock_us, body)
 
     def _emit_all(self, body: tuple[str, dict]) -> Iterator[dict]:
         for rank in self.ranks:
@@ -773,7 +775,7 @@ class _SimRank:
 
     def emit(self, body: tuple[str, dict]) -> None:
         n = len(self.events)
-        self.events.append(records.envelope(self.identity, n, 1_700_000_000_000_000 + n, *body))
+        self.events.append(records.envelope(self.identity, n, 1_700_000_000_000_000 + n, body))
 
     def connector(self, kind: str, req_id: str, tid: str, blocks: list[int], **fields) -> None:
         self.emit(

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvledger.schemas.events import event_of, events_of
 from kvledger.stream_app.core import Ledger, batch
 from tests.synthetic.engine import FAULTS, FaultSpec, SimConfig, simulate
 
@@ -34,9 +35,9 @@ DECODE_HEAVY = SimConfig(
 
 def both(events, batch_steps=64):
     one = Ledger()
-    stepwise = [v for e in events for v in one.apply(e)] + one.finish()
+    stepwise = [v for e in events for v in one.apply(event_of(e))] + one.finish()
     many = Ledger(batch_steps=batch_steps)
-    batched = many.apply_many(events) + many.finish()
+    batched = many.apply_many(events_of(events)) + many.finish()
     return (stepwise, one), (batched, many)
 
 

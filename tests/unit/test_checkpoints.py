@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from kvledger.schemas.events import event_of, events_of
 from kvledger.schemas.registry import ENGINE_CHECKPOINT
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.core.checkpoints import join_from_record, join_record, ledger_from_record, ledger_record
@@ -93,15 +94,15 @@ def test_a_ledger_restored_anywhere_goes_on_as_the_original(name):
     events = _stream(name)
     engine_id = events[0]["engine_id"]
     reference = Ledger(join_transfers=False)
-    expected = reference.apply_many(events)
+    expected = reference.apply_many(events_of(events))
     assert expected, "the stream's faults are found"
     for cut in (1, len(events) // 4, len(events) // 2, len(events) - 7):
         ledger = Ledger(join_transfers=False)
-        found = ledger.apply_many(events[:cut])
+        found = ledger.apply_many(events_of(events[:cut]))
         derived = _derived(ledger)
         ledger = _through_checkpoint(ledger, engine_id)
         assert _derived(ledger) == derived, cut
-        found += ledger.apply_many(events[cut:])
+        found += ledger.apply_many(events_of(events[cut:]))
         assert _violations(found) == _violations(expected), cut
         assert ledger.coverage == reference.coverage, cut
         # Nothing is lost or added by a round trip: the next checkpoint is the same.
@@ -112,14 +113,14 @@ def test_a_join_restored_anywhere_goes_on_as_the_original():
     faults = (("recv_failed", 0), ("content", 1), ("block_count", 2), ("stuck", 4))
     sim = simulate_pd_pair(PdConfig(seed=2, requests=7, idle_steps=60, faults=faults))
     reference = TransferJoin(deadline_steps=20)
-    expected = [v for e in sim.events for v in reference.apply(e)] + reference.finish()
+    expected = [v for e in sim.events for v in reference.apply(event_of(e))] + reference.finish()
     assert {"transfer_failed", "transfer_stuck", "transfer_content_mismatch"} <= {v.kind for v in expected}
     for cut in (len(sim.events) // 3, 2 * len(sim.events) // 3):
         join = TransferJoin(deadline_steps=20)
-        found = [v for e in sim.events[:cut] for v in join.apply(e)]
+        found = [v for e in sim.events[:cut] for v in join.apply(event_of(e))]
         blob = JoinProjection(0, join).checkpoint()
         join = JoinProjection.restore(blob, 0).join
-        found += [v for e in sim.events[cut:] for v in join.apply(e)] + join.finish()
+        found += [v for e in sim.events[cut:] for v in join.apply(event_of(e))] + join.finish()
         assert _violations(found) == _violations(expected), cut
         assert join_record(join) == join_record(reference)
         assert join_record(join_from_record(join_record(join))) == join_record(join)
@@ -128,7 +129,7 @@ def test_a_join_restored_anywhere_goes_on_as_the_original():
 def test_one_table_per_engine_whatever_the_tp_degree():
     sim = simulate(dataclasses.replace(STREAMS["tp2-hybrid"], tp_size=8, faults=(), steps=120))
     ledger = Ledger(join_transfers=False)
-    assert ledger.apply_many(sim.events) == []
+    assert ledger.apply_many(events_of(sim.events)) == []
     tables = [slot["table"] for slot in ledger_record(ledger)["ranks"]]
     assert len(tables) == 8 and tables[0]["same_as"] is None and tables[0]["requests"]["req_ids"]
     assert tables[1:] == [None] * 7  # the other ranks are compared with the lead, not replayed
@@ -216,7 +217,7 @@ def test_a_big_checkpoint_is_cut_into_pieces_and_put_back_together():
 
 def test_violation_ids_remember_a_bounded_number_of_facts():
     sim = simulate(STREAMS["tp2-hybrid"])
-    found = Ledger(join_transfers=False).apply_many(sim.events)
+    found = Ledger(join_transfers=False).apply_many(events_of(sim.events))
     ids = ViolationIds(limit=3)
     issued = ids.issue(found + found[-1:])
     assert len(ids.issued) == 3

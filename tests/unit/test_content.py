@@ -11,6 +11,7 @@ import pytest
 from kvledger.producer import records
 from kvledger.producer.content import GroupRows, SealTracker, sampled_blocks
 from kvledger.producer.records import RankIdentity
+from kvledger.schemas.events import event_of, events_of
 from kvledger.stream_app.core import Ledger
 from tests.e2e.conftest import vllm_python
 
@@ -31,7 +32,7 @@ class Rank:
 
     def add(self, body, skip: int = 0) -> None:
         self.seq += skip
-        self.events.append(records.envelope(self.rank, self.seq, 0, *body))
+        self.events.append(records.envelope(self.rank, self.seq, 0, body))
         self.seq += 1
 
     def step(self, n, digests=(), *, inp=None, plan=None, skip: int = 0) -> None:
@@ -61,7 +62,7 @@ def run(*ranks: Rank, interleave: bool = False):
     events = [e for r in ranks for e in r.events]
     if interleave:
         events.sort(key=lambda e: e["seq"])
-    found = [v for e in events for v in ledger.apply(e)] + ledger.finish()
+    found = [v for e in events for v in ledger.apply(event_of(e))] + ledger.finish()
     return found, ledger.coverage
 
 
@@ -340,9 +341,9 @@ def test_the_batched_path_finds_what_the_step_path_finds(monkeypatch, changed_at
         digests[n] = [(3, 99 if changed else 11, SWEEP)] if n % 2 or n == changed_at else [(7, 22, SWEEP)]
     events = decoding(digests).events
     one = Ledger()
-    stepwise = [v for e in events for v in one.apply(e)] + one.finish()
+    stepwise = [v for e in events for v in one.apply(event_of(e))] + one.finish()
     many = Ledger(batch_steps=8)
-    batched = many.apply_many(events) + many.finish()
+    batched = many.apply_many(events_of(events)) + many.finish()
     assert batched == stepwise
     assert (many.coverage.checks, many.coverage.unchecked) == (one.coverage.checks, one.coverage.unchecked)
     assert [(v.kind, v.step) for v in stepwise] == (
@@ -354,7 +355,6 @@ def test_the_batched_path_finds_what_the_step_path_finds(monkeypatch, changed_at
 
 def test_a_run_is_clean_only_if_applying_it_would_report_nothing():
     from kvledger.stream_app.core.content import ContentLedger, Sealed
-    from kvledger.stream_app.core.events import BlockDigests
     from kvledger.stream_app.core.violations import RankKey
 
     key = RankKey("e1", 0, 0, 0)
@@ -364,7 +364,7 @@ def test_a_run_is_clean_only_if_applying_it_would_report_nothing():
     def clean(*steps) -> bool:
         seen: dict = {}
         return all(
-            ledger.clean(key, BlockDigests.of(records.block_digests([0] * len(s), *zip(*s, strict=True))), seen)
+            ledger.clean(key, records.block_digests([0] * len(s), *zip(*s, strict=True)), seen)
             for s in ([(b, np.array(v, np.int64), r) for b, v, r in step] for step in steps)
         )
 
@@ -386,7 +386,7 @@ def test_a_rank_that_cannot_digest_says_so_once():
     )
     ledger = Ledger()
     for seq in range(3):  # written again before each snapshot
-        ledger.apply(records.envelope(rank, seq, 0, *info))
+        ledger.apply(records.event(rank, seq, 0, info))
     assert ledger.coverage.unchecked == {"content_digests": 1}
 
 

@@ -34,6 +34,7 @@ from kvledger.schemas import (
     unpack_u64,
 )
 from kvledger.schemas.codec import schema_fingerprint
+from kvledger.schemas.events import event_of, events_of
 from kvledger.schemas.packing import expand_slot_runs, mix_blocks
 from kvledger.schemas.registry import CHECKPOINT
 from kvledger.stream_app.core import Ledger
@@ -219,7 +220,7 @@ def test_rule_case(case):
     ledger = Ledger(**case["ledger"])
     found = []
     for i, event in enumerate(events):
-        found += [(v, i) for v in ledger.apply(event)]
+        found += [(v, i) for v in ledger.apply(event_of(event))]
     found += [(v, None) for v in ledger.finish()]
     got = [[v.kind, f"{v.engine_id}/dp{v.dp_rank}-tp{v.tp_rank}-pp{v.pp_rank}", v.step, v.req_id, v.group, i]
            for v, i in found]  # fmt: skip
@@ -227,7 +228,7 @@ def test_rule_case(case):
     assert dict(ledger.coverage.unchecked) == case["unchecked"]
     # The batched entry point finds the same.
     batched = Ledger(**case["ledger"])
-    again = batched.apply_many(events) + batched.finish()
+    again = batched.apply_many(events_of(events)) + batched.finish()
     assert [[v.kind, v.step, v.req_id, v.group] for v in again] == [[k, s, r, g] for k, _, s, r, g, _ in got]
 
 
@@ -268,7 +269,7 @@ def test_messages_a_reader_sets_aside():
     other_rank = {**event, "tp_rank": 1}
     decoder = Decoder()
     ok = decoder.decode(Record(0, 0, b"e1", _message([event, other_rank])))
-    assert ok == [event, other_rank]  # one engine, several ranks: accepted
+    assert ok == [event_of(event), event_of(other_rank)]  # one engine, several ranks: accepted
     wrong = decoder.decode(Record(0, 1, b"e2", _message([event])))
     assert wrong.reason == "wrong_key"
     empty = decoder.decode(Record(0, 2, b"e1", _message([])))

@@ -10,8 +10,7 @@ import pytest
 
 from kvledger.producer import records
 from kvledger.producer.records import RankIdentity
-from kvledger.schemas import pack_i32
-from kvledger.schemas.registry import CONNECTOR_EVENT
+from kvledger.schemas.events import event_of
 from kvledger.stream_app.core import Ledger
 from tests.synthetic.engine import FaultSpec, GroupSpec, SimConfig, simulate
 
@@ -37,7 +36,7 @@ class Stream:
         )
 
     def add(self, body):
-        self.events.append(records.envelope(RANK, self.seq, 0, *body))
+        self.events.append(records.envelope(RANK, self.seq, 0, body))
         self.seq += 1
 
     def step(self, n, *, new=(), cached=(), appends=(), finished=(), slots, reqs, rows, padding=0, zero=(), copies=()):
@@ -56,7 +55,7 @@ class Stream:
 
     def check(self):
         ledger = Ledger()
-        return [v for e in self.events for v in ledger.apply(e)] + ledger.finish(), ledger
+        return [v for e in self.events for v in ledger.apply(event_of(e))] + ledger.finish(), ledger
 
 
 def prefill_then_decode(decode_slot=29, padding_slot=None):
@@ -92,23 +91,7 @@ def test_free_block_write_and_out_of_pool_write():
 def test_pending_send_holds_blocks_until_done():
     s = Stream()
     s.step(0, new=[(0, [3], 0, 4)], slots=[12, 13, 14, 15], reqs=[(0, 4, 0)], rows=[[3]])
-    s.add(
-        (
-            CONNECTOR_EVENT,
-            {
-                "step": 0,
-                "connector": "test",
-                "kind": "SEND_INTENT",
-                "req_id": "r0",
-                "transfer_id": "t1",
-                "remote_engine_id": "d1",
-                "block_ids": [pack_i32([3])],
-                "num_tokens": 4,
-                "digest": None,
-                "detail": None,
-            },
-        )
-    )
+    s.add(records.connector_event(0, "test", "SEND_INTENT", req_id="r0", transfer_id="t1", block_ids=[[3]]))
     # r0 finishes (its blocks stay with the pending send); r1 is handed block 3 and writes it.
     s.step(1, new=[(1, [3], 0, 1)], finished=["r0"], slots=[12], reqs=[(1, 1, 0)], rows=[[3]])
     violations, _ = s.check()
@@ -214,7 +197,7 @@ REALISTIC = SimConfig(
 
 def _run(events, ledger=None):
     ledger = ledger or Ledger()
-    return [v for e in events for v in ledger.apply(e)] + ledger.finish()
+    return [v for e in events for v in ledger.apply(event_of(e))] + ledger.finish()
 
 
 def test_same_events_same_violations_whatever_the_rank_interleaving():
@@ -278,11 +261,11 @@ def test_a_watermark_mid_stream_settles_once_and_late_records_are_counted_not_he
     late = [e for e in events[cut:] if e["tp_rank"] == 1]
     rest = [e for e in events[cut:] if e["tp_rank"] != 1]
     ledger = Ledger()
-    found = [v for e in events[:cut] + rest for v in ledger.apply(e)]
+    found = [v for e in events[:cut] + rest for v in ledger.apply(event_of(e))]
     assert found == []  # held, not yet reported
     settled = ledger.settle_held()
     assert [(v.kind, v.tp_rank, v.step) for v in settled] == [("rank_missing", 1, 21)]  # one run, reported once
-    found = [v for e in late for v in ledger.apply(e)] + ledger.settle_held() + ledger.finish()
+    found = [v for e in late for v in ledger.apply(event_of(e))] + ledger.settle_held() + ledger.finish()
     assert found == []  # rank 0 reported every step: never missing
     assert ledger.coverage.unchecked["rank_late_after_settle"] > 0
 

@@ -14,6 +14,7 @@ from kvledger.producer import records
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.vllm_mrv2 import MRV2RunnerProbe
 from kvledger.producer.vllm_v1 import V1RunnerProbe
+from kvledger.schemas.events import event_of, events_of
 from kvledger.schemas.kinds import Declaration
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.core.declarations import DECLARATIONS
@@ -106,7 +107,7 @@ class Stream:
         self.events[-1]["body"][1]["capabilities"] = [{"name": n, "available": a, "reason": r} for n, a, r in caps]
 
     def add(self, body) -> None:
-        self.events.append(records.envelope(self.rank, self.seq, 0, *body))
+        self.events.append(records.envelope(self.rank, self.seq, 0, body))
         self.seq += 1
 
     def step(self, n, *, new=(), cached=(), appends=(), slots, reqs, rows, padding=0) -> Stream:
@@ -125,7 +126,7 @@ class Stream:
 def check(*streams: Stream, many: bool = False):
     ledger = Ledger()
     events = [e for s in streams for e in s.events]
-    found = ledger.apply_many(events) if many else [v for e in events for v in ledger.apply(e)]
+    found = ledger.apply_many(events_of(events)) if many else [v for e in events for v in ledger.apply(event_of(e))]
     found += ledger.finish()
     return [(v.kind, v.step, v.req_id) for v in found], ledger.coverage
 

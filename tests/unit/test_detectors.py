@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from kvledger.schemas.events import event_of
 from kvledger.stream_app.core import Ledger, Violation
 from tests.synthetic.engine import (
     FAULT_KINDS,
@@ -30,7 +31,7 @@ MULTI_RANK_FAULTS = {"rank_divergence", "rank_missing"}
 
 def run_ledger(events) -> tuple[list[Violation], Ledger]:
     ledger = Ledger()
-    found = [v for e in events for v in ledger.apply(e)]
+    found = [v for e in events for v in ledger.apply(event_of(e))]
     return found + ledger.finish(), ledger
 
 

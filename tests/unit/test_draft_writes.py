@@ -19,6 +19,7 @@ from kvledger.producer import records
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.vllm_v1 import AttachPoint, V1RunnerProbe, unmodelled_drafter
 from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from kvledger.schemas.events import event_of, events_of
 from kvledger.stream_app.core import Ledger
 from tests.e2e.conftest import vllm_python
 
@@ -64,7 +65,7 @@ class Eagle:
         self.add(info)
 
     def add(self, body) -> None:
-        self.events.append(records.envelope(self.rank, self.seq, 0, *body))
+        self.events.append(records.envelope(self.rank, self.seq, 0, body))
         self.seq += 1
 
     def arrive(self, prompt: int) -> None:
@@ -136,7 +137,11 @@ class Eagle:
 
 def run(stream: Eagle, many: bool = False):
     ledger = Ledger()
-    found = ledger.apply_many(stream.events) if many else [v for e in stream.events for v in ledger.apply(e)]
+    found = (
+        ledger.apply_many(events_of(stream.events))
+        if many
+        else [v for e in stream.events for v in ledger.apply(event_of(e))]
+    )
     found += ledger.finish()
     return found, ledger.coverage
 

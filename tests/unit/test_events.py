@@ -1,16 +1,33 @@
-"""The core's typed events (core/events.py): every record of the contract is typed field for field,
-the enums name the schema's symbols, and what a checkpoint keeps of an event (RankInfo, StepPlan)
-goes back to the record it came from."""
+"""The contract's typed records (kvledger.schemas.events), the one definition of each: they agree with
+the `.avsc` field for field, every decoded record is typed field for field, the enums name the
+schema's symbols, and a typed record goes back to the record it came from."""
 
 from __future__ import annotations
 
-import dataclasses
+import typing
 from enum import StrEnum
 
+import msgspec
 import pytest
 
 from kvledger.producer import records
 from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from kvledger.schemas.events import (
+    BODIES,
+    ConnectorEvent,
+    DraftPass,
+    GroupPlan,
+    Health,
+    RankInfo,
+    RankKey,
+    Snapshot,
+    Step,
+    StepPlan,
+    event_of,
+    events_of,
+    to_record,
+    typed,
+)
 from kvledger.schemas.kinds import (
     ConnectorKind,
     DigestReason,
@@ -23,17 +40,6 @@ from kvledger.schemas.kinds import (
 )
 from kvledger.schemas.registry import raw_schema
 from kvledger.stream_app.core import Ledger
-from kvledger.stream_app.core.events import (
-    ConnectorEvent,
-    Health,
-    RankInfo,
-    Snapshot,
-    Step,
-    StepPlan,
-    as_event,
-    event_of,
-)
-from kvledger.stream_app.core.violations import RankKey
 from tests.synthetic.engine import FaultSpec, PdConfig, SimConfig, simulate, simulate_pd_pair
 
 CODEC = SingleObjectCodec(LEDGER_EVENT)
@@ -46,8 +52,8 @@ def decoded(events: list[dict]) -> list[dict]:
 
 def same(typed, record) -> bool:
     """A typed value carries what the record does, field for field, all the way down."""
-    if dataclasses.is_dataclass(typed):
-        return all(same(getattr(typed, f.name), record[f.name]) for f in dataclasses.fields(typed))
+    if isinstance(typed, msgspec.Struct):
+        return all(same(getattr(typed, f), record[f]) for f in typed.__struct_fields__)
     if isinstance(typed, list):
         return isinstance(record, list) and len(typed) == len(record) and all(map(same, typed, record))
     if isinstance(typed, StrEnum):
@@ -82,7 +88,7 @@ def test_what_a_checkpoint_keeps_goes_back_to_its_record():
     infos = [r["body"][1] for r in records if r["body"][0] == "kvledger.RankInfo"]
     assert {i["pd_role"] for i in infos} == {"PREFILL", "DECODE", "NONE"}
     for info in infos:
-        assert RankInfo.of(info).to_record() == info
+        assert to_record(typed(RankInfo, info)) == info
     steps = [r for r in records if r["body"][0] == "kvledger.Step" and r["body"][1]["plan"] is not None]
     step = steps[len(steps) // 2]
     plan = step["body"][1]["plan"]
@@ -92,7 +98,7 @@ def test_what_a_checkpoint_keeps_goes_back_to_its_record():
     (drafted,) = decoded([step])
     assert drafted["body"][1]["plan"] == plan
     for p in (plan, plan | {"draft_writes": None}, *(s["body"][1]["plan"] for s in steps[:20])):
-        assert StepPlan.of(p).to_record() == p
+        assert to_record(typed(StepPlan, p)) == p
 
 
 def test_the_enums_name_the_schema_symbols():
@@ -127,15 +133,16 @@ def test_the_enums_name_the_schema_symbols():
 def test_a_connector_kind_without_a_symbol_is_written_as_other_and_read_back_typed(kind):
     """The schema keeps its symbols (and fingerprint): the kind is named in `detail`, as ledgers written
     before it was typed named it, and both read back as the kind."""
-    name, body = records.connector_event(3, "MooncakeConnector", kind, req_id="r", transfer_id="t")
-    assert body["kind"] == "OTHER" and body["detail"] in ("send_cancelled", "release_only")
-    (record,) = decoded([records.envelope(records.RankIdentity("e"), 0, 0, name, body)])
+    body = records.connector_event(3, "MooncakeConnector", kind, req_id="r", transfer_id="t")
+    (record,) = decoded([records.envelope(records.RankIdentity("e"), 0, 0, body)])
+    assert record["body"][1]["kind"] == "OTHER" and record["body"][1]["detail"] in ("send_cancelled", "release_only")
     assert event_of(record).body.kind is kind
 
 
 def test_a_connector_kind_from_a_newer_writer_reads_as_other_and_is_counted():
-    name, body = records.connector_event(3, "MooncakeConnector", "SEND_INTENT", transfer_id="t")
-    event = event_of(records.envelope(records.RankIdentity("e"), 0, 0, name, body | {"kind": "SEND_REPLAYED"}))
+    record = records.envelope(records.RankIdentity("e"), 0, 0, records.connector_event(3, "c", "SEND_INTENT"))
+    record["body"][1]["kind"] = "SEND_REPLAYED"
+    event = event_of(record)
     assert event.body.kind is ConnectorKind.OTHER
     ledger = Ledger()
     ledger.apply(event)
@@ -143,10 +150,11 @@ def test_a_connector_kind_from_a_newer_writer_reads_as_other_and_is_counted():
 
 
 def test_the_runner_reads_older_names_and_newer_ones():
-    info = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="mrv2")[1]
-    assert RankInfo.of(info).runner is Runner.V2
-    assert RankInfo.of(info | {"runner": "v3"}).runner is Runner.OTHER
-    assert RankInfo.of(info | {"runner": "v1"}).runner is Runner.V1
+    info = to_record(records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1"))
+    info["runner"] = "mrv2"  # as probes before the runner was typed wrote Model Runner V2
+    assert typed(RankInfo, info).runner is Runner.V2
+    assert typed(RankInfo, info | {"runner": "v3"}).runner is Runner.OTHER
+    assert typed(RankInfo, info | {"runner": "v1"}).runner is Runner.V1
 
 
 def test_a_body_of_unknown_kind_is_refused_not_guessed():
@@ -155,14 +163,14 @@ def test_a_body_of_unknown_kind_is_refused_not_guessed():
         event_of(record)
 
 
-def test_records_and_typed_events_give_the_core_the_same_answers():
+def test_the_core_answers_the_same_for_records_typed_at_once_or_as_read():
     faults = (FaultSpec("slot_shift", step=40), FaultSpec("block_swap", step=90, tp_rank=1))
     records = decoded(simulate(SimConfig(seed=4, steps=150, tp_size=2, faults=faults)).events)
-    by_record, by_typed = Ledger(), Ledger()
-    found = by_record.apply_many(records)
+    by_stream, by_list = Ledger(), Ledger()
+    found = by_stream.apply_many(events_of(records, by_stream.key_of))
     assert found  # the faults are there to be found
-    assert by_typed.apply_many([as_event(r) for r in records]) == found
-    assert by_typed.coverage.checks == by_record.coverage.checks
+    assert by_list.apply_many([event_of(r) for r in records]) == found
+    assert by_list.coverage.checks == by_stream.coverage.checks
 
 
 def test_a_record_built_in_process_may_leave_out_what_the_schema_defaults():
@@ -179,3 +187,80 @@ def test_a_record_built_in_process_may_leave_out_what_the_schema_defaults():
         sparse = {k: v for k, v in record["body"][1].items() if k not in fields}
         normalized = CODEC.decode(CODEC.encode(record | {"body": (name, sparse)}))  # as a reader fills them in
         assert event_of(record | {"body": (name, sparse)}) == event_of(normalized), name
+
+
+# -- the typed model and the .avsc, field for field ------------------------------------------------------
+_PRIMITIVES = {"int": int, "long": int, "string": str, "bytes": bytes, "boolean": bool}
+
+
+def _agrees(avro, hint, where: str) -> None:
+    """An Avro type and a type hint of the model say the same thing."""
+    if isinstance(avro, list):  # a union: null and one branch
+        assert avro[0] == "null" and len(avro) == 2, where
+        args = typing.get_args(hint)
+        assert type(None) in args, f"{where}: nullable in the schema, not in the model"
+        (inner,) = [a for a in args if a is not type(None)]
+        return _agrees(avro[1], inner, where)
+    assert type(None) not in typing.get_args(hint), f"{where}: nullable in the model, not in the schema"
+    if avro == "string" and isinstance(hint, type) and issubclass(hint, StrEnum):
+        assert hint is Runner, f"{where}: an enum the schema keeps a string (for evolution) is named here"
+    elif isinstance(avro, str):
+        assert hint is _PRIMITIVES[avro], f"{where}: {avro} vs {hint}"
+    elif avro["type"] == "array":
+        assert typing.get_origin(hint) is list, where
+        _agrees(avro["items"], typing.get_args(hint)[0], where + "[]")
+    elif avro["type"] == "enum":
+        assert issubclass(hint, StrEnum), where
+        written = [m.value for m in hint if hint is not ConnectorKind or connector_wire(m, None)[0] == m.value]
+        assert written == avro["symbols"], where
+    elif avro["type"] == "record":
+        assert hint.__name__ == avro["name"], where
+        _record_agrees(avro, hint)
+
+
+def _record_agrees(avro: dict, cls: type) -> None:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in msgspec.structs.fields(cls)}
+    assert list(fields) == [f["name"] for f in avro["fields"]], avro["name"]
+    for f in avro["fields"]:
+        where = f"{avro['name']}.{f['name']}"
+        _agrees(f["type"], hints[f["name"]], where)
+        field = fields[f["name"]]
+        if not field.required:  # a default the model fills in is the schema's
+            default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+            assert "default" in f and to_record(default) == f["default"], where
+
+
+def test_the_typed_model_is_the_schema_field_for_field():
+    """`kvledger.schemas.events` and `ledger_event.avsc` name the same records, fields in the same order,
+    of the same types (nullable where the schema says so), enums of the same symbols, defaults alike."""
+    schema = raw_schema("ledger_event")
+    assert [f["name"] for f in schema["fields"][:-1]] == [
+        "engine_id",
+        "dp_rank",
+        "tp_rank",
+        "pp_rank",
+        "incarnation",
+        "seq",
+        "emitted_at_us",
+    ]  # fmt: skip  (the envelope: LedgerEvent's rank, incarnation, seq, time)
+    branches = schema["fields"][-1]["type"]
+    assert [b["name"] for b in branches] == [cls.__name__ for cls in BODIES]
+    for branch, cls in zip(branches, BODIES, strict=True):
+        _record_agrees(branch, cls)
+
+
+def test_the_agreement_check_bites():
+    class StepPlan(msgspec.Struct):  # a field renamed
+        req_indices: bytes
+        num_token: bytes
+        first_positions: bytes
+        groups: list[GroupPlan]
+        draft_writes: list[DraftPass] | None = None
+
+    plan = next(t for t in typing.get_args(typing.get_type_hints(Step)["plan"]) if t is not type(None))
+    avro = next(b for b in raw_schema("ledger_event")["fields"][-1]["type"] if b["name"] == "Step")
+    plan_avro = next(f for f in avro["fields"] if f["name"] == "plan")["type"][1]
+    _record_agrees(plan_avro, plan)
+    with pytest.raises(AssertionError):
+        _record_agrees(plan_avro, StepPlan)

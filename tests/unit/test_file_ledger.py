@@ -448,11 +448,12 @@ from kvledger.producer import plugin
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import FileSink
+from kvledger.schemas.events import body_of
 from tests.synthetic.engine import SimConfig, simulate
 
 faulthandler.enable()  # a SIGABRT from the test dumps every thread's stack, should it hang
 
-bodies = [e["body"] for e in simulate(SimConfig(seed=2, steps=int(sys.argv[3]), snapshot_interval=50)).events]
+bodies = [body_of(*e["body"]) for e in simulate(SimConfig(seed=2, steps=int(sys.argv[3]), snapshot_interval=50)).events]
 recorder = RankRecorder(RankIdentity("killed", 0, 0, 0, 1), FileSink(sys.argv[1]))
 probe = type("Probe", (), {"recorder": recorder})()
 plugin._probes.append(probe)

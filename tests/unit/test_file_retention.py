@@ -18,6 +18,7 @@ from kvledger.producer.config import DEFAULT_SEGMENT_BYTES, TraceConfig, TraceCo
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import FileSink, open_sink
+from kvledger.schemas.events import body_of
 from kvledger.schemas.files import (
     UNCUT_SEGMENT_FACTOR,
     Retention,
@@ -237,7 +238,7 @@ def test_deletion_runs_on_the_drain_thread_and_logs_each_segment(tmp_path, event
     recorder = RankRecorder(identity, sink, capacity=len(events) + 8, drain_interval=0.005)
     with caplog.at_level(logging.DEBUG, logger="kvledger.producer"):
         for event in events:
-            recorder.capture(event["body"])
+            recorder.capture(body_of(*event["body"]))
             if event["seq"] % 64 == 0:
                 time.sleep(0.002)  # let the drain thread write in several batches
         recorder.close(step=len(events), timeout=120)  # a loaded machine: the drain may take a while

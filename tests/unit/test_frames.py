@@ -12,7 +12,7 @@ from kvledger.producer.capture import RequestIndex, StepCapture
 from kvledger.producer.frames import (
     FrameKind,
     RepeatedIds,
-    body_of,
+    body_from_part,
     pack,
     pack_parts,
     prefix_max,
@@ -22,6 +22,7 @@ from kvledger.producer.frames import (
     unpack_parts,
 )
 from kvledger.producer.ring import Ring
+from kvledger.schemas.events import RankInfo
 
 
 def reference_step_input(so, index: RequestIndex) -> dict:
@@ -328,18 +329,18 @@ def test_a_probe_reading_a_scheduler_output_without_a_field_declares_step_input_
         FrameKind.BODY,
         *[FrameKind.STEP] * 2,
     ]
-    infos = [body_of(f.parts[0]) for f in frames if f.kind is FrameKind.BODY]
-    assert [name for name, _ in infos] == [records.RANK_INFO] * 2
-    [first], [then] = ([c for c in info["capabilities"] if c["name"] == "step_input"] for _, info in infos)
-    assert first["available"] is False and "SchedulerOutput.kv_cache_block_copies" in first["reason"]
-    assert "resumed_req_ids" not in first["reason"]
-    assert then["available"] is False
-    assert "CachedRequestData.resumed_req_ids, SchedulerOutput.kv_cache_block_copies" in then["reason"]
+    infos = [body_from_part(f.parts[0]) for f in frames if f.kind is FrameKind.BODY]
+    assert [type(info) for info in infos] == [RankInfo] * 2
+    [first], [then] = ([c for c in info.capabilities if c.name == "step_input"] for info in infos)
+    assert first.available is False and "SchedulerOutput.kv_cache_block_copies" in first.reason
+    assert "resumed_req_ids" not in first.reason
+    assert then.available is False
+    assert "CachedRequestData.resumed_req_ids, SchedulerOutput.kv_cache_block_copies" in then.reason
     assert probe.steps_missing_fields == 4
     assert probe.fields_missing == {"SchedulerOutput.kv_cache_block_copies", "CachedRequestData.resumed_req_ids"}
     # The steps are still recorded, with what could be read, and the recorder builds their records.
     steps = [f for f in frames if f.kind is FrameKind.STEP]
     assert [f.seq for f in steps] == [0, 2, 3, 5, 6]
     index = RequestIndex()
-    built = [StepCapture.from_parts(f.parts).record(index, False)[1] for f in steps]
-    assert [b["step"] for b in built] == [0, 1, 2, 3, 4]
+    built = [StepCapture.from_parts(f.parts).record(index, False) for f in steps]
+    assert [b.step for b in built] == [0, 1, 2, 3, 4]

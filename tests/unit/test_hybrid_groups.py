@@ -12,6 +12,7 @@ import numpy as np
 
 from kvledger.producer import records
 from kvledger.producer.records import RankIdentity
+from kvledger.schemas.events import event_of
 from kvledger.stream_app.core import Ledger
 
 RANK = RankIdentity("hybrid", incarnation=1)
@@ -34,7 +35,7 @@ class HybridStream:
         self._add(records.rank_info(dp_size=1, tp_size=1, pp_size=1, vllm_version="t", runner="t", kv_groups=groups))
 
     def _add(self, body) -> None:
-        self.events.append(records.envelope(RANK, len(self.events), 0, *body))
+        self.events.append(records.envelope(RANK, len(self.events), 0, body))
 
     def step(self, n: int, *, new=(), cached=(), appends=None, finished=(), worker_rows=None) -> None:
         """new: (index, computed, scheduled, state blocks, attention blocks); cached: (index,
@@ -67,7 +68,7 @@ class HybridStream:
 
     def check(self):
         ledger = Ledger()
-        return [v for e in self.events for v in ledger.apply(e)] + ledger.finish(), ledger
+        return [v for e in self.events for v in ledger.apply(event_of(e))] + ledger.finish(), ledger
 
 
 def _found(violations) -> list[tuple]:

@@ -19,6 +19,7 @@ from kvledger.producer.config import (
 from kvledger.producer.recorder import RankRecorder
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import FileSink
+from kvledger.schemas.events import body_of, event_of
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import replay
 from tests.synthetic.engine import SimConfig, simulate
@@ -185,7 +186,7 @@ class ListSink:
 
 def bodies(n: int):
     return [
-        e["body"]
+        body_of(*e["body"])
         for e in simulate(SimConfig(seed=3, steps=n, snapshot_interval=0, health_interval=0)).events
         if e["tp_rank"] == 0
     ][:n]
@@ -219,7 +220,7 @@ def test_full_buffer_drops_and_counts_without_blocking():
     assert recorder.dropped_full == recorder.captured - len(sink.events) > 0
     # The ledger sees exactly that loss: gaps in the sequence, and the count in the last Health.
     ledger = Ledger()
-    violations = [v for e in sink.events for v in ledger.apply(e)]
+    violations = [v for e in sink.events for v in ledger.apply(event_of(e))]
     assert {v.kind for v in violations} <= {"sequence_gap"} and violations
     assert sink.events[-1]["body"][1]["events_dropped"] == recorder.dropped_full
     assert ledger.producer_dropped == recorder.dropped_full
@@ -237,7 +238,7 @@ def test_file_sink_end_to_end(tmp_path):
     sim = simulate(SimConfig(seed=5, steps=120, tp_size=2, snapshot_interval=30))
     recorders = {tp: RankRecorder(RankIdentity("sim-engine", 0, tp, 0, 1), FileSink(tmp_path)) for tp in (0, 1)}
     for event in sim.events:
-        recorders[event["tp_rank"]].capture(event["body"])
+        recorders[event["tp_rank"]].capture(body_of(*event["body"]))
     for recorder in recorders.values():
         recorder.close(step=119)
     result = replay(tmp_path)

@@ -34,6 +34,7 @@ from kvledger.producer.ring import Ring
 from kvledger.producer.sinks import FileSink
 from kvledger.producer.staging import Staged
 from kvledger.schemas import LEDGER_EVENT
+from kvledger.schemas.events import avro_datum
 from kvledger.schemas.packing import length_term, position_weights
 from kvledger.stream_app.replay import iter_ledger
 
@@ -296,7 +297,7 @@ def test_the_sinks_named_branches_change_no_byte(tmp_path):
     events = recorded(tmp_path, full_rows=False)
     assert any(e["body"][1].get("plan", {}) and e["body"][1]["plan"]["draft_writes"] for e in events)
     for event in events:
-        assert encoded(records.avro_datum(event)) == encoded(event)
+        assert encoded(avro_datum(event)) == encoded(event)
     # Through the file ledger: what a reader gets back is what the plain records encode to.
     with FileSink(tmp_path / "ledger") as sink:
         sink.write(events)

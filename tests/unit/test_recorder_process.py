@@ -17,18 +17,20 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import pytest
 
 from kvledger.producer import plugin, records
 from kvledger.producer.capture import PlanCapture, RequestIndex, SnapshotCapture, StepCapture, StepHeader
 from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
-from kvledger.producer.frames import FrameKind, body_of, pack_parts, read_frame, scheduler_fields, unpack_parts
+from kvledger.producer.frames import FrameKind, body_from_part, pack_parts, read_frame, scheduler_fields, unpack_parts
 from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
 from kvledger.producer.ring_recorder import RingRecorder, meta_path, sweep_stale_rings
 from kvledger.producer.staging import Lease, Staged
+from kvledger.schemas.events import RankInfo, body_of
 from kvledger.stream_app.replay import iter_ledger, replay
 from tests.e2e import tracing_costs
 from tests.synthetic.engine import SimConfig, simulate
@@ -85,12 +87,7 @@ def test_what_the_recorder_writes_is_what_the_rank_would_have_built(tmp_path):
     captures.append(StepCapture(5, "DUMMY", None, dummy))
     snapshot = SnapshotCapture.of_rows(5, ["r4-0", "r4-1"], [3, 9], [[[1, 2], [3]], [[7], []]])
     recorder = RingRecorder(RANK, config(tmp_path))
-    recorder.body(
-        (
-            "kvledger.RankInfo",
-            records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")[1],
-        )
-    )
+    recorder.body(records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1"))
     for capture in captures:
         recorder.step(capture)
     recorder.snapshot(snapshot)
@@ -100,14 +97,15 @@ def test_what_the_recorder_writes_is_what_the_rank_would_have_built(tmp_path):
     expected = [c.record(index, False) for c in captures] + [snapshot.record(index)]
     events = ledger_events(tmp_path)
     assert [e["seq"] for e in events] == list(range(9))  # RankInfo, 6 steps, the snapshot, the closing Health
-    assert [e["body"] for e in events[1:8]] == expected
+    assert [body_of(*e["body"]) for e in events[1:8]] == expected
     health = events[-1]["body"][1]
     assert health["closing"] and health["events_captured"] == 8 and health["events_dropped"] == 0
     assert not recorder.ring.path.exists()  # the recorder unlinked the ring once drained
 
 
 def test_a_killed_recorder_is_replaced_and_the_ledger_resyncs(tmp_path):
-    sim = [e["body"] for e in simulate(SimConfig(seed=4, steps=400, snapshot_interval=50)).events if e["tp_rank"] == 0]
+    sim = simulate(SimConfig(seed=4, steps=400, snapshot_interval=50)).events
+    sim = [body_of(*e["body"]) for e in sim if e["tp_rank"] == 0]
     recorder = RingRecorder(RankIdentity("sim-engine", 0, 0, 0, 11), config(tmp_path))
     first = started(recorder)
     for n, body in enumerate(sim):
@@ -143,9 +141,11 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
 from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.ring_recorder import RingRecorder, meta_path, sweep_stale_rings
+from kvledger.schemas.events import body_of
 from tests.synthetic.engine import SimConfig, simulate
 
-sim = [e["body"] for e in simulate(SimConfig(seed=2, steps=300, snapshot_interval=0)).events if e["tp_rank"] == 0]
+sim = simulate(SimConfig(seed=2, steps=300, snapshot_interval=0)).events
+sim = [body_of(*e["body"]) for e in sim if e["tp_rank"] == 0]
 config = TraceConfig(enabled=True, action=TraceAction.RECORD, sink=SinkSpec("file", path=Path(sys.argv[1])))
 recorder = RingRecorder(RankIdentity("killed-eng", 0, 0, 0, 5), config)
 for body in sim:
@@ -253,10 +253,7 @@ def test_a_device_step_is_held_until_its_copies_land_and_later_frames_wait_behin
     captures = [
         StepCapture(s, "REAL", scheduler_fields(scheduler_output(s)), device_plan(s, events[s], pool)) for s in range(3)
     ]
-    transfer = (
-        "kvledger.RankInfo",
-        records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")[1],
-    )
+    transfer = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")
     recorder = RingRecorder(RANK, config(tmp_path))
     recorder.step(captures[0])  # its copies are behind a forward pass still running
     assert recorder.body(transfer) is None  # held behind it, to keep the rank's order
@@ -284,7 +281,7 @@ def test_a_device_step_is_held_until_its_copies_land_and_later_frames_wait_behin
         "kvledger.Step",
         "kvledger.Health",
     ]
-    assert [e["body"] for e in events_written if e["body"][0] == "kvledger.Step"] == expected
+    assert [body_of(*e["body"]) for e in events_written if e["body"][0] == "kvledger.Step"] == expected
     assert events_written[2]["body"][1]["events_captured"] == 2  # its counts as written, after step 0 and the body
 
 
@@ -304,7 +301,7 @@ def test_a_held_step_carries_the_block_lists_as_they_were_when_it_was_recorded(t
     recorder.drain()
     [frame] = [read_frame(bytes(r)) for r in recorder.ring.records()]
     written = StepCapture.from_parts(frame.parts).record(RequestIndex(), False)
-    assert written[1]["input"] == expected[1]["input"]
+    assert written.input == expected.input
     recorder.ring.close(unlink=True)
 
 
@@ -348,7 +345,7 @@ def test_a_record_waiting_for_its_digest_holds_the_frames_after_it(tmp_path):
     recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
     hashed: list[bytes] = []
     info = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")
-    recorder.body_when(lambda: bool(hashed), lambda: ("kvledger.RankInfo", {**info[1], "vllm_version": hashed[0]}))
+    recorder.body_when(lambda: bool(hashed), lambda: msgspec.structs.replace(info, vllm_version=hashed[0]))
     recorder.step(StepCapture(0, "REAL", scheduler_fields(scheduler_output(0)), plan(1)))  # a host plan, ready
     assert (recorder.held, recorder.captured) == (2, 0)  # the step waits behind the record
     hashed.append("y")
@@ -356,7 +353,7 @@ def test_a_record_waiting_for_its_digest_holds_the_frames_after_it(tmp_path):
     assert (recorder.held, recorder.captured) == (0, 3)
     frames = [read_frame(bytes(r)) for r in recorder.ring.records()]
     assert [(f.kind, f.seq) for f in frames] == [(FrameKind.BODY, 0), (FrameKind.STEP, 1), (FrameKind.STEP, 2)]
-    assert body_of(frames[0].parts[0])[1]["vllm_version"] == "y"  # built once ready
+    assert body_from_part(frames[0].parts[0]).vllm_version == "y"  # built once ready
     recorder.ring.close(unlink=True)
 
 
@@ -382,19 +379,19 @@ def test_a_step_written_of_its_pieces_behind_a_held_frame_keeps_its_parts_as_the
 
 def test_a_flush_that_interrupts_a_write_leaves_the_held_frames_in_order(tmp_path):
     recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
-    name, info = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")
+    info = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")
     landed = []
 
-    def interrupted() -> tuple[str, dict]:  # a signal handler's flush while the frame is written
+    def interrupted() -> RankInfo:  # a signal handler's flush while the frame is written
         recorder.flush(timeout=0)
-        return name, {**info, "vllm_version": "first"}
+        return msgspec.structs.replace(info, vllm_version="first")
 
     recorder.body_when(lambda: bool(landed), interrupted)
-    recorder.body_when(lambda: bool(landed), lambda: (name, {**info, "vllm_version": "second"}))
+    recorder.body_when(lambda: bool(landed), lambda: msgspec.structs.replace(info, vllm_version="second"))
     landed.append(True)
     recorder.drain()
     frames = [read_frame(bytes(r)) for r in recorder.ring.records()]
-    assert [(f.seq, body_of(f.parts[0])[1]["vllm_version"]) for f in frames] == [(0, "first"), (1, "second")]
+    assert [(f.seq, body_from_part(f.parts[0]).vllm_version) for f in frames] == [(0, "first"), (1, "second")]
     assert recorder.held == 0
     recorder.ring.close(unlink=True)
 

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvledger.producer import records
+from kvledger.schemas.events import event_of, events_of
 from kvledger.schemas.kinds import ConnectorKind, ViolationKind
 from kvledger.schemas.registry import CONNECTOR_EVENT, STEP
 from kvledger.stream_app.core import Ledger, Violation
-from kvledger.stream_app.core.events import event_of
 from kvledger.stream_app.core.transfers import TransferJoin, parse_digest
 from tests.synthetic.engine import PD_FAULT_KINDS, PdConfig, simulate_pd_pair
 
@@ -28,7 +28,7 @@ TRANSFER_KINDS = {k for kinds in PD_FAULT_KINDS.values() for k in kinds} - {"for
 
 def check(events, **ledger_args) -> tuple[list[Violation], Ledger]:
     ledger = Ledger(**ledger_args)
-    found = ledger.apply_many(events)
+    found = ledger.apply_many(events_of(events))
     return found + ledger.finish(), ledger
 
 
@@ -130,7 +130,7 @@ def test_join_is_order_independent_and_checkpointable():
         for n, event in enumerate(events):
             if n == split:
                 join = copy.deepcopy(join)  # a checkpoint restored mid-stream
-            out += join.apply(event)
+            out += join.apply(event_of(event))
         return {(v.kind, v.engine_id, v.req_id, v.step, v.detail) for v in out + join.finish()}
 
     expected = run(connector)
@@ -170,7 +170,7 @@ def test_partial_pull_compares_the_tail_and_other_layouts_are_unchecked():
         body = records.connector_event(
             3, "test", kind, req_id=f"{engine}-r", transfer_id="t", block_ids=[blocks], digest=digest, **fields
         )
-        return records.envelope(records.RankIdentity(engine), 0, 0, *body)
+        return records.event(records.RankIdentity(engine), 0, 0, body)
 
     sent = records.transfer_digest(b"layout-a", [11, 12, 13])
     tail = records.transfer_digest(b"layout-a", [12, 13])
@@ -188,7 +188,7 @@ def test_partial_pull_compares_the_tail_and_other_layouts_are_unchecked():
 def join_all(events, **join_args) -> tuple[set, TransferJoin]:
     join, out = TransferJoin(**join_args), []
     for event in events:
-        out += join.apply(event)
+        out += join.apply(event_of(event))
     return {(v.kind, v.engine_id, v.req_id, v.step, v.detail) for v in out}, join
 
 
@@ -211,7 +211,7 @@ def test_repeated_events_are_ignored():
     again = connector[: len(connector) * 2 // 3] + connector[len(connector) // 3 :]
     join, out = TransferJoin(), []
     for event in again:
-        out += join.apply(event)
+        out += join.apply(event_of(event))
     assert len(out) == len(once) and {(v.kind, v.engine_id, v.req_id, v.step, v.detail) for v in out} == once
 
 
@@ -231,13 +231,13 @@ def test_closed_transfers_are_retired_and_late_repeats_stay_quiet():
     assert found == set()
     assert join.transfers == {} and join.retired == set(sim.transfer_ids)  # state gone, ids kept
     connector = [e for e in events if e["body"][0] == CONNECTOR_EVENT]
-    assert all(join.apply(e) == [] for e in connector)  # a late repeat is not a new, lone transfer
+    assert all(join.apply(event_of(e)) == [] for e in connector)  # a late repeat is not a new, lone transfer
     assert join.transfers == {}
     # Long after, the ids go too.
     for engine_id in ("sim-prefill", "sim-decode"):
         last = copy.deepcopy(next(e for e in reversed(events) if e["engine_id"] == engine_id and e["body"][0] == STEP))
         last["body"][1]["step"] += 64 * 10  # FORGET_AFTER deadlines
-        assert join.apply(last) == []
+        assert join.apply(event_of(last)) == []
     assert join.retired == set()
 
 
@@ -249,7 +249,7 @@ def test_a_send_that_ended_releases_its_blocks_and_one_still_pending_holds_them(
     rank, seq, events = records.RankIdentity("p", incarnation=1), iter(range(100)), []
 
     def add(body) -> None:
-        events.append(records.envelope(rank, next(seq), 0, *body))
+        events.append(records.envelope(rank, next(seq), 0, body))
 
     def prefill(step: int, index: int, blocks: list[int], finished=()) -> None:
         inp = records.step_input(

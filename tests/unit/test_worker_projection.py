@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec, SingleObjectCodec
+from kvledger.schemas.events import Step, event_record, events_of
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.core.transfers import TransferJoin
 from kvledger.stream_app.worker.join import JoinProjection
@@ -29,7 +30,7 @@ PARTITIONS = 3
 
 def offline(events) -> Counter:
     ledger = Ledger(transfer_deadline_steps=DEADLINE)
-    return as_multiset(ledger.apply_many(events))
+    return as_multiset(ledger.apply_many(events_of(events)))
 
 
 def as_multiset(violations) -> Counter:
@@ -56,19 +57,19 @@ def online(events, seed: int, resend: bool = False) -> tuple[Counter, set[str]]:
         assert not dead
         outcome = projections[engine_id].apply(split[engine_id])
         for tid, event in outcome.transfers:
-            transfers[zlib.crc32(tid.encode()) % PARTITIONS].append(CODEC.encode(event))
+            transfers[zlib.crc32(tid.encode()) % PARTITIONS].append(CODEC.encode(event_record(event)))
         found += outcome.violations
         if rng.random() < 0.3:  # a checkpoint: progress to every partition
             for event in projections[engine_id].progress():
                 for partition in transfers:
-                    partition.append(CODEC.encode(event))
+                    partition.append(CODEC.encode(event_record(event)))
         if resend and rng.random() < 0.1:  # a restarted worker: a stretch of the transfers again
             for partition in transfers:
                 partition += partition[-rng.randint(1, 10) :]
     for projection in projections.values():
         for event in projection.progress():
             for partition in transfers:
-                partition.append(CODEC.encode(event))
+                partition.append(CODEC.encode(event_record(event)))
     for p, values in enumerate(transfers):
         join = JoinProjection(p, TransferJoin(deadline_steps=DEADLINE))
         half = len(values) // 2
@@ -103,10 +104,8 @@ def test_engine_projection_leaves_the_join_to_the_transfer_stream():
     assert projection.ledger.transfer_join is None and outcome.violations == []
     assert {tid for tid, _ in outcome.transfers} == set(sim.transfer_ids)
     progress = projection.progress()
-    assert [p["body"][1]["step"] for p in progress] == [
-        projection.ledger.ranks[k].last_step for k in projection.ledger.ranks
-    ]
-    assert all(p["body"][1]["input"] is None and p["body"][1]["plan"] is None for p in progress)
+    assert [p.body.step for p in progress] == [projection.ledger.ranks[k].last_step for k in projection.ledger.ranks]
+    assert all(p.body.input is None and p.body.plan is None for p in progress)
     assert projection.progress() == []  # nothing moved since
 
 
@@ -121,7 +120,7 @@ def test_an_engine_outside_every_pd_pair_sends_the_join_no_clock():
     assert outcome.transfers == [] and projection.ledger.ranks
     assert not projection.joins_transfers and projection.progress() == []
     fresh = EngineProjection("sim-engine")  # a rank whose RankInfo is not in yet may be in a pair
-    first_step = next(item for item in split["sim-engine"] if item[1]["body"][0] == "kvledger.Step")
+    first_step = next(item for item in split["sim-engine"] if isinstance(item[1].body, Step))
     fresh.apply([first_step])
     assert fresh.joins_transfers
 
@@ -162,6 +161,6 @@ def test_an_event_the_core_raises_on_is_set_aside_alone_even_inside_a_batch():
     # Every other event was applied once: the same state and findings as a ledger never given the two.
     assert projection.ledger.events == applied == len(events) - 2
     reference = Ledger(join_transfers=False)
-    expected = reference.apply_many([e for i, e in enumerate(events) if i not in (first, second)])
+    expected = reference.apply_many(events_of(e for i, e in enumerate(events) if i not in (first, second)))
     assert as_multiset(found) == as_multiset(expected) and expected  # their seq numbers are gaps
     assert projection.ledger.coverage.checks == reference.coverage.checks

@@ -1,0 +1,318 @@
+"""Ledger records, defined once: the typed form of `avro/ledger_event.avsc`.
+
+Writers build these (the probes, through `kvledger.producer.records`) and `to_datum` turns one into
+what the Avro encoder takes; readers get them back from a decoded record with `event_of` and nothing
+else touches the record's dicts. The `.avsc` stays the published contract, documented field by field;
+`tests/unit/test_events.py` holds the two equal, field for field, in order, with their types.
+
+Packed columns stay `bytes` (little-endian integer arrays, `kvledger.schemas.packing`): ranks are
+matched by comparing and hashing a step's columns as bytes, and the batched core joins a run's
+columns before one unpack, so unpacking them at decode would only be undone.
+
+A field the schema gives a default has that default here only where a record built in process may
+leave it out (the in-engine check reads records before they are encoded), as an Avro reader fills it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import msgspec
+
+from kvledger.schemas.kinds import (
+    ConnectorKind,
+    DigestReason,
+    KvGroupKind,
+    PdRole,
+    Runner,
+    StepKind,
+    connector_kind,
+    connector_wire,
+)
+
+Record = dict[str, Any]
+
+
+class RankKey(NamedTuple):
+    """One rank of one engine. A tuple: it keys most of the core's dicts, hashed several times per
+    event, and a tuple hashes in C."""
+
+    engine_id: str
+    dp: int
+    tp: int
+    pp: int
+
+    def __str__(self) -> str:
+        return f"{self.engine_id}/dp{self.dp}-tp{self.tp}-pp{self.pp}"
+
+
+# -- RankInfo -------------------------------------------------------------------------------------
+class KvGroup(msgspec.Struct):
+    """One KV cache group: layers sharing one block table."""
+
+    group_id: int  # index of the group in the engine's KV cache config
+    kind: KvGroupKind  # how its layers address their blocks
+    block_size: int  # tokens per block
+    num_blocks: int  # pool size: valid ids are 0 .. num_blocks-1, 0 the null block
+    sliding_window: int | None = None  # window in tokens of a SLIDING_WINDOW group
+
+
+class Capability(msgspec.Struct):
+    """A probe that attached or not, or a configuration the checks do not model (kinds.Declaration)."""
+
+    name: str
+    available: bool
+    reason: str | None = None  # why it is unavailable
+
+
+class RankInfo(msgspec.Struct):
+    """A rank's identity and KV cache layout: first event of every incarnation, and before each snapshot."""
+
+    dp_size: int
+    tp_size: int
+    pp_size: int
+    pd_role: PdRole  # its role in a prefill/decode pair
+    vllm_version: str
+    runner: Runner  # the model runner the probes attached to (an Avro string)
+    kv_groups: list[KvGroup]  # indexed by group_id
+    capabilities: list[Capability]
+    full_rows: bool = False  # plans carry full block-table rows
+    snapshot_interval: int = 0  # steps between the rank's snapshots; 0: none
+
+
+# -- Step -----------------------------------------------------------------------------------------
+class NewRequest(msgspec.Struct):
+    """A request the worker sees for the first time (or again after it was finished)."""
+
+    req_index: int  # rank-local dense index, used by every packed column
+    req_id: str
+    block_ids: list[bytes]  # per group: packed int32
+    num_computed_tokens: int  # prefix-cache hits, received KV
+    num_prompt_tokens: int
+    num_scheduled_tokens: int
+
+
+class StepInput(msgspec.Struct):
+    """The scheduler output as the worker received it; columns aligned as the contract says."""
+
+    new_reqs: list[NewRequest]
+    cached_req_indices: bytes  # packed int32 req_index values
+    cached_num_computed_tokens: bytes  # packed int32, aligned with cached_req_indices
+    cached_num_scheduled_tokens: bytes  # packed int32, aligned with cached_req_indices
+    resumed_req_indices: bytes  # packed int32: their new blocks replace the row
+    append_req_indices: bytes  # appends, one entry per (request, group): packed int32
+    append_group_ids: bytes  # packed int32, aligned with append_req_indices
+    append_counts: bytes  # packed int32, aligned with append_req_indices
+    append_block_ids: bytes  # packed int32, every entry's blocks in entry order
+    finished_req_ids: list[str]
+    preempted_req_ids: list[str]
+    block_ids_to_zero: bytes  # packed int32
+    block_copies: bytes  # packed int32 (src, dst) pairs
+
+
+class GroupPlan(msgspec.Struct):
+    """What attention wrote and read in one KV cache group."""
+
+    group_id: int
+    slot_runs: bytes  # packed int64 (start, length) runs of the slot mapping; start -1: padding
+    num_real: int  # slot-mapping entries of scheduled tokens
+    num_padding: int  # entries after them
+    row_lens: bytes  # packed int32 per request (req_indices order): the row attention reads, in blocks
+    row_digests: bytes  # packed uint32 per request: digest of that row
+    rows: bytes | None = None  # packed int32 rows themselves, when full rows were asked for
+
+
+class DraftPass(msgspec.Struct):
+    """One forward pass of a drafter that writes KV in a target group."""
+
+    group_id: int
+    pass_index: int  # 0: over the target's tokens; k > 0: the k-th autoregressive pass
+    num_tokens: bytes  # packed int32 per request of the plan
+    first_positions: bytes  # packed int32, aligned with num_tokens
+    slot_runs: bytes  # as GroupPlan.slot_runs
+    num_real: int
+    num_padding: int
+
+
+class StepPlan(msgspec.Struct):
+    """The address plan the runner executed (read from its metadata, never recomputed)."""
+
+    req_indices: bytes  # packed int32 req_index values, in slot-mapping order
+    num_tokens: bytes  # packed int32 query tokens per request
+    first_positions: bytes  # packed int32 position of each request's first query token
+    groups: list[GroupPlan]
+    draft_writes: list[DraftPass] | None = None  # None: no drafter KV recorded
+
+
+class BlockDigests(msgspec.Struct):
+    """Content digests of sealed blocks, taken at a step before its forward pass wrote anything."""
+
+    group_ids: bytes  # packed int32
+    block_ids: bytes  # packed int32, aligned with group_ids
+    digests: bytes  # packed uint64, aligned with group_ids
+    reasons: list[DigestReason]  # aligned with group_ids; a newer writer's reason reads as OTHER
+
+
+class Step(msgspec.Struct):
+    """One step of one rank: the scheduler's input and the runner's plan."""
+
+    step: int  # rank-local counter, aligned across the ranks of an engine
+    kind: StepKind  # why the model runner ran
+    input: StepInput | None = None  # None: a run without a scheduler output
+    plan: StepPlan | None = None  # None: no plan built, or the plan probe is unavailable
+    content: BlockDigests | None = None  # None: no sealed block digested at this step
+
+
+# -- the other bodies -----------------------------------------------------------------------------
+class ConnectorEvent(msgspec.Struct):
+    """A KV connector observation (a disaggregated prefill/decode transfer)."""
+
+    step: int
+    connector: str  # connector class, e.g. 'MooncakeConnector'
+    kind: ConnectorKind  # SEND_CANCELLED and RECV_RELEASED are written as OTHER named by `detail`
+    req_id: str | None = None
+    transfer_id: str | None = None  # shared by both engines of a pair
+    remote_engine_id: str | None = None
+    block_ids: list[bytes] = []  # per group: packed int32 local blocks
+    num_tokens: int | None = None
+    digest: bytes | None = None  # of the transferred blocks' bytes, when sampled
+    detail: str | None = None  # the connector's free text (never read by a check)
+
+    def __post_init__(self) -> None:
+        # As read: an OTHER that names one of the kinds the Avro enum has no symbol for is that kind.
+        if self.kind is ConnectorKind.OTHER:
+            self.kind = connector_kind(self.kind, self.detail)
+
+
+class SnapshotRequest(msgspec.Struct):
+    """A live request as a snapshot holds it."""
+
+    req_index: int
+    req_id: str
+    num_computed_tokens: int  # after the snapshot's step
+    block_ids: list[bytes]  # per group: packed int32 row
+
+
+class Snapshot(msgspec.Struct):
+    """A rank's full state after a step: a reader that lost events resyncs here."""
+
+    step: int
+    requests: list[SnapshotRequest]
+
+
+class Health(msgspec.Struct):
+    """The probe's own accounting, now and then and at shutdown."""
+
+    step: int  # last step captured when emitted
+    events_captured: int  # cumulative over the incarnation
+    events_dropped: int  # cumulative: buffer full or sink failed
+    probe_ns: int  # time in probes on the engine's hot path, cumulative
+    buffer_capacity: int
+    buffer_high_water: int
+    closing: bool = False  # the rank's last event: its worker shut down
+
+
+Body = RankInfo | Step | ConnectorEvent | Snapshot | Health
+# The body union's branches in the schema's order, by the names a decoder returns.
+BODIES: tuple[type[Body], ...] = (RankInfo, Step, ConnectorEvent, Snapshot, Health)
+BODY_NAMES: dict[type, str] = {cls: f"kvledger.{cls.__name__}" for cls in BODIES}
+BODY_TYPES: dict[str, type] = {name: cls for cls, name in BODY_NAMES.items()}
+
+
+class LedgerEvent(msgspec.Struct):
+    """One record of the ledger: what one engine rank observed."""
+
+    rank: RankKey  # engine id and DP/TP/PP ranks
+    incarnation: int  # the worker process run; a new one restarts seq and the rank's state
+    seq: int  # per rank and incarnation, every captured event (a jump is a gap)
+    emitted_at_us: int  # capture time: informational, no check reads it
+    body: Body
+
+    @property
+    def engine_id(self) -> str:
+        return self.rank.engine_id
+
+
+# -- decoding -------------------------------------------------------------------------------------
+def typed(cls: type, record: Record) -> Any:
+    """A decoded record (or one built in process) as its typed form; a malformed one raises ValueError."""
+    try:
+        return msgspec.convert(record, cls)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"a malformed {cls.__name__}: {exc}") from exc
+
+
+KeyOf = Callable[[str, int, int, int], RankKey]
+
+
+def body_of(name: str, body: Record) -> Body:
+    """A decoded body, named by its union branch, typed."""
+    cls = BODY_TYPES.get(name)
+    if cls is None:
+        raise ValueError(f"a ledger event with a body of unknown kind {name!r}")
+    return typed(cls, body)
+
+
+def event_of(record: Record, key_of: KeyOf = RankKey) -> LedgerEvent:
+    """The typed event of a decoded record (`key_of` may intern the rank keys)."""
+    body = body_of(*record["body"])
+    rank = key_of(record["engine_id"], record["dp_rank"], record["tp_rank"], record["pp_rank"])
+    return LedgerEvent(rank, record["incarnation"], record["seq"], record["emitted_at_us"], body)
+
+
+def events_of(records: Iterable[Record], key_of: KeyOf = RankKey) -> Iterator[LedgerEvent]:
+    """Decoded records typed one by one, as they are read."""
+    return (event_of(record, key_of) for record in records)
+
+
+# -- encoding -------------------------------------------------------------------------------------
+def to_record(value: msgspec.Struct) -> Record:
+    """A typed record as the Avro writer takes it (enums as their symbols, packed columns as bytes)."""
+    return msgspec.to_builtins(value, builtin_types=(bytes,))
+
+
+def body_record(body: Body) -> Record:
+    """A body as the Avro writer takes it: a connector kind without a symbol is written as OTHER
+    named by its detail."""
+    out = to_record(body)
+    if isinstance(body, ConnectorEvent):
+        out["kind"], out["detail"] = connector_wire(body.kind, body.detail)
+    return out
+
+
+def event_record(event: LedgerEvent) -> Record:
+    """A typed event as the Avro writer takes it (a stream worker forwards some of what it read)."""
+    rank = event.rank
+    return {
+        "engine_id": rank.engine_id,
+        "dp_rank": rank.dp,
+        "tp_rank": rank.tp,
+        "pp_rank": rank.pp,
+        "incarnation": event.incarnation,
+        "seq": event.seq,
+        "emitted_at_us": event.emitted_at_us,
+        "body": (BODY_NAMES[type(event.body)], body_record(event.body)),
+    }
+
+
+# A Step's optional parts, by the names of their union branches.
+_BRANCHES = (("input", "kvledger.StepInput"), ("plan", "kvledger.StepPlan"), ("content", "kvledger.BlockDigests"))
+_STEP = BODY_NAMES[Step]
+
+
+def avro_datum(event: Record) -> Record:
+    """`event` as the Avro writer takes it fastest, written to the same bytes: a Step's optional parts
+    name their union's branch (fastavro's tuple notation), so none is validated against each branch
+    to find it (a third of a decode step's encoding). The event itself is left as it is."""
+    name, body = event["body"]
+    if name != _STEP:
+        return event
+    named = dict(body)
+    for field, branch in _BRANCHES:
+        if body[field] is not None:
+            named[field] = (branch, body[field])
+    plan = body["plan"]
+    if plan is not None and plan["draft_writes"] is not None:
+        named["plan"] = ("kvledger.StepPlan", {**plan, "draft_writes": ("array", plan["draft_writes"])})
+    return {**event, "body": (name, named)}
