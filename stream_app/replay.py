@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvledger.schemas.files import LedgerPathError, RankStream, ReadProblem, discover, read_stream
+from kvledger.schemas.files import LedgerPathError, RankStream, ReadProblem, discover, read_stream, unread_peers
 from kvledger.schemas.packing import expand_slot_runs, unpack_digests, unpack_i32, wire_digests
-from kvledger.schemas.registry import STEP
+from kvledger.schemas.registry import RANK_INFO, STEP
 from kvledger.stream_app.core import Ledger, RankKey, Violation
 from kvledger.stream_app.core.checks import (
     GroupFacts,
@@ -157,6 +157,7 @@ def replay(
     problems: list[ReadProblem] = []
     streams, events = iter_ledger(root, problems, progress=progress)
     result = Replay(Ledger(), streams, problems=problems)
+    unread = unread_peers(streams)  # a rank read without its group's other ranks (its directory given)
 
     def report(found: list[Violation]) -> None:
         result.violations += found
@@ -173,7 +174,13 @@ def replay(
             result.ledger.stream_lost(s.engine_id, s.dp, s.tp, s.pp)
             continue
         chunk.append(event)
-        if len(chunk) == _CHUNK:
+        if unread and event["body"][0] == RANK_INFO:
+            # Its group is known from here: the ranks left unread are lost to it, not missing from it.
+            report(result.ledger.apply_many(chunk))
+            chunk = []
+            for tp, pp in unread.get((event["engine_id"], event["dp_rank"]), ()):
+                result.ledger.stream_lost(event["engine_id"], event["dp_rank"], tp, pp)
+        elif len(chunk) == _CHUNK:
             report(result.ledger.apply_many(chunk))
             chunk = []
     report(result.ledger.apply_many(chunk))
