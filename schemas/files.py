@@ -333,31 +333,173 @@ class RankStream:
 
 
 class LedgerPathError(ValueError):
-    """The path is not a usable file ledger."""
+    """The path is not a usable file ledger (one line, naming the path)."""
 
 
-def discover(root: str | Path) -> list[RankStream]:
-    """Find the rank streams under a ledger root (or a single segment file)."""
-    root = Path(root)
-    if not root.exists():
-        raise LedgerPathError(f"no such file or directory: {root}")
-    if root.is_file():
-        return [RankStream("?", -1, -1, -1, [root])]
+# How deep below a given directory rank directories are looked for: the directory may be a rank
+# directory (0), an engine's (1), a ledger root (2), or a directory of roots (3: one per engine of a
+# prefill/decode pair, each traced to a root of its own).
+_RANK_DEPTH = 3
+_AVRO_MAGIC = b"Obj\x01"
+
+
+def _subdirs(directory: Path) -> list[Path]:
+    """The directories in `directory`, by name; an unreadable one is a LedgerPathError."""
+    try:
+        with os.scandir(directory) as entries:
+            return sorted(Path(e.path) for e in entries if e.is_dir())
+    except PermissionError:
+        raise LedgerPathError(f"cannot read {directory}: permission denied") from None
+    except NotADirectoryError:
+        return []
+    except OSError as exc:
+        raise LedgerPathError(f"cannot read {directory}: {exc.strerror or exc}") from None
+
+
+def _segments_of(directory: Path) -> list[Path]:
+    try:
+        return list_segments(directory)
+    except PermissionError:
+        raise LedgerPathError(f"cannot read {directory}: permission denied") from None
+    except OSError as exc:
+        raise LedgerPathError(f"cannot read {directory}: {exc.strerror or exc}") from None
+
+
+def foreign_file(path: Path) -> str | None:
+    """Why `path` is not a ledger segment at all (another kind of file, or Avro records of another
+    schema); None for a segment, and for one whose writer never finished it (empty, or a torn
+    header: the reader reports those as what they are). An unreadable file is a LedgerPathError."""
+    try:
+        with open(path, "rb") as fo:
+            # Empty, or cut inside the magic bytes, is a segment its writer never finished.
+            if not _AVRO_MAGIC.startswith(fo.read(len(_AVRO_MAGIC))):
+                return "not an Avro object container file"
+            fo.seek(0)
+            try:
+                writer_schema = fastavro.block_reader(fo).writer_schema
+            except Exception:  # a header cut short or damaged: the reader reports it (not_avro)
+                return None
+    except FileNotFoundError:
+        return None  # deleted since it was listed (a writer's retention): the reader says so
+    except PermissionError:
+        raise LedgerPathError(f"cannot read {path}: permission denied") from None
+    except IsADirectoryError:
+        return "a directory"
+    except OSError as exc:
+        raise LedgerPathError(f"cannot read {path}: {exc.strerror or exc}") from None
+    name = writer_schema.get("name") if isinstance(writer_schema, dict) else None
+    if name is None or name.rsplit(".", 1)[-1] != LEDGER_EVENT["name"].rsplit(".", 1)[-1]:
+        return f"an Avro file of {name or 'other'} records, not ledger events"
+    return None
+
+
+def _checked(segments: list[Path]) -> list[Path]:
+    """`segments`, each a ledger segment: a foreign file among them is a LedgerPathError."""
+    for path in segments:
+        if (why := foreign_file(path)) is not None:
+            raise LedgerPathError(f"{path} is not a ledger segment: {why}")
+    return segments
+
+
+def _first_event(path: Path) -> dict[str, Any] | None:
+    with contextlib.suppress(Exception), open(path, "rb") as fo:
+        return next(iter(fastavro.reader(fo)), None)
+    return None
+
+
+def _stream_of_file(path: Path) -> RankStream:
+    """A single segment's stream: its engine and rank from the layout above it (its rank directory
+    and that one's engine directory), else from its first event."""
+    match = _RANK_DIR.match(path.parent.name)
+    if match and path.parent.parent.name:
+        dp, tp, pp = (int(x) for x in match.groups())
+        return RankStream(unquote(path.parent.parent.name), dp, tp, pp, [path])
+    event = _first_event(path)
+    if event is None:
+        return RankStream("?", -1, -1, -1, [path])
+    return RankStream(event["engine_id"], event["dp_rank"], event["tp_rank"], event["pp_rank"], [path])
+
+
+def _rank_dirs(directory: Path, depth: int) -> Iterator[Path]:
+    """Rank directories at `directory` or up to `depth` levels below it, in name order."""
+    if _RANK_DIR.match(directory.name):
+        yield directory
+        return
+    if depth == 0:
+        return
+    for sub in _subdirs(directory):
+        yield from _rank_dirs(sub, depth - 1)
+
+
+def discover(path: str | Path) -> list[RankStream]:
+    """The rank streams at `path`: a ledger root, any directory inside one (an engine's, a rank's), a
+    directory of roots, or a single segment file. Engine and rank come from the layout, upward from
+    a rank directory or a segment (`ROOT/<engine_id>/dp<D>-tp<T>-pp<P>/`).
+
+    A directory without that layout is read as a flat set of segments, one stream each (engine and
+    rank from each one's first event). Raises LedgerPathError, one line naming the path, for a path
+    that is missing or unreadable (permissions), and for a foreign file where a segment should be.
+    """
+    given = Path(path)
+    if not given.exists():
+        raise LedgerPathError(f"no such file or directory: {given}")
+    # Absolute, `..` folded (symlinks kept): `.` inside a rank directory still names its engine.
+    where = Path(os.path.abspath(given))
+    if not given.is_dir():
+        if given.name.endswith(END_SUFFIX) and given.stem.isdigit():
+            raise LedgerPathError(
+                f"{given} is an end marker (a writer's confirmation), not a segment: give its directory"
+            )
+        if (why := foreign_file(given)) is not None:
+            raise LedgerPathError(f"{given} is not a ledger segment: {why}")
+        stream = _stream_of_file(where)
+        stream.segments = [given]
+        return [stream]
     streams = []
-    for engine_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        for rdir in sorted(p for p in engine_dir.iterdir() if p.is_dir()):
-            match = _RANK_DIR.match(rdir.name)
-            if not match:
-                continue
-            segments = list_segments(rdir)
-            if segments:
-                dp, tp, pp = (int(x) for x in match.groups())
-                streams.append(RankStream(unquote(engine_dir.name), dp, tp, pp, segments))
-    stray = [p for p in root.rglob(f"*{SEGMENT_SUFFIX}") if not _RANK_DIR.match(p.parent.name)]
-    if not streams and stray:
-        # A flat directory of segments: read them as they are, one stream each.
-        streams = [RankStream("?", -1, -1, -1, [p]) for p in sorted(stray)]
+    for rdir in _rank_dirs(where, _RANK_DEPTH):
+        segments = _segments_of(rdir)
+        if segments:
+            dp, tp, pp = (int(x) for x in _RANK_DIR.match(rdir.name).groups())
+            # The paths as given (relative stays relative): messages name what the user typed.
+            shown = [given / p.relative_to(where) for p in segments]
+            streams.append(RankStream(unquote(rdir.parent.name), dp, tp, pp, _checked(shown)))
+    if streams:
+        return streams
+    # No rank directories: a flat directory of segments, read as they are, one stream each.
+    try:
+        stray = sorted(given.rglob(f"*{SEGMENT_SUFFIX}"))
+    except PermissionError as exc:
+        raise LedgerPathError(f"cannot read {exc.filename or given}: permission denied") from None
+    streams = []
+    for segment in _checked([p for p in stray if p.is_file()]):
+        stream = _stream_of_file(Path(os.path.abspath(segment)))
+        stream.segments = [segment]
+        streams.append(stream)
     return streams
+
+
+def unread_peers(streams: list[RankStream]) -> dict[tuple[str, int], list[tuple[int, int]]]:
+    """The ranks beside `streams` whose own streams are not among them (a rank's directory or a
+    segment given alone): for each engine directory and DP rank read, the other ranks' directories
+    that hold segments, as (engine_id, dp) -> [(tp, pp)]. Their absence from the steps read is the
+    reader's choice, not the ranks' fault."""
+    read = {(s.engine_id, s.dp, s.tp, s.pp) for s in streams}
+    engines: dict[Path, tuple[str, set[int]]] = {}
+    for s in streams:
+        rdir = Path(os.path.abspath(s.segments[0])).parent if s.segments else None
+        if rdir is not None and _RANK_DIR.match(rdir.name):
+            engines.setdefault(rdir.parent, (s.engine_id, set()))[1].add(s.dp)
+    out: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for engine_dir, (engine_id, dps) in engines.items():
+        with contextlib.suppress(LedgerPathError):  # an engine directory that cannot be listed: none known
+            for rdir in _subdirs(engine_dir):
+                match = _RANK_DIR.match(rdir.name)
+                if match is None:
+                    continue
+                dp, tp, pp = (int(x) for x in match.groups())
+                if dp in dps and (engine_id, dp, tp, pp) not in read and _segments_of(rdir):
+                    out.setdefault((engine_id, dp), []).append((tp, pp))
+    return out
 
 
 def same_schema(a, b) -> bool:
@@ -389,7 +531,13 @@ def read_segment(
                         fo, reader_schema=LEDGER_EVENT, return_record_name=True, return_record_name_override=True
                     )
             except Exception as exc:
-                problems.append(ReadProblem(str(path), "not_avro", f"not an Avro container file: {exc}", 0))
+                fo.seek(0)
+                what = (
+                    "its Avro header is cut short or damaged"
+                    if _AVRO_MAGIC.startswith(fo.read(len(_AVRO_MAGIC)))
+                    else "not an Avro object container file"
+                )
+                problems.append(ReadProblem(str(path), "not_avro", f"{what} ({type(exc).__name__})", 0))
                 return
             whole_end = fo.tell()  # the end of the header, then of the last whole block
             try:
@@ -445,6 +593,20 @@ def unconfirmed_end(segment: Path, last_seq: int, events_read: int) -> ReadProbl
     return ReadProblem(str(segment), "truncated", detail, events_read)
 
 
+def _continued(segment: Path) -> bool:
+    """Whether a later segment of the same incarnation lies beside `segment` (so the end marker,
+    which speaks of the incarnation's last segment, says nothing of this one)."""
+    incarnation = incarnation_of(segment)
+    if incarnation is None:
+        return False
+    with contextlib.suppress(OSError):
+        return any(
+            segment_order(p) > segment_order(segment) and incarnation_of(p) == incarnation
+            for p in list_segments(segment.parent)
+        )
+    return False
+
+
 def read_stream(
     stream: RankStream, problems: list[ReadProblem], progress: dict[Path, int] | None = None
 ) -> Iterator[dict[str, Any]]:
@@ -463,6 +625,8 @@ def read_stream(
         following = stream.segments[i + 1] if i + 1 < len(stream.segments) else None
         if following is not None and incarnation_of(following) == incarnation_of(path):
             continue
+        if following is None and _continued(path):
+            continue  # a segment read on its own: its incarnation goes on in the next one
         if len(problems) == known:  # a torn or corrupt file already says its tail is lost
             problem = unconfirmed_end(path, last_seq, events_read)
             if problem is not None:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvledger.schemas.events import LedgerEvent, Step, StepPlan, event_of
-from kvledger.schemas.files import LedgerPathError, RankStream, ReadProblem, discover, read_stream
+from kvledger.schemas.events import LedgerEvent, RankInfo, Step, StepPlan, event_of
+from kvledger.schemas.files import LedgerPathError, RankStream, ReadProblem, discover, read_stream, unread_peers
 from kvledger.schemas.packing import expand_slot_runs, unpack_digests, unpack_i32, wire_digests
 from kvledger.stream_app.core import Ledger, RankKey, Violation
 from kvledger.stream_app.core.checks import (
@@ -156,6 +156,7 @@ def replay(
     problems: list[ReadProblem] = []
     streams, events = iter_ledger(root, problems, progress=progress)
     result = Replay(Ledger(), streams, problems=problems)
+    unread = unread_peers(streams)  # a rank read without its group's other ranks (its directory given)
 
     def report(found: list[Violation]) -> None:
         result.violations += found
@@ -172,8 +173,16 @@ def replay(
             s = event.stream
             result.ledger.stream_lost(s.engine_id, s.dp, s.tp, s.pp)
             continue
-        chunk.append(event_of(event, typed_for))  # decoded once, here at the edge
-        if len(chunk) == _CHUNK:
+        event = event_of(event, typed_for)  # decoded once, here at the edge
+        chunk.append(event)
+        if unread and isinstance(event.body, RankInfo):
+            # Its group is known from here: the ranks left unread are lost to it, not missing from it.
+            report(result.ledger.apply_many(chunk))
+            chunk = []
+            rank = event.rank
+            for tp, pp in unread.get((rank.engine_id, rank.dp), ()):
+                result.ledger.stream_lost(rank.engine_id, rank.dp, tp, pp)
+        elif len(chunk) == _CHUNK:
             report(result.ledger.apply_many(chunk))
             chunk = []
     report(result.ledger.apply_many(chunk))

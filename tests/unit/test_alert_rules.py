@@ -11,6 +11,7 @@ is wrong. promtool comes from Debian's prometheus package
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -95,3 +96,94 @@ def test_a_wrong_rule_fails_its_tests(promtool, tmp_path):
     done = run(promtool, "test", "rules", RULE_TESTS.name, cwd=tmp_path)
     assert done.returncode != 0
     assert "alertname: KVLedgerViolation, time: 8m" in done.stdout + done.stderr
+
+
+# -- the commands the annotations give ------------------------------------------------------------------
+
+# What Prometheus fills in, as a reader of an alert sees it: an engine id with a space in it, so that a
+# command that does not quote it would split it into two arguments.
+TEMPLATE_VALUES = {"engine": "decode node 2", "kind": "write_target_mismatch"}
+
+
+def annotations(text: str) -> list[str]:
+    """Every annotation's text, on one line or folded (`key: >-` and the lines indented below)."""
+    found = []
+    pattern = r"^(\s+)(?:summary|description): (?:>-\n((?:\1\s+.+\n)+)|(.+)$)"
+    for _, folded, inline in re.findall(pattern, text, re.M):
+        found.append(" ".join(folded.split()) if folded else inline.strip().strip('"'))
+    return found
+
+
+def filled(template: str) -> str:
+    def value(match: re.Match) -> str:
+        label = re.fullmatch(r"\$labels\.(\w+)", match[1].strip())
+        return TEMPLATE_VALUES.get(label[1], label[1]) if label else "1"
+
+    return re.sub(r"\{\{(.*?)\}\}", value, template)
+
+
+def commands(text: str) -> list[list[str]]:
+    """The `kvledger ...` commands of the annotations, templates filled in, split as a shell would."""
+    return [shlex.split(filled(c))[1:] for a in annotations(text) for c in re.findall(r"`(kvledger [^`]*)`", a)]
+
+
+def usage_error(args: list[str]) -> str | None:
+    """What click says is wrong with `kvledger ARGS` (an unknown command or option, a missing
+    argument, a bad value), without running it; None when it parses."""
+    import click
+
+    from kvledger.stream_app.cli import main
+
+    name, *rest = args
+    command = main.commands.get(name)
+    if command is None:
+        return f"No such command {name!r}"
+    try:
+        with main.make_context("kvledger", [name], resilient_parsing=True) as parent:
+            command.make_context(name, rest, parent=parent).close()
+    except click.UsageError as exc:
+        return exc.format_message()
+    return None
+
+
+def run_command(args: list[str], monkeypatch) -> tuple[int, str]:
+    """`kvledger ARGS` through click's runner, the violations topic read as empty (no broker)."""
+    from click.testing import CliRunner
+
+    from kvledger.stream_app.cli import main
+    from kvledger.stream_app.worker import reader
+
+    monkeypatch.setattr(reader, "read_violations", lambda *a, **kw: iter(()))
+    result = CliRunner().invoke(main, args)
+    return result.exit_code, result.output
+
+
+def test_the_annotations_give_commands():
+    rules = RULES.read_text()
+    found = commands(rules)
+    assert found, "no `kvledger ...` command in the alerts' annotations"
+    [violation] = [a for a in annotations(rules) if "violation(s) on engine" in a]
+    assert "`kvledger violations " in violation  # the alert a finding raises says how to read it
+    assert commands(RULE_TESTS.read_text()), "the rule tests check the annotation with its command"
+
+
+@pytest.mark.parametrize("source", [RULES, RULE_TESTS], ids=lambda p: p.name)
+def test_every_command_in_an_annotation_is_valid(source, monkeypatch):
+    for args in commands(source.read_text()):
+        assert usage_error(args) is None, (args, usage_error(args))
+        code, output = run_command(args, monkeypatch)
+        assert "Usage:" not in output and "No such option" not in output, (args, output)
+        assert code != 2, (args, output)
+        if source is RULES and args[0] == "violations" and "--engine" in args:
+            assert args[args.index("--engine") + 1] == TEMPLATE_VALUES["engine"], args  # quoted: one argument
+
+
+def test_a_wrong_command_is_found(monkeypatch):
+    """The checks can fail: an option the command line does not have, a command it does not have."""
+    for args in (["violations", "--engine-id", "e1"], ["violation", "--engine", "e1"], ["query", "--step", "x"]):
+        assert usage_error(args), args
+        code, output = run_command(args, monkeypatch)
+        assert code == 2 and ("No such option" in output or "Usage:" in output), output
+    # An engine id left unquoted splits in two: the second part is an unexpected argument.
+    unquoted = "`kvledger violations --bootstrap HOST:PORT --engine {{ $labels.engine }}`"
+    assert usage_error(commands(f"    description: {unquoted}\n")[0])

@@ -202,7 +202,11 @@ def test_json_output_equals_the_core_in_process(faulty, faulty_check):
     # Through JSON, as the CLI prints it (tuples become lists, int keys become strings).
     assert violations == json.loads(json.dumps(core))
     assert [{"type": "violation", **v.to_record()} for v in result.violations] == core
-    assert summary == json.loads(json.dumps(result.summary()))
+    core_summary = json.loads(json.dumps(result.summary()))
+    assert {k: summary[k] for k in core_summary} == core_summary
+    # The command's own verdict beside the core's summary: every rank checked, violations found.
+    assert summary.keys() - core_summary.keys() == {"status", "unchecked_ranks"}
+    assert summary["status"] == "violations" and summary["unchecked_ranks"] == []
 
 
 def test_missing_path_is_unusable(tmp_path):
@@ -407,16 +411,98 @@ def test_query_block_table_at_a_step(clean, pick):
         assert f"group {g}: {len(row)} block(s) {row}" in text.stdout
 
 
-def test_query_unknown_request_holds_no_blocks(clean):
-    _, root = clean
-    proc = run("query", root, "--engine", ENGINE, "--req", "req-does-not-exist")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
+def first_steps(events: list[dict]) -> dict[str, int]:
+    """Every request id of the events (admitted by a NewRequest), with the step it first appears at."""
+    seen: dict[str, int] = {}
+    for event in events:
+        name, body = event["body"]
+        if name == STEP and body["input"] is not None:
+            for req in body["input"]["new_reqs"]:
+                seen.setdefault(req["req_id"], body["step"])
+    return seen
+
+
+def steps_of(events: list[dict]) -> tuple[int, int]:
+    steps = [e["body"][1]["step"] for e in events if "step" in e["body"][1]]
+    return min(steps), max(steps)
+
+
+def test_query_unknown_ids_name_what_exists(clean):
+    sim, root = clean
+    first, last = steps_of(sim.events)
+    req_id = next(iter(first_steps(sim.events)))
+    for args, names in [
+        (["--engine", ENGINE, "--req", "req-does-not-exist"], ["req-does-not-exist", "req-0, req-1", "--all-requests"]),
+        (["--engine", "no-such-engine", "--req", req_id], ["no-such-engine", ENGINE]),
+        (["--req", req_id, "--rank", "dp0-tp7-pp0"], ["dp0-tp7-pp0", "dp0-tp0-pp0, dp0-tp1-pp0"]),
+        (["--req", req_id, "--rank", "tp1"], ["'tp1'", "dp0-tp0-pp0, dp0-tp1-pp0"]),
+        (["--req", req_id, "--step", "9999"], ["step 9999", f"steps {first}..{last}"]),
+        (["--req", req_id, "--step", "-1"], ["step -1", f"steps {first}..{last}"]),
+    ]:
+        for fmt in ("text", "json"):
+            proc = run("query", root, *args, "--format", fmt)
+            assert_one_line_error(proc)
+            for name in names:
+                assert name in proc.stderr, (args, proc.stderr)
+
+
+def test_query_a_request_not_live_at_the_step(clean):
+    """A request that exists but holds no blocks at the step: shown so, with where it does (exit 0)."""
+    sim, root = clean
+    req_id, first = max(first_steps(sim.events).items(), key=lambda kv: kv[1])
+    assert first > 1
+    proc = run("query", root, "--req", req_id, "--step", first - 1)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert len(lines) == 2 and all("holds no blocks" in line for line in lines), proc.stdout
-    as_json = run("query", root, "--engine", ENGINE, "--req", "req-does-not-exist", "--format", "json")
-    assert as_json.returncode == 1
-    assert [json.loads(line)["rows"] for line in as_json.stdout.splitlines()] == [None, None]
+    assert len(lines) == 2 and all(f"holds no blocks; it first appears at step {first}" in x for x in lines), lines
+    one = run("query", root, "--req", req_id, "--step", first, "--rank", "dp0-tp1-pp0", "--format", "json")
+    assert one.returncode == 0, one.stderr
+    [view] = [json.loads(line) for line in one.stdout.splitlines()]
+    assert view["tp_rank"] == 1 and view["rows"] is not None
+
+
+def violation_at(violations: list[dict], kind: str, *, group: bool) -> dict:
+    return next(v for v in violations if v["kind"] == kind and (v["group"] is not None) == group and v["req_id"])
+
+
+def test_query_text_shows_the_wrong_slot_beside_the_expected_one(faulty, faulty_check):
+    _, root = faulty
+    _, violations, _ = faulty_check
+    v = violation_at(violations, "write_target_mismatch", group=True)
+    args = ("query", root, "--req", v["req_id"], "--step", v["step"], "--rank", "dp0-tp0-pp0")
+    as_json = run(*args, "--format", "json")
+    assert as_json.returncode == 1, as_json.stderr  # the step's plan broke a rule for the request
+    [view] = [json.loads(line) for line in as_json.stdout.splitlines()]
+    [group] = [g for g in view["plan"]["groups"] if g["group_id"] == v["group"]]
+    wrong = [i for i, w in enumerate(group["wrong"]) if w]
+    assert wrong, group
+    text = run(*args)
+    assert text.returncode == 1, text.stderr
+    i, size = wrong[0], group["block_size"]
+    written, expected = group["written"][i], group["expected"][i]
+    line = next(x for x in text.stdout.splitlines() if f"group {v['group']}: WRONG slot" in x)
+    assert f"position {group['positions'][i]} written to slot {written} (block {written // size}," in line
+    assert f"the ledger's row gives slot {expected} (block {expected // size}," in line
+    assert written != expected
+
+
+def test_query_text_shows_a_wrong_read(faulty, faulty_check):
+    _, root = faulty
+    _, violations, _ = faulty_check
+    v = violation_at(violations, "read_target_mismatch", group=True)
+    text = run("query", root, "--req", v["req_id"], "--step", v["step"], "--rank", "dp0-tp0-pp0")
+    assert text.returncode == 1, text.stderr
+    [line] = [x for x in text.stdout.splitlines() if f"group {v['group']}: WRONG read" in x]
+    assert "the ledger's row is" in line
+
+
+def test_query_a_clean_step_shows_the_plan_as_the_row_gives(clean):
+    sim, root = clean
+    req_id, step = grown_request(sim.events)
+    text = run("query", root, "--req", req_id, "--step", step, "--rank", "dp0-tp0-pp0")
+    assert text.returncode == 0, text.stderr
+    assert f"plan of step {step}:" in text.stdout
+    assert "WRONG" not in text.stdout and "as the ledger's row gives" in text.stdout
 
 
 def test_query_missing_path_is_unusable(tmp_path):
@@ -467,3 +553,293 @@ def test_several_ledgers_are_checked_together(tmp_path, faulty, faulty_check):
     assert proc.returncode == 1
     assert sorted(map(json.dumps, violations)) == sorted(map(json.dumps, faulty_violations))
     assert summary["ranks"] == faulty_summary["ranks"] + 2
+
+
+# -- exit statuses ------------------------------------------------------------------------------------
+
+
+def test_every_command_documents_its_exit_statuses():
+    from click.testing import CliRunner
+
+    from kvledger.stream_app.cli import ExitCode, main
+
+    assert [int(c) for c in ExitCode] == [0, 1, 2, 3]
+    uses = {
+        "check": {0, 1, 2, 3},
+        "query": {0, 1, 2},
+        "ls": {0, 2},
+        "violations": {0, 1, 2},
+        "stream": {0, 2},
+    }
+    assert set(main.commands) == set(uses)
+    for command, codes in uses.items():
+        result = CliRunner().invoke(main, [command, "--help"], terminal_width=100)
+        assert result.exit_code == 0, result.output
+        _, _, epilog = result.output.partition("Exit status:\n")
+        documented = {int(m) for m in re.findall(r"^ +(\d)  \S", epilog, re.M)}
+        assert documented == codes, (command, epilog)
+    top = CliRunner().invoke(main, ["--help"]).output
+    assert "0 clean, 1 violations, 2 input error (a usage error too), 3 nothing checked" in " ".join(top.split())
+
+
+def test_exit_statuses_are_named_once():
+    """Every exit of the command line goes through ExitCode: no bare status anywhere."""
+    source = (Path(__file__).resolve().parents[2] / "stream_app" / "cli.py").read_text()
+    assert re.findall(r"sys\.exit\(\s*\d", source) == []
+    assert re.findall(r"\bEXIT_[A-Z]+\s*=", source) == []
+
+
+def record_blocks(root: Path, events: list[dict]) -> Path:
+    """A file ledger whose segments hold one event per Avro block."""
+    from kvledger.schemas.files import SegmentWriter
+
+    writers: dict[tuple, SegmentWriter] = {}
+    for e in events:
+        key = (e["engine_id"], e["dp_rank"], e["tp_rank"], e["pp_rank"], e["incarnation"])
+        if key not in writers:
+            writers[key] = SegmentWriter(root, *key, flush_interval=0)  # each write its own block
+        writers[key].write([e])
+    for writer in writers.values():
+        writer.close()
+    return root
+
+
+def torn_after_first_event(root: Path, rank: str) -> Path:
+    """Cut a rank's only segment a few bytes into its second block (one event per block)."""
+    [segment] = (root / ENGINE / rank).glob("*.avro")
+    data = segment.read_bytes()
+    with open(segment, "rb") as fo:
+        import fastavro
+
+        sync = fastavro.reader(fo)._header["sync"]
+    header_end = data.index(sync) + len(sync)
+    first_block_end = data.index(sync, header_end) + len(sync)
+    segment.write_bytes(data[: first_block_end + 5])
+    return segment
+
+
+def test_a_ledger_where_nothing_was_checked_is_not_clean(tmp_path):
+    sim = simulate(config(tp_size=1, steps=60))
+    root = record_blocks(tmp_path / "ledger", sim.events)
+    torn_after_first_event(root, "dp0-tp0-pp0")
+    proc, violations, summary = check_json(root)
+    assert proc.returncode == 3, (proc.returncode, summary)
+    assert violations == [] and summary["events"] == 1
+    assert summary["status"] == "nothing_checked"
+    [rank] = summary["unchecked_ranks"]
+    assert rank["tp_rank"] == 0 and "no step" in rank["reason"]
+    text = run("check", root)
+    assert text.returncode == 3
+    assert "no violations" not in text.stdout
+    assert "nothing checked" in text.stdout
+
+
+def test_one_rank_where_nothing_was_checked_is_not_clean(clean, tmp_path):
+    sim, _ = clean
+    root = record_blocks(tmp_path / "ledger", sim.events)
+    torn_after_first_event(root, "dp0-tp1-pp0")
+    proc, violations, summary = check_json(root)
+    assert proc.returncode == 3, (proc.returncode, summary)
+    assert violations == [] and summary["checks"]["write"] > 0  # the other rank was checked
+    assert [(r["dp_rank"], r["tp_rank"], r["pp_rank"]) for r in summary["unchecked_ranks"]] == [(0, 1, 0)]
+    text = run("check", root)
+    assert text.returncode == 3
+    assert "no violations" not in text.stdout.replace("no violations on the 1 rank(s) checked", "")
+    assert f"nothing checked on {ENGINE} dp0/tp1/pp0" in text.stdout
+
+
+# -- ls ------------------------------------------------------------------------------------------------
+
+
+def expected_inventory(events: list[dict]) -> dict:
+    ranks: dict[str, dict] = {}
+    for e in events:
+        name = f"dp{e['dp_rank']}-tp{e['tp_rank']}-pp{e['pp_rank']}"
+        r = ranks.setdefault(name, {"events": 0, "seqs": [], "steps": [], "incarnations": set()})
+        r["events"] += 1
+        r["seqs"].append(e["seq"])
+        r["incarnations"].add(e["incarnation"])
+        if "step" in e["body"][1]:
+            r["steps"].append(e["body"][1]["step"])
+    return ranks
+
+
+def assert_lists(listed: dict, sim_events: list[dict], *, files: bool) -> None:
+    [engine] = listed["engines"]
+    assert engine["engine_id"] == ENGINE
+    assert (engine["first_step"], engine["last_step"]) == steps_of(sim_events)
+    want = expected_inventory(sim_events)
+    assert [r["rank"] for r in engine["ranks"]] == sorted(want)
+    for rank in engine["ranks"]:
+        w = want[rank["rank"]]
+        assert rank["events"] == w["events"]
+        [inc] = rank["incarnations"]
+        assert {inc["incarnation"]} == w["incarnations"]
+        assert (inc["first_seq"], inc["last_seq"]) == (min(w["seqs"]), max(w["seqs"]))
+        assert (inc["first_step"], inc["last_step"]) == (min(w["steps"]), max(w["steps"]))
+        assert ("segments" in rank) == files
+    ids = list(first_steps(sim_events))
+    assert engine["requests"]["count"] == len(ids)
+    return engine, ids
+
+
+def test_ls_lists_engines_ranks_incarnations_steps_and_requests(clean):
+    sim, root = clean
+    proc = run("ls", root, "--format", "json")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    listed = json.loads(proc.stdout)
+    engine, ids = assert_lists(listed, sim.events, files=True)
+    assert engine["requests"]["ids"] == ids[:10] and engine["requests"]["complete"] is False
+    assert all(r["segments"] == 1 and r["bytes"] > 0 for r in engine["ranks"])
+    every = json.loads(run("ls", root, "--format", "json", "--all-requests").stdout)
+    assert every["engines"][0]["requests"] == {"count": len(ids), "ids": ids, "complete": True}
+
+    text = run("ls", root)
+    assert text.returncode == 0
+    first, last = steps_of(sim.events)
+    assert f"engine {ENGINE}: 2 rank(s), steps {first}..{last}, {len(ids)} request(s)" in text.stdout
+    assert "dp0-tp0-pp0: 1 segment(s)" in text.stdout and "dp0-tp1-pp0: 1 segment(s)" in text.stdout
+    assert f"incarnation 1: steps {first}..{last}" in text.stdout
+    assert f"requests: {', '.join(ids[:10])} ... and {len(ids) - 10} more" in text.stdout
+    all_text = run("ls", root, "--all-requests").stdout
+    assert f"requests: {', '.join(ids)}\n" in all_text
+
+
+def test_ls_two_engines_and_a_restart(tmp_path):
+    a = simulate(config(engine_id="eng-a", tp_size=1, steps=40)).events
+    b1 = simulate(config(engine_id="eng-b", tp_size=1, steps=30)).events
+    b2 = simulate(config(engine_id="eng-b", tp_size=1, steps=20, incarnation=2, seed=5)).events
+    root = record(tmp_path / "ledger", a + b1 + b2)
+    listed = json.loads(run("ls", root, "--format", "json").stdout)
+    assert [e["engine_id"] for e in listed["engines"]] == ["eng-a", "eng-b"]
+    [rank] = listed["engines"][1]["ranks"]
+    assert [i["incarnation"] for i in rank["incarnations"]] == [1, 2]
+    assert rank["segments"] == 2
+    assert [i["events"] for i in rank["incarnations"]] == [len(b1), len(b2)]
+
+
+def test_ls_usage_errors_are_one_line(tmp_path):
+    assert_one_line_error(run("ls"))
+    assert_one_line_error(run("ls", tmp_path, "--bootstrap", "127.0.0.1:1"))
+    assert_one_line_error(run("ls", tmp_path))  # no segments
+
+
+class FakeMessage:
+    def __init__(self, offset: int, value: bytes):
+        self._offset, self._value = offset, value
+
+    def error(self):
+        return None
+
+    def offset(self) -> int:
+        return self._offset
+
+    def value(self) -> bytes:
+        return self._value
+
+    def key(self) -> bytes:
+        return ENGINE.encode()
+
+
+class FakeConsumer:
+    """The part of a confluent-kafka Consumer `ls` uses, over messages per partition."""
+
+    def __init__(self, partitions: list[list[bytes]]):
+        self.partitions, self.at = partitions, None
+        self.closed = False
+
+    def get_watermark_offsets(self, tp, timeout=None):
+        return 0, len(self.partitions[tp.partition])
+
+    def assign(self, tps):
+        [tp] = tps
+        self.at = (tp.partition, tp.offset)
+
+    def consume(self, n, timeout=None):
+        partition, offset = self.at
+        values = self.partitions[partition][offset : offset + n]
+        self.at = (partition, offset + len(values))
+        return [FakeMessage(offset + i, v) for i, v in enumerate(values)]
+
+    def close(self):
+        self.closed = True
+
+
+def test_ls_reads_the_events_topic(clean, monkeypatch):
+    """`ls --bootstrap`: the same listing from the events topic (batches of events, any partition)."""
+    from click.testing import CliRunner
+
+    from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
+    from kvledger.stream_app.cli import main
+    from kvledger.stream_app.worker import topics
+
+    sim, root = clean
+    codec = BatchCodec(LEDGER_EVENT, LEDGER_EVENT_BATCH)
+    by_rank = [[e for e in sim.events if e["tp_rank"] == tp] for tp in (0, 1)]
+    partitions = [[codec.encode(evs[i : i + 7]) for i in range(0, len(evs), 7)] for evs in by_rank]
+    partitions[1].append(b"not a ledger event")
+    consumer = FakeConsumer(partitions)
+    asked = []
+    monkeypatch.setattr(topics, "admin", lambda bootstrap, **kw: asked.append(bootstrap))
+    monkeypatch.setattr(
+        topics, "partitions_of", lambda client, topic: len(partitions) if topic == "kv.events" else None
+    )
+    monkeypatch.setattr(topics, "assigned_consumer", lambda *a, **kw: consumer)
+    args = ["ls", "--bootstrap", "broker:9092", "--topic-prefix", "kv", "--format", "json", "--all-requests"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert asked == ["broker:9092"] and consumer.closed
+    listed = json.loads(result.output)
+    assert listed["undecodable"] == 1
+    engine, _ = assert_lists(listed, sim.events, files=False)
+    from_files = json.loads(run("ls", root, "--format", "json", "--all-requests").stdout)["engines"][0]
+    for rank in from_files["ranks"]:
+        del rank["segments"], rank["bytes"]
+    assert engine == from_files
+
+    missing = CliRunner().invoke(main, ["ls", "--bootstrap", "broker:9092"])  # no kvledger.events topic
+    assert missing.exit_code == 2 and missing.output.startswith("kvledger: error: topic kvledger.events")
+
+
+# -- violations --engine ---------------------------------------------------------------------------------
+
+
+def test_violations_of_one_engine(monkeypatch):
+    from click.testing import CliRunner
+
+    from kvledger.stream_app.cli import main
+    from kvledger.stream_app.core import Violation
+    from kvledger.stream_app.worker import reader
+
+    def found(engine_id: str, step: int) -> Violation:
+        record = {
+            "kind": "write_target_mismatch",
+            "engine_id": engine_id,
+            "dp_rank": 0,
+            "tp_rank": 0,
+            "pp_rank": 0,
+            "step": step,
+            "req_id": "req-1",
+            "group": 0,
+            "detail": "1 token(s) written to the wrong slot",
+        }
+        return Violation.of(record)
+
+    def read_violations(bootstrap, topic, *, stats, **kw):
+        for n, v in enumerate([found("eng-a", 3), found("eng-b", 4), found("eng-a", 9)]):
+            stats.kinds[v.kind] += 1
+            stats.engines.add(v.engine_id)
+            yield str(n), v
+
+    monkeypatch.setattr(reader, "read_violations", read_violations)
+    base = ["violations", "--bootstrap", "broker:9092", "--format", "json"]
+    result = CliRunner().invoke(main, [*base, "--engine", "eng-a"])
+    assert result.exit_code == 1, result.output
+    *shown, summary = [json.loads(line) for line in result.output.splitlines()]
+    assert [(v["engine_id"], v["step"]) for v in shown] == [("eng-a", 3), ("eng-a", 9)]
+    assert summary["violations"] == {"write_target_mismatch": 2} and summary["engines"] == 1
+    both = CliRunner().invoke(main, [*base, "--engine", "eng-a", "--engine", "eng-b"])
+    assert len(both.output.splitlines()) == 4
+    none = CliRunner().invoke(main, [*base, "--engine", "eng-c"])
+    assert none.exit_code == 0, none.output
+    assert json.loads(none.output)["violations"] == {}

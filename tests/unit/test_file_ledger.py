@@ -172,12 +172,17 @@ def test_discover_single_file_flat_directory_and_missing_root(tmp_path, events):
     [stream] = discover(tmp_path / "ledger")
     [segment] = stream.segments
     [single] = discover(segment)
-    assert single.segments == [segment] and single.engine_id == "?"
+    rank = (stream.engine_id, stream.dp, stream.tp, stream.pp)
+    assert single.segments == [segment] and (single.engine_id, single.dp, single.tp, single.pp) == rank
     flat = tmp_path / "flat"
     flat.mkdir()
     (flat / "x.avro").write_bytes(segment.read_bytes())
     (flat / "y.avro").write_bytes(segment.read_bytes())
-    assert [len(s.segments) for s in discover(flat)] == [1, 1]
+    found = discover(flat)
+    assert [len(s.segments) for s in found] == [1, 1]
+    first = read_one(segment)[0][0]  # outside the layout, a segment names its rank by its first event
+    recorded = (first["engine_id"], first["dp_rank"], first["tp_rank"], first["pp_rank"])
+    assert [(s.engine_id, s.dp, s.tp, s.pp) for s in found] == [recorded, recorded]
     with pytest.raises(LedgerPathError):
         discover(tmp_path / "nope")
 

@@ -84,7 +84,7 @@ def test_query_prints_the_plan_as_json(faulty):
     root, violation = faulty
     args = ["query", str(root), "--engine", ENGINE, "--req", violation.req_id, "--step", str(violation.step)]
     proc = subprocess.run([KVLEDGER, *args, "--format", "json"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # ExitCode.VIOLATIONS: the plan shown broke a rule for the request
     views = [json.loads(line) for line in proc.stdout.splitlines()]
     lead = views[violation.tp_rank]["plan"]
     assert lead["step"] == violation.step
