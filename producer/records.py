@@ -36,7 +36,7 @@ from kvledger.schemas.events import (
     body_record,
 )
 from kvledger.schemas.kinds import ConnectorKind, Declaration, DigestReason, KvGroupKind, PdRole, Runner, StepKind
-from kvledger.schemas.packing import length_term, mix_blocks, pack_u64, position_weights
+from kvledger.schemas.packing import block_terms, length_term, length_terms, mix_blocks, pack_u64, position_weights
 
 
 @dataclass(frozen=True)
@@ -206,15 +206,14 @@ def row_digests(rows: Sequence[np.ndarray]) -> np.ndarray:
     starts = np.cumsum(lens) - lens
     pos = np.arange(flat.size) - np.repeat(starts, lens)
     with np.errstate(over="ignore"):
-        terms = mix_blocks(flat) * position_weights(0, int(lens.max()))[pos]
+        terms = block_terms(flat, pos)
         # A trailing zero lets reduceat index one past the end for trailing empty rows.
         sums = np.add.reduceat(np.append(terms, np.uint64(0)), starts, dtype=np.uint64)
         sums[lens == 0] = 0
-        return sums + lens.astype(np.uint64) * np.uint64(length_term(1))
+        return sums + length_terms(lens)
 
 
 _I32 = np.dtype("<i4")
-_LENGTH_TERM = np.uint64(length_term(1))
 # Each row's products summed, in one pass (numpy 2's ufunc; einsum before it, slower to call).
 _row_dot = getattr(np, "vecdot", None) or (lambda a, b: np.einsum("ij,ij->i", a, b))
 _WEIGHT_ROWS_MAX = 256  # widths up to this take their rows' weights from a table made once (~0.5 MiB)
@@ -238,7 +237,7 @@ def table_digests(table: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Digests of the rows `table[i, :lens[i]]` of a 2-D block table, without a Python loop."""
     lens = np.asarray(lens)
     sums = _row_dot(mix_blocks(table), _row_weights(table.shape[1], lens))  # uint64: wraps, no warning
-    sums += lens.astype(np.uint64) * _LENGTH_TERM  # a length's int64 bits, as ever
+    sums += length_terms(lens)  # a length's int64 bits, as ever
     return sums
 
 

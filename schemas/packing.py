@@ -79,12 +79,28 @@ def position_weights(start: int, stop: int) -> np.ndarray:
     return _powers[start:stop]
 
 
+def block_terms(blocks: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Each block's term in its row's digest, at its row position `cols`.
+
+    A row's digest is the sum (mod 2^64) of its blocks' terms and of `length_terms` of its length:
+    the one definition every writer and reader of digests builds on, which extends on append.
+    """
+    end = int(cols.max()) + 1 if cols.size else 0
+    with np.errstate(over="ignore"):
+        return mix_blocks(blocks) * position_weights(0, end)[cols]
+
+
+def length_terms(lengths: np.ndarray | int) -> np.ndarray:
+    """The part of rows' digests that depends on their lengths only (uint64)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(lengths).astype(np.uint64) * _K
+
+
 def row_digest(row: np.ndarray | Iterable[int]) -> int:
     """Digest of one block-table row (its block ids, in order)."""
     arr = np.asarray(row, dtype=np.int64)
     with np.errstate(over="ignore"):
-        total = (mix_blocks(arr) * position_weights(0, arr.size)).sum(dtype=np.uint64)
-        return int(total + np.uint64(arr.size) * _K)
+        return int(block_terms(arr, np.arange(arr.size)).sum(dtype=np.uint64) + length_terms(arr.size))
 
 
 def pack_digests(digests: Iterable[int] | np.ndarray) -> bytes:

@@ -25,10 +25,9 @@ import numpy as np
 from kvledger.schemas.events import Step
 from kvledger.schemas.kinds import Check, KvGroupKind, StepKind
 from kvledger.schemas.packing import (
+    block_terms,
     expand_slot_runs,
-    length_term,
-    mix_blocks,
-    position_weights,
+    length_terms,
     unpack_digests,
     unpack_i32,
     unpack_i64,
@@ -46,8 +45,6 @@ from kvledger.stream_app.core.rank_tables import RankTables
 from kvledger.stream_app.core.tables import NULL_BLOCK, positions_differ, written_from
 
 _FAST_KINDS = (KvGroupKind.FULL_ATTENTION, KvGroupKind.MLA)
-_LEN_UNIT = np.uint64(length_term(1))
-_EMPTY_DIGEST = np.uint64(length_term(0))
 
 
 def eligible(state: RankTables) -> bool:
@@ -327,14 +324,12 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
     entry_start = np.cumsum(cnt) - cnt  # offset of each entry's blocks in `blocks`
     cols = np.repeat(g.lens[rows_e] + appended[rows_e, b_e] - cnt - entry_start, cnt) + np.arange(blocks.size)
     blk_rows = np.repeat(rows_e, cnt)
-    end = int(cols.max()) + 1 if cols.size else 0
     # Cells past a row's end are never read: writing them now is invisible to the step-by-step path.
-    g._ensure_cols(end)
-    g.table[blk_rows, cols] = blocks
+    g.place(blk_rows, cols, blocks)
     with np.errstate(over="ignore"):
-        terms = np.append(mix_blocks(blocks) * position_weights(0, end)[cols], np.uint64(0))
+        terms = np.append(block_terms(blocks, cols), np.uint64(0))
         inc = np.add.reduceat(terms, entry_start, dtype=np.uint64) if cnt.size else np.empty(0, np.uint64)
-        inc = np.where(cnt > 0, inc, np.uint64(0)) + cnt.astype(np.uint64) * _LEN_UNIT
+        inc = np.where(cnt > 0, inc, np.uint64(0)) + length_terms(cnt)
         digest_inc = np.zeros(shape, np.uint64)
         digest_inc[rows_e, b_e] = inc
         np.cumsum(digest_inc, axis=1, dtype=np.uint64, out=digest_inc)
@@ -375,15 +370,11 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
     touched = np.unique(rows_e)
 
     def commit() -> None:
-        g._hold(rel_blocks, rel_cols, -1)
-        g._hold(blocks, cols, +1)
-        g.lens[touched] += appended[touched, -1]
-        with np.errstate(over="ignore"):
-            g.digests[touched] += digest_inc[touched, -1]
+        g.hold(rel_blocks, rel_cols, -1)
+        g.hold(blocks, cols, +1)
+        g.extend(touched, appended[touched, -1], digest_inc[touched, -1])
         if run.rel_row.size:
-            g.lens[run.rel_row] = 0
-            g.released[run.rel_row] = 0
-            g.digests[run.rel_row] = _EMPTY_DIGEST
+            g.reset(run.rel_row)
 
     return facts, commit
 
@@ -429,5 +420,5 @@ def _released_blocks(g, rel_rows, rel_b, appended):
     row_of_blk = np.repeat(rel_rows, n)
     cols = np.repeat(starts, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
     blocks = g.table[row_of_blk, cols]
-    held = (blocks > NULL_BLOCK) & (blocks < g.num_blocks)  # as GroupTable._hold counts them
+    held = (blocks > NULL_BLOCK) & (blocks < g.num_blocks)  # as GroupTable.hold counts them
     return blocks[held], cols[held], np.repeat(2 * rel_b, n)[held]

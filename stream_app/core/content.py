@@ -25,7 +25,7 @@ share tensors), so a plan's write into block b is noted for every group's b.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -82,25 +82,12 @@ class ContentLedger:
             else:
                 cov.unchecked[Unchecked.CONTENT_DIGEST_OF_UNKNOWN_REASON] += 1
 
-    def clean(self, key: RankKey, digests: BlockDigests, seen: dict) -> bool:
-        """Whether `apply` would report nothing for `digests` (a step of a run on the batched fast
-        path, before any of it is applied). `seen` carries the run's earlier steps: per (block, tp,
-        pp) the references they set, by group; a key there overrides this ledger's references."""
-        for gid, block, value, reason in _columns(digests) or ():  # misaligned: unchecked, not reported
-            at = (block, key.tp, key.pp)
-            if reason is DigestReason.ZEROED:
-                if value != 0:
-                    return False
-                seen[at] = {}  # forgotten in every group
-                continue
-            refs = seen.get(at)
-            if refs is None:
-                refs = seen[at] = {k[2]: r.digest for k, r in self.sealed.get(block, {}).items() if k[:2] == at[1:]}
-            if reason is DigestReason.SEALED:
-                refs[gid] = value
-            elif reason in _COMPARED and refs.setdefault(gid, value) != value:
-                return False
-        return True
+    def trial(self, blocks: set[int]) -> ContentLedger:
+        """A copy of the references of `blocks`, for `apply` to try a run on before it is applied (the
+        batched fast path: a run that would report anything goes step by step instead)."""
+        copy = ContentLedger(self.block_sizes)
+        copy.sealed = {b: {k: replace(r) for k, r in self.sealed[b].items()} for b in blocks if b in self.sealed}
+        return copy
 
     def _compare(self, key, step, gid, block, value, reason, holders, out, cov) -> None:
         ref = self.sealed.setdefault(block, {}).get((key.tp, key.pp, gid))

@@ -28,6 +28,7 @@ from kvledger.schemas.kinds import (
     Unchecked,
     ViolationKind,
 )
+from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.core import batch
 from kvledger.stream_app.core.content import ContentLedger
 from kvledger.stream_app.core.declarations import Declared, check_declared_plan
@@ -428,13 +429,17 @@ class Ledger:
     # -- content of sealed blocks ------------------------------------------------------------------
     def _content_clean(self, seen: list[tuple[RankKey, int, Step]]) -> bool:
         """Whether a run's digests hold no finding (checked before the run is applied)."""
-        overlay: dict[tuple[str, int], dict] = {}
+        touched: dict[tuple[str, int], set[int]] = {}
         for key, _, body in seen:
-            if body.content is None:
-                continue
-            content = self.content.get((key.engine_id, key.dp)) or ContentLedger({})
-            if not content.clean(key, body.content, overlay.setdefault((key.engine_id, key.dp), {})):
-                return False
+            if body.content is not None:
+                touched.setdefault((key.engine_id, key.dp), set()).update(unpack_i32(body.content.block_ids).tolist())
+        trials = {gkey: (self.content.get(gkey) or ContentLedger({})).trial(blocks) for gkey, blocks in touched.items()}
+        found: list[Violation] = []
+        for key, _, body in seen:  # the rule itself, on copies of the references the run touches
+            if body.content is not None:
+                trials[(key.engine_id, key.dp)].apply(key, body.step, body.content, _nobody, found, Coverage())
+                if found:
+                    return False
         return True
 
     def _check_content(self, key: RankKey, slot: TrackedRank, step: Step, out: list[Violation]) -> None:
@@ -604,6 +609,10 @@ class Ledger:
 
 
 _TRANSFER_BODIES = (Step, ConnectorEvent, RankInfo)
+
+
+def _nobody(block: int) -> list[str]:
+    return []
 
 
 def _has_tokens(inp: StepInput) -> bool:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from kvledger.schemas.kinds import KvGroupKind
-from kvledger.schemas.packing import length_term, mix_blocks, position_weights
+from kvledger.schemas.packing import block_terms, length_term, length_terms
 
 NULL_BLOCK = 0
-_LEN_UNIT = np.uint64(length_term(1))
 
 
 def written_from(num_computed_tokens, block_size: int):
@@ -71,11 +70,31 @@ class GroupTable:
             grow = max(n, 2 * self.table.shape[1]) - self.table.shape[1]
             self.table = np.hstack([self.table, np.zeros((self.table.shape[0], grow), np.int64)])
 
+    # -- the state changes, each written once (the step path and the batched run path use them) ------
+    def place(self, rows: np.ndarray, cols: np.ndarray, blocks: np.ndarray) -> None:
+        """Write blocks into cells; a cell past its row's end is read by nothing until `extend`."""
+        self._ensure_cols(int(cols.max()) + 1 if cols.size else 0)
+        self.table[rows, cols] = blocks
+
+    def extend(self, rows: np.ndarray, counts: np.ndarray, digest_terms: np.ndarray) -> None:
+        """Rows (distinct) grow by counts[i] placed blocks, whose terms add digest_terms[i] to the digest."""
+        self.lens[rows] += counts
+        with np.errstate(over="ignore"):
+            self.digests[rows] += digest_terms
+
+    def reset(self, rows: np.ndarray | int) -> None:
+        """Rows emptied (their holds already dropped): a row a new request may take."""
+        self.lens[rows] = 0
+        self.released[rows] = 0
+        self.digests[rows] = length_term(0)
+
     # -- holders ----------------------------------------------------------------------
     def in_pool(self, blocks: np.ndarray) -> np.ndarray:
         return (blocks >= 0) & (blocks < self.num_blocks)
 
-    def _hold(self, blocks: np.ndarray, positions: np.ndarray, sign: int) -> None:
+    def hold(self, blocks: np.ndarray, positions: np.ndarray, sign: int) -> None:
+        """Blocks (at their row positions) gain (+1) or lose (-1) a holder; ids outside the pool and the
+        null block are nobody's."""
         keep = (blocks > NULL_BLOCK) & (blocks < self.num_blocks)
         if not keep.all():
             blocks, positions = blocks[keep], positions[keep]
@@ -104,14 +123,12 @@ class GroupTable:
         else:
             row_of_block = np.repeat(rows, counts)
             cols = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(blocks.size)
-        end = int(cols.max()) + 1 if cols.size else 0
-        self._ensure_cols(end)
-        self.table[row_of_block, cols] = blocks
-        self.lens[rows] += counts
+        self.place(row_of_block, cols, blocks)
+        terms = np.zeros(rows.size, np.uint64)
         with np.errstate(over="ignore"):
-            np.add.at(self.digests, row_of_block, mix_blocks(blocks) * position_weights(0, end)[cols])
-            self.digests[rows] += counts.astype(np.uint64) * _LEN_UNIT
-        self._hold(blocks, cols, +1)
+            np.add.at(terms, np.repeat(np.arange(rows.size), counts), block_terms(blocks, cols))
+        self.extend(rows, counts, terms + length_terms(counts))
+        self.hold(blocks, cols, +1)
         return cols
 
     def load_rows(self, lens: np.ndarray, released: np.ndarray, blocks: np.ndarray) -> None:
@@ -125,10 +142,8 @@ class GroupTable:
     def clear(self, row: int) -> None:
         n, start = int(self.lens[row]), int(self.released[row])
         if n > start:
-            self._hold(self.table[row, start:n], np.arange(start, n), -1)
-        self.lens[row] = 0
-        self.released[row] = 0
-        self.digests[row] = length_term(0)
+            self.hold(self.table[row, start:n], np.arange(start, n), -1)
+        self.reset(row)
 
     def row(self, row: int) -> np.ndarray:
         return self.table[row, : self.lens[row]]
@@ -165,5 +180,5 @@ class GroupTable:
         moved = upto > self.released[rows]
         for row, new in zip(rows[moved].tolist(), upto[moved].tolist(), strict=True):
             old = int(self.released[row])
-            self._hold(self.table[row, old:new], np.arange(old, new), -1)
+            self.hold(self.table[row, old:new], np.arange(old, new), -1)
             self.released[row] = new

@@ -353,20 +353,22 @@ def test_the_batched_path_finds_what_the_step_path_finds(monkeypatch, changed_at
     assert one.coverage.checks["content_verified"] == 18
 
 
-def test_a_run_is_clean_only_if_applying_it_would_report_nothing():
+def test_a_run_is_tried_on_a_copy_of_the_references_it_touches():
+    """The fast path tries the content rule on `trial` copies: what it finds there is what applying
+    the run would report, and trying it changes nothing of the ledger's own references."""
     from kvledger.stream_app.core.content import ContentLedger, Sealed
-    from kvledger.stream_app.core.violations import RankKey
+    from kvledger.stream_app.core.violations import Coverage, RankKey
 
     key = RankKey("e1", 0, 0, 0)
     ledger = ContentLedger({0: BS})
     ledger.sealed[3] = {(0, 0, 0): Sealed(11, 0, baseline=False), (1, 0, 0): Sealed(77, 0, baseline=False)}
 
     def clean(*steps) -> bool:
-        seen: dict = {}
-        return all(
-            ledger.clean(key, records.block_digests([0] * len(s), *zip(*s, strict=True)), seen)
-            for s in ([(b, np.array(v, np.int64), r) for b, v, r in step] for step in steps)
-        )
+        digests = [records.block_digests([0] * len(s), *zip(*s, strict=True)) for s in steps]
+        trial, found = ledger.trial({b for s in steps for b, _, _ in s}), []
+        for n, d in enumerate(digests):
+            trial.apply(key, n, d, lambda block: [], found, Coverage())
+        return not found
 
     assert clean([(3, 11, SWEEP)], [(5, 1, SEALED)], [(5, 1, READ), (6, 4, READ)], [(6, 4, SWEEP)])
     assert not clean([(3, 12, SWEEP)])  # the ledger's reference (this rank's, not tp 1's)
