@@ -44,7 +44,7 @@ from kvledger.producer.capture import SnapshotCapture, StepCapture
 from kvledger.producer.config import TraceAction, TraceConfig
 from kvledger.producer.frames import FrameKind, read_frame, unpack_parts
 from kvledger.producer.records import RankIdentity
-from kvledger.producer.ring_recorder import MAX_HELD, RingRecorder
+from kvledger.producer.ring_writer import MAX_HELD, RingWriter
 from kvledger.producer.vllm_mrv2 import MRV2RunnerProbe
 
 MAX_BLOCKS = 256
@@ -148,7 +148,7 @@ def run(engine: Engine, steps: int, forward_ms: float, max_held: int, snapshot_e
     frame against the device."""
     config = TraceConfig(enabled=True, action=TraceAction.RECORD, snapshot_interval=0, ring_bytes=1 << 26)
     probe = MRV2RunnerProbe(engine.runner, config)
-    probe.recorder = RingRecorder(RankIdentity("bench", 0, 0, 0, 1), config, spawn=False, max_held=max_held)
+    probe.recorder = RingWriter(RankIdentity("bench", 0, 0, 0, 1), config, spawn=False, max_held=max_held)
     stream_events: list = []
     times: dict[str, list[float]] = {k: [] for k in ("start", "plan", "end", "probes", "wall")}
     checked = snapshots = 0

@@ -55,16 +55,21 @@ from fastavro import schemaless_writer
 
 from kvledger.producer import records
 from kvledger.producer.config import TraceAction, TraceConfig
-from kvledger.producer.recorder import RankRecorder
-from kvledger.producer.recorder_loop import FrameReader
 from kvledger.producer.records import RankIdentity, envelope
-from kvledger.producer.ring_recorder import RingRecorder
 from kvledger.producer.vllm_v1 import V1RunnerProbe
 from kvledger.schemas import LEDGER_EVENT
 from kvledger.stream_app.core import Ledger
 
 BLOCK_SIZE, MAX_BLOCKS, PROMPT = 16, 192, 100  # rows long enough for PROMPT + the default 2000 steps
 TARGET_US = 20.0
+try:  # this checkout's names
+    from kvledger.producer.delivery import Delivery
+    from kvledger.producer.recorder import FrameReader
+    from kvledger.producer.ring_writer import RingWriter
+except ImportError:  # a checkout from before the recorder's modules were named for what they do
+    from kvledger.producer.recorder import RankRecorder as Delivery
+    from kvledger.producer.recorder_loop import FrameReader
+    from kvledger.producer.ring_recorder import RingRecorder as RingWriter
 try:  # the typed records of this checkout
     from kvledger.schemas.events import avro_datum, event_of
 except ImportError:  # an older checkout: its bodies are (name, dict) pairs, its ledger types what it reads
@@ -166,7 +171,7 @@ def bench_probe(num_reqs: int) -> tuple[SimpleNamespace, V1RunnerProbe]:
     runner = fake_runner(num_reqs)
     config = TraceConfig(enabled=True, action=TraceAction.RECORD, snapshot_interval=0, ring_bytes=1 << 24)
     probe = V1RunnerProbe(runner, config)
-    probe.recorder = RingRecorder(RankIdentity("bench", 0, 0, 0, 1), config, spawn=False)
+    probe.recorder = RingWriter(RankIdentity("bench", 0, 0, 0, 1), config, spawn=False)
     probe.place_step_frames(no_connector=True)  # as attach does, for a runner without drafter or connector
     return runner, probe
 
@@ -207,7 +212,7 @@ class RecorderSide:
     thread never woken."""
 
     def __init__(self, probe: V1RunnerProbe):
-        self.delivery = RankRecorder(probe.recorder.identity, _NullSink(), capacity=1 << 20, drain_interval=3600)
+        self.delivery = Delivery(probe.recorder.identity, _NullSink(), capacity=1 << 20, drain_interval=3600)
         self.reader = FrameReader(probe.recorder.ring, self.delivery, full_rows=False)
         self.out = io.BytesIO()
 

@@ -7,7 +7,7 @@ fed to the sink 10 events at a time as a drain thread at 200 steps/s does)
 and with one event per message; then one `kvledger stream` worker per copy
 starts and the time from its first applied event to its last is measured
 (from its /metrics). Latency: with the worker caught up, a live engine (a
-real RankRecorder and Kafka sink) captures steps at a steady rate with a
+real Delivery and Kafka sink) captures steps at a steady rate with a
 fault every few dozen steps; each violation's latency is the time from
 capturing the step that reveals it to reading the violation from the
 violations topic.
@@ -39,7 +39,7 @@ import _root  # noqa: F401  (the checkout's root, for tests.synthetic)
 from confluent_kafka import Consumer, Producer
 from replay_throughput import STREAMS
 
-from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.delivery import Delivery
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KAFKA_DEFAULTS, KafkaSink
 from kvledger.schemas import LEDGER_EVENT, VIOLATION, SingleObjectCodec
@@ -215,7 +215,7 @@ def latency(bootstrap: str, steps: int, rate: float, workdir: Path) -> list[floa
         reader.start()
         time.sleep(3)  # the reader joins its group
         # A live engine rank: its recorder's drain thread feeds the Kafka sink, as in vLLM.
-        recorder = RankRecorder(RankIdentity(sim.events[0]["engine_id"]), KafkaSink(bootstrap, f"{prefix}.events"))
+        recorder = Delivery(RankIdentity(sim.events[0]["engine_id"]), KafkaSink(bootstrap, f"{prefix}.events"))
         start = time.monotonic()
         for i, event in enumerate(sim.events):
             time.sleep(max(0.0, start + i / rate - time.monotonic()))  # a live engine's pace

@@ -259,7 +259,7 @@ class StepCapture:
         return (plan is None or plan.ready()) and (content is None or content.digests.ready())
 
     def fields(self) -> StepHeader:
-        """The step's header, not encoded yet (`RingRecorder.step_now` encodes it in place)."""
+        """The step's header, not encoded yet (`RingWriter.step_now` encodes it in place)."""
         plan = self.plan.header() if self.plan is not None else None
         reasons = self.content.reasons if self.content is not None else None
         return StepHeader(self.step, self.kind, self.scheduler, plan, reasons)

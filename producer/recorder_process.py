@@ -2,11 +2,11 @@
 
     python -m kvledger.producer.recorder_process /dev/shm/kvledger-<pid>-dp0-tp0-pp0.ring
 
-Spawned by the rank (`ring_recorder.RingRecorder`, through `setsid --fork`, so
+Spawned by the rank (`ring_writer.RingWriter`, through `setsid --fork`, so
 outside the rank's process tree from its start: vLLM SIGKILLs every process of
 a worker's tree that is slow to exit), never by hand. The rank knows its
 recorder runs once the pid is in the ring, so that comes before the imports
-of the work itself (`recorder_loop`: numpy, the sinks, the ledger core),
+of the work itself (`recorder`: numpy, the sinks, the ledger core),
 which take seconds on a loaded host.
 """
 
@@ -36,9 +36,9 @@ def main(argv: list[str]) -> int:
         return 1
     engine = ProcessWatch(ring.producer_pid)
     ring.consumer_pid = os.getpid()
-    from kvledger.producer import recorder_loop  # only now: see the module's docstring
+    from kvledger.producer import recorder  # only now: see the module's docstring
 
-    return recorder_loop.run(path, ring, engine)
+    return recorder.run(path, ring, engine)
 
 
 if __name__ == "__main__":

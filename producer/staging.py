@@ -7,7 +7,7 @@ reused pinned host buffer with `non_blocking=True`, records one event on the
 current stream, and returns a `Staged` handle per tensor. The step's frame is
 written once the event has completed (`ready`, polled at the rank's later
 probe points: the engine thread never waits for a forward pass still running,
-see `ring_recorder.RingRecorder.step`); writing it reads the copies and gives
+see `ring_writer.RingWriter.step`); writing it reads the copies and gives
 the buffer back to the pool. Only torch's generic device API is used
 (`torch.Event`, `torch.accelerator`), so any backend that implements it works.
 

@@ -32,7 +32,7 @@ it is only queued, into pinned host memory), and the hashing runs on a digest
 thread (hashlib releases the interpreter lock on buffers of 2 KiB and more).
 The completion event waits for its digest in the rank's queue of held frames,
 with every frame after it, so the ring keeps the rank's order
-(`ring_recorder.RingRecorder.body_when`). The bytes do not cross the ring to
+(`ring_writer.RingWriter.body_when`). The bytes do not cross the ring to
 the recorder: at production sizes a transfer moves MBs to GBs, more than a
 ring holds, and the engine thread would copy them a second time.
 """

@@ -20,7 +20,7 @@ drafter runs, closes the step. Without them the capability
 On the hot path the probes copy a few arrays and write the step as one frame
 into the rank's ring, right at the plan's capture when nothing joins the step
 later (no drafter, no KV connector), else at the step's end; building, packing
-and encoding happen in the rank's recorder process (`ring_recorder`). A probe
+and encoding happen in the rank's recorder process (`ring_writer`). A probe
 never raises into the engine: a failure is logged once and the probe stops
 recording.
 """
@@ -52,7 +52,7 @@ from kvledger.producer.config import TraceAction, TraceConfig, resolve_engine_id
 from kvledger.producer.content import GroupRows, SealTracker, digest_blocks, group_pages
 from kvledger.producer.frames import RepeatedIds, as_array, pack_parts, prefix_max, scheduler_fields
 from kvledger.producer.records import RankIdentity
-from kvledger.producer.ring_recorder import SUPERVISE_EVERY, RingRecorder
+from kvledger.producer.ring_writer import SUPERVISE_EVERY, RingWriter
 from kvledger.producer.staging import Staged, StagingFull, StagingPool
 from kvledger.producer.vllm_connector import attach_connector_probe
 from kvledger.schemas.kinds import CONTENT_DIGESTS, Declaration, Runner
@@ -119,7 +119,7 @@ class V1RunnerProbe:
         self.config = config
         self.index = RequestIndex()
         self.step = -1
-        self.recorder: RingRecorder | None = None
+        self.recorder: RingWriter | None = None
         self._input: Any = None  # this step's SchedulerOutput, until its frame is written
         self._traced = False  # this step is recorded (tracing was not paused when it began)
         # The step's frame is written when its plan is captured, while what the probe reads is still
@@ -189,7 +189,7 @@ class V1RunnerProbe:
             from kvledger.stream_app.core import Ledger
 
             self._checker = Ledger()
-        self.recorder = RingRecorder(self._identity(), self.config)
+        self.recorder = RingWriter(self._identity(), self.config)
         self.connector_capabilities = attach_connector_probe(self.runner, self._record, lambda: self.step)
         self.place_step_frames(no_connector=getattr(self.runner.vllm_config, "kv_transfer_config", None) is None)
         self._record(self._rank_info())

@@ -18,15 +18,11 @@ import numpy as np
 
 from kvledger.schemas.events import LedgerEvent, RankInfo, Step, StepPlan, event_of
 from kvledger.schemas.files import LedgerPathError, RankStream, ReadProblem, discover, read_stream, unread_peers
-from kvledger.schemas.packing import expand_slot_runs, unpack_digests, unpack_i32, wire_digests
-from kvledger.stream_app.core import Ledger, RankKey, Violation
+from kvledger.schemas.packing import unpack_i32, wire_digests
+from kvledger.stream_app.core import Coverage, Ledger, RankKey, Violation
 from kvledger.stream_app.core.checks import (
-    GroupFacts,
-    RequestFacts,
     position_failures,
     read_failures,
-    slot_targets,
-    token_positions,
     write_failures,
 )
 from kvledger.stream_app.core.rank_tables import RankTables
@@ -227,69 +223,55 @@ class PlanWrites:
 
 
 def plan_writes(state: RankTables, req_id: str, step: int, plan: StepPlan) -> PlanWrites | None:
-    """`plan` for `req_id` beside `state`'s tables (as they stood when the plan was checked), by the
-    core's own rules and slot formula; None when the request is not live or not in the plan."""
+    """`plan` for `req_id` beside `state`'s tables (as they stood when the plan was checked): the facts
+    the core's checks judge the plan by (`RankTables.plan_facts`), this request's share of them."""
     index = state.index_of.get(req_id)
-    indices = unpack_i32(plan.req_indices)
-    at = np.flatnonzero(indices == index) if index is not None else np.empty(0, np.int64)
-    num_tokens, first_positions = unpack_i32(plan.num_tokens), unpack_i32(plan.first_positions)
-    if not at.size or num_tokens.size != indices.size or first_positions.size != indices.size:
+    facts = state.plan_facts(plan, Coverage())
+    at = np.flatnonzero(facts.indices == index) if index is not None else np.empty(0, np.int64)
+    r = facts.requests
+    if not at.size or r.ntok.size != facts.indices.size or r.first.size != facts.indices.size:
         return None
     i = int(at[0])
-    row = np.array([int(state.row_of[index])])
-    first, ntok = first_positions[i : i + 1].astype(np.int64), num_tokens[i : i + 1].astype(np.int64)
-    requests = RequestFacts(first, ntok, state.computed[row], state.scheduled[row])
-    _, pos = token_positions(first, ntok)
-    start = int(num_tokens[:i].sum())  # the request's first entry in the slot mapping
+    row = int(facts.rows[i])
     groups = []
-    for gp in plan.groups:
-        if gp.group_id >= len(state.groups) or not state.groups[gp.group_id].kind.addresses_slots:
+    for g in facts.groups:
+        if g.real is None:
             continue  # no token -> slot addressing to draw (the core leaves it unchecked too)
-        g = state.groups[gp.group_id]
-        slots = expand_slot_runs(gp.slot_runs)
-        if slots.size != gp.num_real + gp.num_padding:
-            continue  # malformed: unchecked by the core
-        n = max(0, min(gp.num_real - start, pos.size))  # the request's tokens that got a slot
-        tok_rows = np.repeat(row, n)
-        expected, in_row, block = slot_targets(g.table, g.lens[tok_rows], tok_rows, pos[:n], g.block_size)
-        facts = GroupFacts(
-            gp.group_id, g.block_size, real=slots[start : start + n], expected=expected, in_row=in_row, block=block
-        )
-        facts.pos = pos[:n]
-        read_len = read_digest = read_row = None
-        lens, digests = unpack_i32(gp.row_lens), unpack_digests(gp.row_digests)
-        if lens.size == indices.size and digests.size == indices.size:
-            facts.plan_lens, facts.plan_digests = lens[i : i + 1], digests[i : i + 1]
-            facts.ledger_lens, facts.ledger_digests = g.lens[row], g.digests[row]
-            read_len, read_digest = int(lens[i]), int(digests[i])
-            if gp.rows is not None:
-                offset = int(lens[:i].sum())
-                read_row = unpack_i32(gp.rows)[offset : offset + read_len].tolist()
-        wrong, read_bad = write_failures(facts), read_failures(facts)
+        mine = np.flatnonzero((g.tok_req if g.tok_req is not None else np.arange(g.real.size)) == i)
+        wrong = write_failures(g)
+        read_bad = read_failures(g)
+        table = state.groups[g.group_id]
+        has_read = g.plan_lens is not None
+        read_len = int(g.plan_lens[i]) if has_read else None
+        read_row = None
+        rows_part = next(gp.rows for gp in plan.groups if gp.group_id == g.group_id)
+        if has_read and rows_part is not None:
+            offset = int(g.plan_lens[:i].sum())
+            read_row = unpack_i32(rows_part)[offset : offset + read_len].tolist()
         groups.append(
             GroupWrites(
-                gp.group_id,
+                g.group_id,
                 g.block_size,
-                positions=facts.pos.tolist(),
-                written=facts.real.tolist(),
-                expected=expected.tolist(),
-                in_row=in_row.tolist(),
-                wrong=wrong.tolist(),
+                positions=g.pos[mine].tolist(),
+                written=g.real[mine].tolist(),
+                expected=g.expected[mine].tolist(),
+                in_row=g.in_row[mine].tolist(),
+                wrong=wrong[mine].tolist(),
                 read_len=read_len,
-                ledger_len=int(g.lens[row[0]]),
-                read_digest=read_digest,
-                ledger_digest=int(wire_digests(g.digests[row])[0]),
+                ledger_len=int(table.lens[row]),
+                read_digest=int(g.plan_digests[i]) if has_read else None,
+                ledger_digest=int(wire_digests(table.digests[row : row + 1])[0]),
                 read_row=read_row,
-                read_wrong=bool(read_bad[0]) if read_bad is not None else False,
+                read_wrong=bool(read_bad[i]) if read_bad is not None else False,
             )
         )
     return PlanWrites(
         step,
-        int(first[0]),
-        int(ntok[0]),
-        int(requests.computed[0]),
-        int(requests.scheduled[0]),
-        bool(position_failures(requests)[0]),
+        int(r.first[i]),
+        int(r.ntok[i]),
+        int(r.computed[i]),
+        int(r.scheduled[i]),
+        bool(position_failures(r)[i]),
         groups,
     )
 

@@ -8,7 +8,7 @@ scheduler changed (new, finished, preempted requests) and over violations.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -37,6 +37,17 @@ from kvledger.stream_app.core.checks import (
 )
 from kvledger.stream_app.core.tables import NULL_BLOCK, GroupTable, written_from
 from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
+
+
+@dataclass
+class PlanFacts:
+    """A step plan's facts beside a rank's tables, for the rules of checks.py."""
+
+    indices: np.ndarray  # the plan's req_index per request, in slot-mapping order
+    rows: np.ndarray  # each request's row in the tables (0 where `known` is False)
+    known: np.ndarray  # the tables hold the request
+    requests: RequestFacts  # per request: positions against computed and scheduled tokens
+    groups: list[GroupFacts]  # per group the rules can judge: tokens' slots and the rows read
 
 
 class RankTables:
@@ -294,6 +305,14 @@ class RankTables:
     # -- step plan ------------------------------------------------------------------------
     def check_plan(self, step: int, plan: StepPlan, out: list[Violation], cov: Coverage) -> None:
         """The plan against the tables, by the rules of checks.py; each failure reported."""
+        facts = self.plan_facts(plan, cov)
+        self._report(step, facts.requests, facts.groups, facts.indices, facts.rows, plan, out)
+        for dp in plan.draft_writes or ():
+            self._check_draft_pass(step, dp, facts.indices, facts.rows, facts.known, out, cov)
+
+    def plan_facts(self, plan: StepPlan, cov: Coverage) -> PlanFacts:
+        """The facts the rules of checks.py judge a plan by, beside these tables; what cannot be judged is
+        counted in `cov` (the one place they are built for a step: the checks and `kvledger query` read them)."""
         indices = unpack_i32(plan.req_indices)
         num_tokens = unpack_i32(plan.num_tokens)
         first_pos = unpack_i32(plan.first_positions)
@@ -343,9 +362,7 @@ class RankTables:
                 facts.padding = slots[n:]
             self._read_facts(facts, g, gp, rows, None if all_known else known, cov)
             groups.append(facts)
-        self._report(step, requests, groups, indices, rows, plan, out)
-        for dp in plan.draft_writes or ():
-            self._check_draft_pass(step, dp, indices, rows, known, out, cov)
+        return PlanFacts(indices, rows, known, requests, groups)
 
     def _token_facts(self, facts: GroupFacts, g: GroupTable, real, tok_req, tok_rows, tok_known, pos) -> None:
         n = real.size

@@ -53,7 +53,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from kvledger.producer.config import SinkSpec
-from kvledger.producer.ring_recorder import meta_path, read_meta
+from kvledger.producer.ring_writer import meta_path, read_meta
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.schemas.events import event_of
 from kvledger.stream_app.core import Ledger

@@ -17,7 +17,7 @@ import uuid
 import pytest
 from confluent_kafka import Consumer
 
-from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.delivery import Delivery
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KafkaSink
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
@@ -34,9 +34,9 @@ def sink_settings(sasl: dict[str, str]) -> tuple[str, dict[str, str]]:
     return settings.pop("bootstrap.servers"), settings
 
 
-def record(bootstrap: str, topic: str, settings: dict) -> RankRecorder:
+def record(bootstrap: str, topic: str, settings: dict) -> Delivery:
     events = simulate(SimConfig(seed=3, steps=40, snapshot_interval=20)).events
-    recorder = RankRecorder(RankIdentity("sasl-engine", 0, 0, 0, 1), KafkaSink(bootstrap, topic, settings))
+    recorder = Delivery(RankIdentity("sasl-engine", 0, 0, 0, 1), KafkaSink(bootstrap, topic, settings))
     for event in events:
         recorder.capture(body_of(*event["body"]))
     recorder.close(step=39, timeout=20)

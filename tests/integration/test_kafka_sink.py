@@ -9,7 +9,7 @@ import uuid
 import pytest
 from confluent_kafka import Consumer
 
-from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.delivery import Delivery
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KafkaSink
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
@@ -44,7 +44,7 @@ def test_two_ranks_trace_to_kafka(kafka_bootstrap):
     topic = f"kvledger.events.{uuid.uuid4().hex[:8]}"
     sim = simulate(SimConfig(seed=6, steps=150, tp_size=2, snapshot_interval=40))
     recorders = {
-        tp: RankRecorder(RankIdentity("sim-engine", 0, tp, 0, 1), KafkaSink(kafka_bootstrap, topic)) for tp in (0, 1)
+        tp: Delivery(RankIdentity("sim-engine", 0, tp, 0, 1), KafkaSink(kafka_bootstrap, topic)) for tp in (0, 1)
     }
     for event in sim.events:
         recorders[event["tp_rank"]].capture(body_of(*event["body"]))
@@ -69,7 +69,7 @@ def test_broker_down_loses_exactly_what_was_captured():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     sink = KafkaSink(f"127.0.0.1:{port}", "kvledger.events", {"message.timeout.ms": 1500})
-    recorder = RankRecorder(RankIdentity("eng-down"), sink)
+    recorder = Delivery(RankIdentity("eng-down"), sink)
     started = time.monotonic()
     for event in simulate(SimConfig(seed=7, steps=50, snapshot_interval=0, health_interval=0)).events:
         recorder.capture(body_of(*event["body"]))

@@ -22,7 +22,7 @@ except ImportError as e:  # the client's HTTP stack is an extra of confluent-kaf
     raise ImportError(f"{e}: install confluent-kafka[schemaregistry]") from e
 
 from kvledger.producer.config import RegistrySpec
-from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.delivery import Delivery
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KafkaSink
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
@@ -244,7 +244,7 @@ def test_a_newer_writer_schema_is_read_by_the_current_worker_and_an_incompatible
     assert err.value.http_status_code == 409
     monkeypatch.setattr("kvledger.producer.sinks.batch_raw", lambda: bad)
     with caplog.at_level(logging.ERROR, logger="kvledger.producer"):
-        recorder = RankRecorder(
+        recorder = Delivery(
             RankIdentity("sr-refused", 0, 0, 0, 1),
             KafkaSink(kafka_bootstrap, topic, registry=RegistrySpec(schema_registry)),
         )

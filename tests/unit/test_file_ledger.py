@@ -450,7 +450,7 @@ def read_stream_all(stream) -> tuple[list[dict], list[ReadProblem]]:
 WRITER = """
 import faulthandler, os, signal, sys, time
 from kvledger.producer import plugin
-from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.delivery import Delivery
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import FileSink
 from kvledger.schemas.events import body_of
@@ -459,7 +459,7 @@ from tests.synthetic.engine import SimConfig, simulate
 faulthandler.enable()  # a SIGABRT from the test dumps every thread's stack, should it hang
 
 bodies = [body_of(*e["body"]) for e in simulate(SimConfig(seed=2, steps=int(sys.argv[3]), snapshot_interval=50)).events]
-recorder = RankRecorder(RankIdentity("killed", 0, 0, 0, 1), FileSink(sys.argv[1]))
+recorder = Delivery(RankIdentity("killed", 0, 0, 0, 1), FileSink(sys.argv[1]))
 probe = type("Probe", (), {"recorder": recorder})()
 plugin._probes.append(probe)
 # The handlers a process started from a terminal has: one started by a background job inherits

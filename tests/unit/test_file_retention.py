@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvledger.producer.config import DEFAULT_SEGMENT_BYTES, TraceConfig, TraceConfigError
-from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.delivery import Delivery
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import FileSink, open_sink
 from kvledger.schemas.events import body_of
@@ -235,7 +235,7 @@ def test_a_stream_without_snapshots_is_cut_at_the_forced_size_and_counted_unchec
 def test_deletion_runs_on_the_drain_thread_and_logs_each_segment(tmp_path, events, caplog):
     sink = FileSink(tmp_path, max_segment_bytes=SEGMENT, retention=Retention(max_bytes=KEEP))
     identity = RankIdentity(ENGINE, 0, 0, 0, incarnation=5)
-    recorder = RankRecorder(identity, sink, capacity=len(events) + 8, drain_interval=0.005)
+    recorder = Delivery(identity, sink, capacity=len(events) + 8, drain_interval=0.005)
     with caplog.at_level(logging.DEBUG, logger="kvledger.producer"):
         for event in events:
             recorder.capture(body_of(*event["body"]))

@@ -300,13 +300,13 @@ def test_a_probe_reading_a_scheduler_output_without_a_field_declares_step_input_
     otherwise): `step_input` unavailable, naming the fields, announced ahead of the first step
     without them and again when another goes missing; every such step counted."""
     from kvledger.producer.config import TraceConfig
-    from kvledger.producer.ring_recorder import RingRecorder
+    from kvledger.producer.ring_writer import RingWriter
     from kvledger.producer.vllm_v1 import V1RunnerProbe
 
     runner = SimpleNamespace(vllm_config=SimpleNamespace(kv_transfer_config=None))
     probe = V1RunnerProbe(runner, TraceConfig(enabled=True, snapshot_interval=0))
     probe.unavailable, probe.connector_capabilities = {}, []  # as `attach` leaves them: every point found
-    probe.recorder = RingRecorder(records.RankIdentity("t", 0, 0, 0, 1), probe.config, spawn=False)
+    probe.recorder = RingWriter(records.RankIdentity("t", 0, 0, 0, 1), probe.config, spawn=False)
     probe._rank_info = lambda: records.rank_info(  # what `_rank_info` reads of vLLM is not here
         dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1", capabilities=probe.capabilities()
     )

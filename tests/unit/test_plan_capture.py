@@ -65,7 +65,7 @@ WRITTEN_AT_PLAN = (
 from kvledger.producer.capture import RequestIndex, StepCapture
 from kvledger.producer.frames import read_frame
 from kvledger.producer.records import RankIdentity
-from kvledger.producer.ring_recorder import RingRecorder
+from kvledger.producer.ring_writer import RingWriter
 
 so = NS(scheduled_new_reqs=[], finished_req_ids=set(), preempted_req_ids=set(), new_block_ids_to_zero=None,
         scheduled_cached_reqs=NS(req_ids=["a", "b", "c"], resumed_req_ids=set(), new_block_ids=[None, ([9],), None],
@@ -75,7 +75,7 @@ so = NS(scheduled_new_reqs=[], finished_req_ids=set(), preempted_req_ids=set(), 
 def step(at_plan, of_pieces=False):
     rows[:3, :3] = [[1, 2, 0], [3, 4, 9], [6, 0, 0]]
     probe = V1RunnerProbe(runner, TraceConfig(enabled=True, snapshot_interval=0))
-    probe.recorder = RingRecorder(RankIdentity("t", 0, 0, 0, 1), probe.config, spawn=False)
+    probe.recorder = RingWriter(RankIdentity("t", 0, 0, 0, 1), probe.config, spawn=False)
     probe._frame_at_plan, probe._writes_at_plan = at_plan, of_pieces
     probe._before_step(so)
     probe._capture_plan({"num_tokens": 5, "num_reqs": 3, "slot_mappings": {0: buffer[:5]}})

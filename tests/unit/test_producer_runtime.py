@@ -16,7 +16,7 @@ from kvledger.producer.config import (
     TraceConfigError,
     parse_sink,
 )
-from kvledger.producer.recorder import RankRecorder
+from kvledger.producer.delivery import Delivery
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import FileSink
 from kvledger.schemas.events import body_of, event_of
@@ -101,7 +101,7 @@ def test_a_configured_engine_id_survives_restarts_and_agrees_with_the_connector(
 
 
 def test_a_closing_recorder_says_so_in_its_last_event(tmp_path):
-    recorder = RankRecorder(RANK, FileSink(tmp_path))
+    recorder = Delivery(RANK, FileSink(tmp_path))
     recorder.close(step=3)
     result = replay(tmp_path)
     [slot] = result.ledger.ranks.values()
@@ -194,7 +194,7 @@ def bodies(n: int):
 
 def test_events_are_stamped_in_capture_order():
     sink = ListSink()
-    recorder = RankRecorder(RANK, sink)
+    recorder = Delivery(RANK, sink)
     for body in bodies(30):
         recorder.capture(body)
     recorder.close(step=29)
@@ -210,7 +210,7 @@ def test_events_are_stamped_in_capture_order():
 def test_full_buffer_drops_and_counts_without_blocking():
     gate = threading.Event()  # the sink hangs until the test opens the gate
     sink = ListSink(gate)
-    recorder = RankRecorder(RANK, sink, capacity=8, drain_interval=0.001)
+    recorder = Delivery(RANK, sink, capacity=8, drain_interval=0.001)
     events = bodies(100)
     for body in events:  # would hang here (and time out) if capture ever waited for the sink
         recorder.capture(body)
@@ -227,7 +227,7 @@ def test_full_buffer_drops_and_counts_without_blocking():
 
 
 def test_a_failing_sink_is_counted_not_raised():
-    recorder = RankRecorder(RANK, ListSink(fail=True))
+    recorder = Delivery(RANK, ListSink(fail=True))
     for body in bodies(10):
         recorder.capture(body)
     recorder.close(step=9)
@@ -236,7 +236,7 @@ def test_a_failing_sink_is_counted_not_raised():
 
 def test_file_sink_end_to_end(tmp_path):
     sim = simulate(SimConfig(seed=5, steps=120, tp_size=2, snapshot_interval=30))
-    recorders = {tp: RankRecorder(RankIdentity("sim-engine", 0, tp, 0, 1), FileSink(tmp_path)) for tp in (0, 1)}
+    recorders = {tp: Delivery(RankIdentity("sim-engine", 0, tp, 0, 1), FileSink(tmp_path)) for tp in (0, 1)}
     for event in sim.events:
         recorders[event["tp_rank"]].capture(body_of(*event["body"]))
     for recorder in recorders.values():

@@ -26,9 +26,9 @@ from kvledger.producer.capture import (
     SnapshotCapture,
     StepCapture,
 )
+from kvledger.producer.delivery import Delivery
 from kvledger.producer.frames import FrameKind, body_part, pack_parts, scheduler_fields
-from kvledger.producer.recorder import RankRecorder
-from kvledger.producer.recorder_loop import FrameReader
+from kvledger.producer.recorder import FrameReader
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
 from kvledger.producer.sinks import FileSink
@@ -251,11 +251,11 @@ class Collect:
 
 
 def recorded(tmp_path: Path, full_rows: bool, seed: int = 3, look: int = 1) -> list[dict]:
-    """The run's frames through a ring, `FrameReader` and a `RankRecorder`, as the recorder process
+    """The run's frames through a ring, `FrameReader` and a `Delivery`, as the recorder process
     reads them, up to `look` frames at a time: the events handed to its sink."""
     path = tmp_path / f"ring-{full_rows}-{look}"
     ring, sink = Ring.create(path, 1 << 24), Collect()
-    recorder = RankRecorder(RANK, sink, capacity=1 << 16, drain_interval=3600)
+    recorder = Delivery(RANK, sink, capacity=1 << 16, drain_interval=3600)
     reader = FrameReader(Ring.attach(path), recorder, full_rows)
     first = max(look - 3, 1)  # the first read of a look takes less than it finds: the rest waits
     for seq, (kind, parts) in enumerate(frames(seed)):

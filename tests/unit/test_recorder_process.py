@@ -1,6 +1,6 @@
 """A rank's ring and its recorder process: real processes, a real file ledger.
 
-The rank side (`RingRecorder`) writes frames; the recorder it spawns builds and
+The rank side (`RingWriter`) writes frames; the recorder it spawns builds and
 writes the records. Checked here: what reaches the ledger is exactly what the
 rank would have built in process; a recorder SIGKILLed mid-run is replaced
 and the ledger resyncs without a false violation; an engine SIGKILLed
@@ -28,7 +28,7 @@ from kvledger.producer.frames import FrameKind, body_from_part, pack_parts, read
 from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
-from kvledger.producer.ring_recorder import RingRecorder, meta_path, sweep_stale_rings
+from kvledger.producer.ring_writer import RingWriter, meta_path, sweep_stale_rings
 from kvledger.producer.staging import Lease, Staged
 from kvledger.schemas.events import RankInfo, body_of
 from kvledger.stream_app.replay import iter_ledger, replay
@@ -59,7 +59,7 @@ def wait_gone(pid: int, timeout: float = 30.0) -> None:
     assert not watch.alive()
 
 
-def started(recorder: RingRecorder, timeout: float = 60.0) -> int:
+def started(recorder: RingWriter, timeout: float = 60.0) -> int:
     """The pid of the recorder once it runs."""
     deadline = time.monotonic() + timeout
     while recorder.recorder_state() is not True:
@@ -86,7 +86,7 @@ def test_what_the_recorder_writes_is_what_the_rank_would_have_built(tmp_path):
     dummy = PlanCapture.of_dummy_run([0], PlanCapture.dummy_parts([Staged.host(np.full(4, -1))]))
     captures.append(StepCapture(5, "DUMMY", None, dummy))
     snapshot = SnapshotCapture.of_rows(5, ["r4-0", "r4-1"], [3, 9], [[[1, 2], [3]], [[7], []]])
-    recorder = RingRecorder(RANK, config(tmp_path))
+    recorder = RingWriter(RANK, config(tmp_path))
     recorder.body(records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1"))
     for capture in captures:
         recorder.step(capture)
@@ -106,7 +106,7 @@ def test_what_the_recorder_writes_is_what_the_rank_would_have_built(tmp_path):
 def test_a_killed_recorder_is_replaced_and_the_ledger_resyncs(tmp_path):
     sim = simulate(SimConfig(seed=4, steps=400, snapshot_interval=50)).events
     sim = [body_of(*e["body"]) for e in sim if e["tp_rank"] == 0]
-    recorder = RingRecorder(RankIdentity("sim-engine", 0, 0, 0, 11), config(tmp_path))
+    recorder = RingWriter(RankIdentity("sim-engine", 0, 0, 0, 11), config(tmp_path))
     first = started(recorder)
     for n, body in enumerate(sim):
         recorder.body(body)
@@ -140,14 +140,14 @@ from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
 from kvledger.producer.processes import ProcessWatch
-from kvledger.producer.ring_recorder import RingRecorder, meta_path, sweep_stale_rings
+from kvledger.producer.ring_writer import RingWriter, meta_path, sweep_stale_rings
 from kvledger.schemas.events import body_of
 from tests.synthetic.engine import SimConfig, simulate
 
 sim = simulate(SimConfig(seed=2, steps=300, snapshot_interval=0)).events
 sim = [body_of(*e["body"]) for e in sim if e["tp_rank"] == 0]
 config = TraceConfig(enabled=True, action=TraceAction.RECORD, sink=SinkSpec("file", path=Path(sys.argv[1])))
-recorder = RingRecorder(RankIdentity("killed-eng", 0, 0, 0, 5), config)
+recorder = RingWriter(RankIdentity("killed-eng", 0, 0, 0, 5), config)
 for body in sim:
     recorder.body(body)
 while recorder.recorder_state() is not True:
@@ -196,7 +196,7 @@ def test_rings_of_ranks_and_recorders_both_gone_are_swept(tmp_path):
 
 
 def test_frames_the_full_ring_turned_away_are_counted_in_health_and_show_as_gaps(tmp_path):
-    recorder = RingRecorder(RANK, config(tmp_path))  # a 1 MiB ring
+    recorder = RingWriter(RANK, config(tmp_path))  # a 1 MiB ring
     slots = Staged.host(np.full(60_000, -1, np.int64))  # 480 KB a frame: two fill the ring
     for step in range(40):  # far more than the ring holds before its recorder starts reading
         recorder.step(StepCapture(step, "DUMMY", None, PlanCapture.of_dummy_run([0], PlanCapture.dummy_parts([slots]))))
@@ -254,7 +254,7 @@ def test_a_device_step_is_held_until_its_copies_land_and_later_frames_wait_behin
         StepCapture(s, "REAL", scheduler_fields(scheduler_output(s)), device_plan(s, events[s], pool)) for s in range(3)
     ]
     transfer = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")
-    recorder = RingRecorder(RANK, config(tmp_path))
+    recorder = RingWriter(RANK, config(tmp_path))
     recorder.step(captures[0])  # its copies are behind a forward pass still running
     assert recorder.body(transfer) is None  # held behind it, to keep the rank's order
     recorder.health(0)
@@ -292,7 +292,7 @@ def test_a_held_step_carries_the_block_lists_as_they_were_when_it_was_recorded(t
     pool, event = Pool(), CopyEvent()
     so = scheduler_output(2)
     expected = StepCapture(2, "REAL", scheduler_fields(so), plan(3)).record(RequestIndex(), False)
-    recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
+    recorder = RingWriter(RANK, config(tmp_path), spawn=False)
     recorder.step(StepCapture(2, "REAL", scheduler_fields(so), device_plan(2, event, pool)))
     assert recorder.held == 1
     so.scheduled_new_reqs[0].block_ids[0].extend([77, 78])  # the next step's appends, in place
@@ -314,7 +314,7 @@ def test_a_device_snapshot_is_held_until_its_rows_land_and_carries_what_the_host
     lens = [np.array([2, 1], np.int32), np.array([1, 0], np.int32)]
     snapshot = SnapshotCapture.of_staged(5, ["r4-0", "r4-1"], [3, 9], lens, [Staged(r, lease) for r in full])
     host = SnapshotCapture.of_rows(5, ["r4-0", "r4-1"], [3, 9], [[[1, 2], [3]], [[7], []]])
-    recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
+    recorder = RingWriter(RANK, config(tmp_path), spawn=False)
     recorder.snapshot(snapshot)
     recorder.health(5)
     assert (recorder.held, recorder.captured) == (2, 0)  # the Health waits behind it, in order
@@ -330,7 +330,7 @@ def test_a_device_snapshot_is_held_until_its_rows_land_and_carries_what_the_host
 def test_held_frames_are_bounded_and_the_rank_close_waits_for_the_rest(tmp_path):
     pool = Pool()
     events = [CopyEvent() for _ in range(6)]
-    recorder = RingRecorder(RANK, config(tmp_path), spawn=False, max_held=3)
+    recorder = RingWriter(RANK, config(tmp_path), spawn=False, max_held=3)
     for s, event in enumerate(events):
         recorder.step(StepCapture(s, "REAL", None, device_plan(s, event, pool)))
     # Past three held, the oldest is waited for: the bound on the copies (and pinned buffers) in flight.
@@ -342,7 +342,7 @@ def test_held_frames_are_bounded_and_the_rank_close_waits_for_the_rest(tmp_path)
 
 
 def test_a_record_waiting_for_its_digest_holds_the_frames_after_it(tmp_path):
-    recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
+    recorder = RingWriter(RANK, config(tmp_path), spawn=False)
     hashed: list[bytes] = []
     info = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")
     recorder.body_when(lambda: bool(hashed), lambda: msgspec.structs.replace(info, vllm_version=hashed[0]))
@@ -360,7 +360,7 @@ def test_a_record_waiting_for_its_digest_holds_the_frames_after_it(tmp_path):
 def test_a_step_written_of_its_pieces_behind_a_held_frame_keeps_its_parts_as_they_were(tmp_path):
     # The plan's parts go as a part of parts, packed in place when written now; held, they are
     # packed at once: the runner reuses their buffers next step.
-    recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
+    recorder = RingWriter(RANK, config(tmp_path), spawn=False)
     landed: list[bool] = []
     info = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")
     recorder.body_when(lambda: bool(landed), lambda: info)
@@ -378,7 +378,7 @@ def test_a_step_written_of_its_pieces_behind_a_held_frame_keeps_its_parts_as_the
 
 
 def test_a_flush_that_interrupts_a_write_leaves_the_held_frames_in_order(tmp_path):
-    recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
+    recorder = RingWriter(RANK, config(tmp_path), spawn=False)
     info = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")
     landed = []
 
@@ -400,7 +400,7 @@ def test_the_cost_counters_leave_out_their_own_wait_for_the_recorders(tmp_path, 
     # bench/engine_overhead.py reads these after each arm (tests/e2e/tracing_costs.py, the workers'
     # extension): the wait for the recorders to read the arm's frames polls the ring every ms, CPU
     # only the traced arm would spend and tracing never does.
-    recorder = RingRecorder(RANK, config(tmp_path), spawn=False)
+    recorder = RingWriter(RANK, config(tmp_path), spawn=False)
     monkeypatch.setattr(plugin, "_probes", [SimpleNamespace(step=0, recorder=recorder)])
     before, _, _, _ = tracing_costs.process_counters()  # nothing to wait for
     recorder.health(0)  # a frame nobody reads: the next counters wait their 2 s for it

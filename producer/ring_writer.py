@@ -158,7 +158,7 @@ def create_ring(identity: RankIdentity, size: int) -> Ring:
             size //= 4
 
 
-class RingRecorder:
+class RingWriter:
     """One rank's ring and its recorder process; used by the engine thread only.
 
     The recorder is never in the rank's process tree (see `_spawn`): vLLM ends an engine by
