@@ -55,7 +55,7 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring_writer import SUPERVISE_EVERY, RingWriter
 from kvledger.producer.staging import Staged, StagingFull, StagingPool
 from kvledger.producer.vllm_connector import attach_connector_probe
-from kvledger.schemas.kinds import CONTENT_DIGESTS, Declaration, Runner
+from kvledger.schemas.kinds import CONTENT_DIGESTS, STEP_INPUT, Declaration, Runner
 
 log = logging.getLogger("kvledger.producer")
 
@@ -369,7 +369,7 @@ class V1RunnerProbe:
             f"this vLLM's scheduler output has no {', '.join(sorted(self.fields_missing))} "
             "(absent in this version, or renamed): steps are recorded without them"
         )
-        self.unavailable["step_input"] = why
+        self.unavailable[STEP_INPUT] = why
         log.warning("kv_trace: step_input incomplete from step %d: %s", self.step, why)
         self._record(self._rank_info())
 

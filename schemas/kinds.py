@@ -176,6 +176,10 @@ class Runner(Open):
 
 
 # -- what a rank declares ---------------------------------------------------------------------
+# The capability of the probe on the runner's step (execute_model): unavailable when it did not attach,
+# or when the scheduler output lacks fields the step input is read from (its reason names them).
+STEP_INPUT = "step_input"
+
 # The capability a rank reports for sealed blocks' content digests: unavailable when asked for and not
 # taken (counted unchecked once per rank under this name), which voids no other check.
 CONTENT_DIGESTS = "content_digests"
@@ -274,6 +278,7 @@ class Unchecked(StrEnum):
     RANK_RECORDS_LOST = "rank_records_lost"
     RANK_CLOSED_BEFORE_STEP = "rank_closed_before_step"
     RANK_MISSING_STEPS = "rank_missing_steps"
+    STEP_INPUT = STEP_INPUT  # the rank's step inputs are incomplete: its steps are not checked
     # Content digests.
     CONTENT_DIGESTS = CONTENT_DIGESTS  # asked for and not taken (the capability's name)
     CONTENT_WITHOUT_RANK_INFO = "content_without_rank_info"

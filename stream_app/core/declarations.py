@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvledger.schemas.events import RankInfo, StepPlan
-from kvledger.schemas.kinds import Check, Declaration, ViolationKind
+from kvledger.schemas.kinds import STEP_INPUT, Check, Declaration, ViolationKind
 from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.core.rank_tables import RankTables
 from kvledger.stream_app.core.violations import Coverage, Violation
@@ -30,6 +30,10 @@ DECLARATIONS: dict[Declaration, tuple[str, ...]] = {
     Declaration.ADAPTIVE_VERIFICATION: ("positions", "writes"),
     Declaration.DRAFTER_KV_WRITES: ("steps",),
 }
+# A probe's capability that voids checks when it is unavailable: a rank whose scheduler output lacks
+# fields the step input is read from (a vLLM the probe was not written for) records incomplete inputs,
+# so its tables, and every check against them, cannot be trusted (`input`: counted once per step).
+VOIDING_PROBES: dict[str, tuple[str, ...]] = {STEP_INPUT: ("input",)}
 
 
 @dataclass(frozen=True)
@@ -42,13 +46,14 @@ class Declared:
     behind: str | None = None
     steps: str | None = None
     rank_plans: str | None = None
+    input: str | None = None
 
     @classmethod
     def of(cls, info: RankInfo) -> Declared | None:
         voids: dict[str, str] = {}
         for cap in info.capabilities:
             if not cap.available:
-                for effect in DECLARATIONS.get(cap.name, ()):
+                for effect in DECLARATIONS.get(cap.name, ()) or VOIDING_PROBES.get(cap.name, ()):
                     voids.setdefault(effect, cap.name)
         return cls(**voids) if voids else None
 

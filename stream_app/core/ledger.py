@@ -410,9 +410,12 @@ class Ledger:
             self._cross_rank(key, step, out=out)
             return
         found = len(out)
-        checked = slot.state is not None and not slot.desynced
+        untrusted = slot.declared is not None and slot.declared.input is not None
+        checked = slot.state is not None and not slot.desynced and not untrusted
         mark = found
-        if not checked:
+        if untrusted:
+            self.coverage.unchecked[slot.declared.input] += 1
+        elif not checked:
             self.coverage.unchecked[Unchecked.AFTER_GAP if slot.desynced else Unchecked.NO_RANK_INFO] += 1
         else:
             state = slot.state

@@ -225,3 +225,14 @@ def test_declared_ranks_get_the_same_answers_from_the_batched_path():
     ]
     for s in streams:
         assert check(s, many=True) == check(s)
+
+
+def test_a_rank_whose_step_inputs_are_incomplete_is_not_checked_against_them():
+    """The probe reads a scheduler output without a field it reads the input from (a vLLM it was not
+    written for): it declares `step_input` unavailable. Tables built from incomplete inputs would
+    report what did not happen (a preempted request never dropped), so the rank's steps go unchecked,
+    counted under the capability's name, on the step path and the batched path alike."""
+    for many in (False, True):
+        assert check(prefill(Stream(), DCP_SLOTS), many=many)[0][0][0] == "write_target_mismatch"
+        found, cov = check(prefill(Stream("step_input"), DCP_SLOTS), many=many)
+        assert found == [] and cov.unchecked["step_input"] == 1 and cov.checks["write"] == 0
