@@ -27,6 +27,7 @@ from kvledger.schemas.kinds import (
     PdRole,
     Runner,
     StepKind,
+    ViolationKind,
     connector_kind,
     connector_wire,
 )
@@ -232,6 +233,38 @@ class LedgerEvent(msgspec.Struct):
     @property
     def engine_id(self) -> str:
         return self.rank.engine_id
+
+
+# -- what the ledger reports (`avro/violation.avsc`) ---------------------------------------------------
+class Violation(msgspec.Struct, frozen=True):
+    """A mismatch the ledger found, as the violations topic and `kvledger check --format json` carry it."""
+
+    kind: ViolationKind  # what went wrong; a kind newer than this reader reads as OTHER
+    engine_id: str
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    step: int | None  # the rank's step, when tied to one
+    req_id: str | None  # the request, when tied to one
+    group: int | None  # the KV cache group, when tied to one
+    detail: str  # what was expected and what was found
+
+    @classmethod
+    def at(cls, kind: ViolationKind, rank: RankKey, step: int | None, detail: str, *, req_id=None, group=None):
+        return cls(kind, rank.engine_id, rank.dp, rank.tp, rank.pp, step, req_id, group, detail)
+
+    @classmethod
+    def of(cls, record: Record) -> Violation:
+        """A decoded `kvledger.Violation` record."""
+        return typed(cls, record)
+
+    def where(self) -> str:
+        """Where it is, as a rank's `log` and `raise` actions report it."""
+        return f"{self.kind} at step {self.step}, req {self.req_id}, group {self.group}"
+
+    def to_record(self) -> Record:
+        """As the Avro `kvledger.Violation` record (and the JSON line, minus 'type')."""
+        return to_record(self)
 
 
 # -- decoding -------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ scheduler changed (new, finished, preempted requests) and over violations.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
+import msgspec
 import numpy as np
 
 from kvledger.schemas.events import (
@@ -543,7 +544,7 @@ class RankTables:
             )
         self._report(step, None, [facts], indices, rows, None, found)
         # The target's rules, said of the drafter's pass (its own KV, the same blocks).
-        out += [replace(v, detail=f"drafter pass {dp.pass_index}: {v.detail}") for v in found]
+        out += [msgspec.structs.replace(v, detail=f"drafter pass {dp.pass_index}: {v.detail}") for v in found]
 
     def _draft_facts(self, step, facts, g: GroupTable, k, indices, rows, known, num_tokens, first, real, out, cov):
         tok_req, pos = token_positions(first, num_tokens)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+
+import msgspec
 
 from kvledger.schemas.events import Step, StepPlan
 from kvledger.stream_app.core.violations import RankKey, Violation
@@ -52,4 +54,4 @@ class StepGroup:
 
 def rekeyed(found: list[Violation], key: RankKey) -> list[Violation]:
     """The lead's findings as another rank of its group would have made them."""
-    return [replace(v, tp_rank=key.tp, pp_rank=key.pp) for v in found]
+    return [msgspec.structs.replace(v, tp_rank=key.tp, pp_rank=key.pp) for v in found]

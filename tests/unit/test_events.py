@@ -23,6 +23,7 @@ from kvledger.schemas.events import (
     Snapshot,
     Step,
     StepPlan,
+    Violation,
     event_of,
     events_of,
     to_record,
@@ -36,6 +37,7 @@ from kvledger.schemas.kinds import (
     Runner,
     StepKind,
     Unchecked,
+    ViolationKind,
     connector_wire,
 )
 from kvledger.schemas.registry import raw_schema
@@ -203,7 +205,7 @@ def _agrees(avro, hint, where: str) -> None:
         return _agrees(avro[1], inner, where)
     assert type(None) not in typing.get_args(hint), f"{where}: nullable in the model, not in the schema"
     if avro == "string" and isinstance(hint, type) and issubclass(hint, StrEnum):
-        assert hint is Runner, f"{where}: an enum the schema keeps a string (for evolution) is named here"
+        assert hint in (Runner, ViolationKind), f"{where}: an enum the schema keeps a string (for evolution)"
     elif isinstance(avro, str):
         assert hint is _PRIMITIVES[avro], f"{where}: {avro} vs {hint}"
     elif avro["type"] == "array":
@@ -248,6 +250,10 @@ def test_the_typed_model_is_the_schema_field_for_field():
     assert [b["name"] for b in branches] == [cls.__name__ for cls in BODIES]
     for branch, cls in zip(branches, BODIES, strict=True):
         _record_agrees(branch, cls)
+
+
+def test_the_violation_is_its_schema_field_for_field():
+    _record_agrees(raw_schema("violation"), Violation)
 
 
 def test_the_agreement_check_bites():
