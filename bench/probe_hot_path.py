@@ -38,6 +38,7 @@ and gives its time per frame.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import os
 import statistics
@@ -62,17 +63,18 @@ from kvledger.stream_app.core import Ledger
 
 BLOCK_SIZE, MAX_BLOCKS, PROMPT = 16, 192, 100  # rows long enough for PROMPT + the default 2000 steps
 TARGET_US = 20.0
-try:  # this checkout's names
+# A checkout is told by a module only it has: a module it lacks would be served from this checkout
+# (the editable install's finder), so a failed import cannot tell them apart.
+if importlib.util.find_spec("kvledger.producer.ring_recorder") is None:  # this checkout
     from kvledger.producer.delivery import Delivery
     from kvledger.producer.recorder import FrameReader
     from kvledger.producer.ring_writer import RingWriter
-except ImportError:  # a checkout from before the recorder's modules were named for what they do
+    from kvledger.schemas.events import avro_datum, event_of
+else:  # an older checkout: other module names, (name, dict) bodies, a ledger that types what it reads
     from kvledger.producer.recorder import RankRecorder as Delivery
     from kvledger.producer.recorder_loop import FrameReader
     from kvledger.producer.ring_recorder import RingRecorder as RingWriter
-try:  # the typed records of this checkout
-    from kvledger.schemas.events import avro_datum, event_of
-except ImportError:  # an older checkout: its bodies are (name, dict) pairs, its ledger types what it reads
+
     avro_datum = getattr(records, "avro_datum", lambda event: event)
 
     def event_of(event: dict) -> dict:

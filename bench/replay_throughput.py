@@ -20,6 +20,7 @@ alternating processes, P pairs: the median ratio of each figure is printed
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -38,9 +39,9 @@ from kvledger.schemas.files import discover, read_segment
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import replay
 
-try:  # this checkout types records at its edges
+if importlib.util.find_spec("kvledger.stream_app.core.events") is None:  # this checkout types records at its edges
     from kvledger.schemas.events import event_of, events_of
-except ImportError:  # an older checkout's ledger typed what it was given
+else:  # an older checkout's ledger typed what it was given (its new modules would come from this checkout)
 
     def event_of(record: dict) -> dict:
         return record

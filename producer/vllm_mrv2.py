@@ -27,7 +27,7 @@ import numpy as np
 from kvledger.producer.capture import PlanCapture, SnapshotCapture
 from kvledger.producer.staging import Staged, StagingFull
 from kvledger.producer.vllm_v1 import AttachPoint, V1RunnerProbe
-from kvledger.schemas.kinds import CONTENT_DIGESTS, Declaration, Runner
+from kvledger.schemas.kinds import CONTENT_DIGESTS, Declaration, Runner, StepKind
 
 log = logging.getLogger("kvledger.producer")
 
@@ -52,7 +52,7 @@ class MRV2RunnerProbe(V1RunnerProbe):
         def traced_execute_model(scheduler_output, *args, **kwargs):
             dummy = kwargs.get("dummy_run", False)
             if dummy:
-                self._guard(self._before_dummy, "PROFILE" if kwargs.get("is_profile") else "DUMMY")
+                self._guard(self._before_dummy, StepKind.PROFILE if kwargs.get("is_profile") else StepKind.DUMMY)
             else:
                 self._guard(self._before_step, scheduler_output)
             try:

@@ -55,7 +55,7 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring_writer import SUPERVISE_EVERY, RingWriter
 from kvledger.producer.staging import Staged, StagingFull, StagingPool
 from kvledger.producer.vllm_connector import attach_connector_probe
-from kvledger.schemas.kinds import CONTENT_DIGESTS, STEP_INPUT, Declaration, Runner
+from kvledger.schemas.kinds import CONTENT_DIGESTS, STEP_INPUT, Declaration, Runner, StepKind
 
 log = logging.getLogger("kvledger.producer")
 
@@ -239,7 +239,13 @@ class V1RunnerProbe:
 
     def _wrap_dummy_run(self, dummy_run: Callable) -> Callable:
         def traced_dummy_run(num_tokens, *args, **kwargs):
-            kind = "PROFILE" if kwargs.get("is_profile") else "WARMUP" if kwargs.get("is_graph_capturing") else "DUMMY"
+            kind = (
+                StepKind.PROFILE
+                if kwargs.get("is_profile")
+                else StepKind.WARMUP
+                if kwargs.get("is_graph_capturing")
+                else StepKind.DUMMY
+            )
             self._guard(self._before_dummy, kind)
             try:
                 return dummy_run(num_tokens, *args, **kwargs)
@@ -348,10 +354,10 @@ class V1RunnerProbe:
         if self._missing_now:
             self._fields_missing()
         if written is None:
-            self._record_step("REAL", fields)
+            self._record_step(StepKind.REAL, fields)
             return
         plan, parts = written
-        self.recorder.step_now(StepHeader(self.step, "REAL", fields, plan), parts)
+        self.recorder.step_now(StepHeader(self.step, StepKind.REAL, fields, plan), parts)
 
     def _fields_missing(self) -> None:
         """This step's SchedulerOutput lacked fields the step input is read from (a vLLM without them,
@@ -617,7 +623,7 @@ class V1RunnerProbe:
         if not drafts:
             return plan
         if plan is None:
-            if kind == "REAL":  # the target's plan is missing: so is the step's (counted as such)
+            if kind == StepKind.REAL:  # the target's plan is missing: so is the step's (counted as such)
                 return None
             plan = PlanCapture.of_dummy_run([], PlanCapture.dummy_parts([]))
         plan.drafts, plan.draft_group = drafts, int(self._drafter.kv_cache_gid)

@@ -124,10 +124,10 @@ class GroupTable:
             row_of_block = np.repeat(rows, counts)
             cols = np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(blocks.size)
         self.place(row_of_block, cols, blocks)
-        terms = np.zeros(rows.size, np.uint64)
+        self.lens[rows] += counts  # `extend`, with the digest's terms added where they fall (the hot path)
         with np.errstate(over="ignore"):
-            np.add.at(terms, np.repeat(np.arange(rows.size), counts), block_terms(blocks, cols))
-        self.extend(rows, counts, terms + length_terms(counts))
+            np.add.at(self.digests, row_of_block, block_terms(blocks, cols))
+            self.digests[rows] += length_terms(counts)
         self.hold(blocks, cols, +1)
         return cols
 

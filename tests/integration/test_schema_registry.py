@@ -27,7 +27,7 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.sinks import KafkaSink
 from kvledger.schemas import LEDGER_EVENT, LEDGER_EVENT_BATCH, BatchCodec
 from kvledger.schemas.codec import confluent_header
-from kvledger.schemas.events import body_of
+from kvledger.schemas.events import body_of, events_of
 from kvledger.schemas.registry import batch_raw, checkpoint_raw, raw_schema
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.worker.topics import Topics, ensure_topics
@@ -132,7 +132,9 @@ def faulty_engine(engine_id: str, seed: int, steps: int = 80) -> list[dict]:
 
 def expected_violations(*streams: list[dict]) -> Counter:
     """What the ledger core finds in each engine's stream, as `kvledger violations --format json` prints it."""
-    return as_multiset([{"type": "violation", **v.to_record()} for s in streams for v in Ledger().apply_many(s)])
+    return as_multiset(
+        [{"type": "violation", **v.to_record()} for s in streams for v in Ledger().apply_many(events_of(s))]
+    )
 
 
 def write(sink: KafkaSink, events: list[dict], drain: int = 16) -> None:
@@ -253,7 +255,7 @@ def test_a_newer_writer_schema_is_read_by_the_current_worker_and_an_incompatible
         recorder.close(step=40, timeout=10)
     assert recorder.sink.schema_id is None and recorder.sink.delivered == 0
     assert recorder.dropped == recorder.sink.lost == recorder.captured == 41  # the closing Health too
-    assert recorder.health(41)[1]["events_dropped"] == 41
+    assert recorder.health(41).events_dropped == 41
     said = [r.getMessage() for r in caplog.records if "Schema Registry" in r.getMessage()]
     assert len(said) == 1 and "refused" in said[0] and subject in said[0] and "counts as lost" in said[0], said
     assert client.get_versions(subject) == [1, 2]
