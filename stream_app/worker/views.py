@@ -163,11 +163,12 @@ def merge_fleet(
 
     `members`: URL -> events partitions, as the group assigned them (this worker among them);
     `answers`: URL -> its /engines and /violations, or the error that stood for them; `left`: URL ->
-    when a worker seen before was no longer a member. Workers are taken in one order, this one first,
-    then by URL. An engine listed live by two workers (a rebalance in between) is the one of the
-    worker its partition is assigned to, else the first; a retired engine is listed only when no
-    worker holds it live. A violation is listed once by its id (ids name the fact: a worker taking
-    over re-sends under the same id) and points at the worker holding its engine, else the one that
+    when a worker seen before was no longer a member. Workers are listed this one first, then by
+    URL; engines by id; violations by worker URL, each worker's newest last. An engine listed live
+    by two workers (a rebalance in between) is the one of the worker its partition is assigned to,
+    else the first reported (this worker's first); a retired engine is listed only when no worker
+    holds it live. A violation is listed once by its id (ids name the fact: a worker taking over
+    re-sends under the same id) and points at the worker holding its engine, else the one that
     reported it. Each entry names its worker (`worker`), whose page has its details and block tables.
     """
     order = [self_url, *sorted(u for u in {*members, *answers} if u != self_url)]
@@ -187,7 +188,7 @@ def merge_fleet(
                     live[e["engine_id"]] = entry
     engines = [live[k] for k in sorted(live)] + [retired[k] for k in sorted(retired) if k not in live]
     violations: dict[str, dict] = {}
-    for url in order:
+    for url in sorted(order):  # the same order on every page: by worker, each worker's newest last
         answer = answers.get(url)
         for v in (answer.violations if answer is not None else None) or ():
             if v["id"] not in violations:

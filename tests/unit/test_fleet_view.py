@@ -50,6 +50,8 @@ def test_each_workers_engines_and_violations_are_listed_once_with_the_worker_hol
         assert [e["engine_id"] for e in fleet["engines"]] == ["e0", "e1", "e2", "e3"]
         assert next(e for e in fleet["engines"] if e["engine_id"] == "e3")["lag"] == 4  # the entry as its worker has it
         assert by_id(fleet["violations"], "id") == {"e2/x/0": A, "e3/y/0": B, "e3/z/0": B}
+        # The same order on every page: by worker, each worker's newest (its last) last.
+        assert [v["id"] for v in fleet["violations"]] == ["e2/x/0", "e3/y/0", "e3/z/0"]
         workers = {w["url"]: w for w in fleet["workers"]}
         assert fleet["workers"][0]["url"] == self_url and workers[self_url]["self"]
         assert {u: (w["state"], w["partitions"], w["engines"]) for u, w in workers.items()} == {
