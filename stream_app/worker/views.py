@@ -152,8 +152,13 @@ class Answer:
 
 def members_of(distribution: Mapping[str, Mapping[str, list[int]]], topic: str) -> dict[str, list[int]]:
     """Every member of the group (its URL) and the partitions of `topic` it holds, from the
-    assignor's distribution ({url: {topic: [partition, ...]}}, every member listed)."""
-    return {url: sorted(topics.get(topic, ())) for url, topics in distribution.items()}
+    assignor's distribution ({url: {topic: [partition, ...]}}, every member listed). Only http(s)
+    URLs: each is asked for its views, and the page links to it."""
+    return {
+        url: sorted(topics.get(topic, ()))
+        for url, topics in distribution.items()
+        if url.startswith(("http://", "https://"))
+    }
 
 
 def merge_fleet(

@@ -124,6 +124,7 @@ def test_members_and_their_events_partitions_from_the_assignors_distribution():
         A: {"p.events": [2, 0], "p.transfers": [0, 2]},
         B: {"p.events": [1], "p.transfers": [1]},
         C: {},  # a member with nothing assigned (more workers than partitions)
+        "javascript:alert(1)//": {"p.events": [3]},  # never asked, never a link
     }
     assert members_of(distribution, "p.events") == {A: [0, 2], B: [1], C: []}
 
