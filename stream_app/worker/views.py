@@ -24,6 +24,7 @@ left; neither holds the page up.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -39,6 +40,8 @@ from kvledger.stream_app.worker.travel import travel
 
 if TYPE_CHECKING:
     from kvledger.stream_app.worker.app import StreamWorker
+
+log = logging.getLogger("kvledger.worker")
 
 
 def engines_view(worker: StreamWorker) -> list[dict]:
@@ -298,8 +301,11 @@ def register_views(app: faust.App, worker: StreamWorker) -> None:
     @app.on_partitions_assigned.connect
     async def note_members(app: faust.App, assigned, **kwargs) -> None:
         # At each rebalance (the assignor has the new distribution by then): a worker gone is noted
-        # as left even if no page was open meanwhile.
-        fleet.members()
+        # as left even if no page was open meanwhile. Never in the rebalance's way.
+        try:
+            fleet.members()
+        except Exception:
+            log.exception("the group's members not noted for the status page")
 
     @app.timer(interval=history.interval_s)
     async def sample_history() -> None:
