@@ -8,16 +8,30 @@
                step, or at step S (time travel: rebuilt from a kept checkpoint and the events topic)
 /transfers     the transfer joins of this worker's partitions: offsets covered, transfers open
 /history       the last 30 minutes of events/s, lag, producer drops and violations (history.py)
+/fleet         every worker of the group, the engines each holds and the violations each found: this
+               worker's own views merged with the /engines and /violations of the others (below)
 /              the status page: plots of /history, the tables, each violation's block table drawn
+
+The fleet. Workers of one group find each other through the group itself: every worker's
+subscription carries its web URL (Faust's canonical_url) and the group's leader hands every member
+the map of which URL holds which partitions (the assignor's distribution, renewed at each
+rebalance). /fleet asks each other member for its /engines and /violations at once, each answer
+within FLEET_TIMEOUT_S, and merges them (merge_fleet): a worker that does not answer is listed as
+unreachable with the partitions it holds, one that left the group since this worker saw it as
+left; neither holds the page up.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import TYPE_CHECKING
 
+import aiohttp
 import faust
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -26,6 +40,8 @@ from kvledger.stream_app.worker.travel import travel
 
 if TYPE_CHECKING:
     from kvledger.stream_app.worker.app import StreamWorker
+
+log = logging.getLogger("kvledger.worker")
 
 
 def engines_view(worker: StreamWorker) -> list[dict]:
@@ -122,9 +138,174 @@ async def travel_view(worker: StreamWorker, engine_id: str, req_id: str, step: i
     return {"start_offset": journey.start_offset, "from_waypoint": journey.from_waypoint, "ranks": ranks}
 
 
+# -- the fleet ------------------------------------------------------------------------------------
+FLEET_TIMEOUT_S = 1.5  # a worker that has not answered /engines and /violations by then is unreachable
+FLEET_FRESH_S = 1.0  # a /fleet this recent is served again (pages refresh every 2 s, several may be open)
+LEFT_KEPT = 16  # workers that left the group, listed as such
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What one worker's /engines and /violations said, or why it said nothing."""
+
+    engines: list[dict] | None = None
+    violations: list[dict] | None = None
+    error: str | None = None
+
+
+def members_of(distribution: Mapping[str, Mapping[str, list[int]]], topic: str) -> dict[str, list[int]]:
+    """Every member of the group (its URL) and the partitions of `topic` it holds, from the
+    assignor's distribution ({url: {topic: [partition, ...]}}, every member listed). Only http(s)
+    URLs: each is asked for its views, and the page links to it."""
+    return {
+        url: sorted(topics.get(topic, ()))
+        for url, topics in distribution.items()
+        if url.startswith(("http://", "https://"))
+    }
+
+
+def merge_fleet(
+    self_url: str, members: Mapping[str, list[int]], answers: Mapping[str, Answer], left: Mapping[str, float]
+) -> dict:
+    """One view of the fleet from each worker's own views.
+
+    `members`: URL -> events partitions, as the group assigned them (this worker among them);
+    `answers`: URL -> its /engines and /violations, or the error that stood for them; `left`: URL ->
+    when a worker seen before was no longer a member. Workers are listed this one first, then by
+    URL; engines by id; violations by worker URL, each worker's newest last. An engine listed live
+    by two workers (a rebalance in between) is the one of the worker its partition is assigned to,
+    else the first reported (this worker's first); a retired engine is listed only when no worker
+    holds it live. A violation is listed once by its id (ids name the fact: a worker taking over
+    re-sends under the same id) and points at the worker holding its engine, else the one that
+    reported it. Each entry names its worker (`worker`), whose page has its details and block tables.
+    """
+    order = [self_url, *sorted(u for u in {*members, *answers} if u != self_url)]
+    owner = {p: url for url, parts in members.items() for p in parts}
+    live: dict[str, dict] = {}
+    retired: dict[str, dict] = {}
+    for url in order:
+        answer = answers.get(url)
+        for e in (answer.engines if answer is not None else None) or ():
+            entry = {**e, "worker": url}
+            if e.get("state") == "retired":
+                retired.setdefault(e["engine_id"], entry)
+            else:
+                held = live.get(e["engine_id"])
+                theirs = owner.get(e.get("partition")) == url
+                if held is None or (theirs and owner.get(held.get("partition")) != held["worker"]):
+                    live[e["engine_id"]] = entry
+    engines = [live[k] for k in sorted(live)] + [retired[k] for k in sorted(retired) if k not in live]
+    violations: dict[str, dict] = {}
+    for url in sorted(order):  # the same order on every page: by worker, each worker's newest last
+        answer = answers.get(url)
+        for v in (answer.violations if answer is not None else None) or ():
+            if v["id"] not in violations:
+                held = live.get(v["engine_id"])
+                violations[v["id"]] = {**v, "worker": held["worker"] if held is not None else url}
+    workers = []
+    for url in order:
+        answer = answers.get(url) or Answer(error="not asked")
+        workers.append(
+            {
+                "url": url,
+                "self": url == self_url,
+                "state": "unreachable" if answer.error is not None else "up",
+                "error": answer.error,
+                "partitions": list(members.get(url, [])),
+                "engines": sum(e["worker"] == url for e in live.values()),
+            }
+        )
+    for url, since in sorted(left.items(), key=lambda kv: -kv[1]):
+        if url not in members and url not in answers:
+            workers.append({"url": url, "self": False, "state": "left", "left_at": since, "partitions": []})
+    return {"self": self_url, "workers": workers, "engines": engines, "violations": list(violations.values())}
+
+
+class Fleet:
+    """The members of the group as this worker last saw them, and /fleet served from them."""
+
+    def __init__(self, app: faust.App, worker: StreamWorker):
+        self.app, self.worker = app, worker
+        self.url = str(app.conf.canonical_url)
+        self.seen: set[str] = set()  # every URL seen a member since this worker started
+        self.left: dict[str, float] = {}  # URL -> wall time it was first seen missing
+        self.lock = asyncio.Lock()
+        self.cached: tuple[float, dict] | None = None
+
+    def members(self) -> dict[str, list[int]]:
+        """The group's members and their events partitions; this worker's own from its consumer."""
+        members = members_of(self.app.assignor.external_topics_metadata(), self.worker.topics.events)
+        members[self.url] = _own_partitions(self.app, self.worker)
+        self.note(members)
+        return members
+
+    def note(self, members: Mapping[str, list[int]]) -> None:
+        """A worker seen a member before and not now has left the group (until it is back)."""
+        now = time.time()
+        for url in self.seen - set(members):
+            self.left.setdefault(url, now)
+        for url in members:
+            self.left.pop(url, None)
+        self.seen |= set(members)
+        for url in sorted(self.left, key=self.left.__getitem__)[: max(len(self.left) - LEFT_KEPT, 0)]:
+            del self.left[url]
+            self.seen.discard(url)
+
+    async def view(self) -> dict:
+        async with self.lock:  # pages open at once share one round of requests
+            if self.cached is not None and time.monotonic() - self.cached[0] < FLEET_FRESH_S:
+                return self.cached[1]
+            members = self.members()
+            answers = {self.url: Answer(engines_view(self.worker), violations_view(self.worker))}
+            peers = [url for url in members if url != self.url]
+            timeout = aiohttp.ClientTimeout(total=FLEET_TIMEOUT_S)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                for url, answer in zip(peers, await asyncio.gather(*(_ask(session, u) for u in peers)), strict=True):
+                    answers[url] = answer
+            merged = merge_fleet(self.url, members, answers, self.left)
+            self.cached = (time.monotonic(), merged)
+            return merged
+
+
+def _own_partitions(app: faust.App, worker: StreamWorker) -> list[int]:
+    return sorted(tp.partition for tp in app.consumer.assignment() if tp.topic == worker.topics.events)
+
+
+async def _ask(session: aiohttp.ClientSession, url: str) -> Answer:
+    """A worker's /engines and /violations, or why not (refused, no answer in time, not JSON)."""
+
+    async def get(path: str, key: str) -> list[dict]:
+        async with session.get(url.rstrip("/") + path) as response:
+            response.raise_for_status()
+            body = await response.json()
+            if not isinstance(body, list) or not all(isinstance(x, dict) and key in x for x in body):
+                raise ValueError(f"{path} answered something else than a list of entries with {key!r}")
+            return body
+
+    try:
+        engines, violations = await asyncio.wait_for(
+            asyncio.gather(get("/engines", "engine_id"), get("/violations", "id")), timeout=FLEET_TIMEOUT_S
+        )
+    except TimeoutError:  # aiohttp's own timeouts are TimeoutErrors too
+        return Answer(error=f"no answer in {FLEET_TIMEOUT_S} s")
+    except Exception as exc:  # refused, reset, an HTTP error, not JSON: the page says so and goes on
+        return Answer(error=f"{type(exc).__name__}: {exc}".rstrip(": "))
+    return Answer(engines, violations)
+
+
 def register_views(app: faust.App, worker: StreamWorker) -> None:
     status_page = resources.files("kvledger.stream_app.worker").joinpath("status.html").read_text()
     history = History()
+    fleet = Fleet(app, worker)
+
+    @app.on_partitions_assigned.connect
+    async def note_members(app: faust.App, assigned, **kwargs) -> None:
+        # At each rebalance (the assignor has the new distribution by then): a worker gone is noted
+        # as left even if no page was open meanwhile. Never in the rebalance's way.
+        try:
+            fleet.members()
+        except Exception:
+            log.exception("the group's members not noted for the status page")
 
     @app.timer(interval=history.interval_s)
     async def sample_history() -> None:
@@ -144,8 +325,11 @@ def register_views(app: faust.App, worker: StreamWorker) -> None:
 
     @app.page("/partitions")
     async def partitions(web, request):
-        assigned = worker.app.consumer.assignment()
-        return web.json(sorted(tp.partition for tp in assigned if tp.topic == worker.topics.events))
+        return web.json(_own_partitions(app, worker))
+
+    @app.page("/fleet")
+    async def fleet_view(web, request):
+        return web.json(await fleet.view())
 
     @app.page("/transfers")
     async def transfers(web, request):

@@ -21,7 +21,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -177,3 +179,125 @@ def test_status_page(served, tmp_path):
     other = rendered(base + want.replace("rank=dp0-tp0-pp0", "rank=dp0-tp1-pp0"))
     assert 'aria-pressed="true">dp0-tp1-pp0' in other and 'class="wrong-slot"' not in other
     screenshot(base + want, artifacts / "block-table.png")
+
+
+# -- the fleet: every worker's page shows every worker's engines and violations ---------------------
+FLEET = ("fleet-0", "fleet-1", "fleet-2", "fleet-3")  # keyed to partitions 0, 1, 1, 0 of two (murmur2)
+FLEET_FAULTY = ("fleet-0", "fleet-1")  # one on each partition
+
+
+def own(worker) -> tuple[set[str], set[str]]:
+    """What a worker holds itself: its live engines, the ids of its recent violations."""
+    engines = {e["engine_id"] for e in json.loads(worker.get("/engines")) if e["state"] == "live"}
+    return engines, {v["id"] for v in json.loads(worker.get("/violations"))}
+
+
+def page_rows(dom: str, table: str, key: str) -> dict[str, dict[str, str]]:
+    """A table's rows by their data-`key`: the row's attributes, and the href of its worker link."""
+    rows = {}
+    for tr, body in re.findall(r"(<tr [^>]*>)(.*?)</tr>", tbody(dom, table), re.S):
+        row = attrs(tr)
+        link = re.search(r'<a class="worker"[^>]*>', body)
+        rows[row[f"data-{key}"]] = {**row, "href": attrs(link[0])["href"] if link else ""}
+    return rows
+
+
+@pytest.fixture
+def fleet(kafka_bootstrap, tmp_path):
+    """Two workers of one group, each holding one of two partitions, engines and findings on both."""
+    prefix = f"fleet{uuid.uuid4().hex[:8]}"
+    options = ("--partitions", "2", "--store", "memory", "--settle-after", "1", "--session-timeout", "6")
+    workers = []
+    try:
+        for name in ("a", "b"):
+            workers.append(
+                start_worker(kafka_bootstrap, prefix, tmp_path / f"state-{name}", tmp_path / f"{name}.log", *options)
+            )
+
+        def shared() -> bool:
+            held = [json.loads(w.get("/partitions")) for w in workers]
+            return all(held) and sorted(held[0] + held[1]) == [0, 1]
+
+        wait_for("the two workers to share the partitions", shared, workers)
+        engines = {
+            name: simulate(
+                SimConfig(seed=30 + i, engine_id=name, steps=120,
+                          faults=(FaultSpec("slot_shift", FAULT_STEP),) if name in FLEET_FAULTY else ())
+            ).events
+            for i, name in enumerate(FLEET)
+        }  # fmt: skip
+        produce(kafka_bootstrap, f"{prefix}.events", [e for events in engines.values() for e in events])
+        wait_for("every event applied", events_done(workers, {k: len(v) for k, v in engines.items()}), workers)
+        yield workers
+    finally:
+        for w in workers:
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGCONT)  # a stopped one ends too
+            w.stop()
+
+
+def test_every_workers_page_shows_the_fleet_with_each_engines_worker(fleet):
+    urls = [f"http://127.0.0.1:{w.port}" for w in fleet]
+    holds = [own(w) for w in fleet]
+    assert all(engines for engines, _ in holds), f"the engines landed on one worker: {holds}"
+    holder = {e: url for url, (engines, _) in zip(urls, holds, strict=True) for e in engines}
+    assert set(holder) == set(FLEET)
+    found = {vid: url for url, (_, ids) in zip(urls, holds, strict=True) for vid in ids}
+    assert {vid.split("/")[0] for vid in found} == set(FLEET_FAULTY)  # a finding on each worker
+
+    for w, url in zip(fleet, urls, strict=True):
+        [other] = [u for u in urls if u != url]
+        view = json.loads(w.get("/fleet"))
+        assert view["self"] == url
+        assert {e["engine_id"]: e["worker"] for e in view["engines"]} == holder
+        assert {v["id"]: v["worker"] for v in view["violations"]} == found
+        assert [(x["url"], x["state"]) for x in view["workers"]] == [(url, "up"), (other, "up")]
+
+        page = rendered(url + "/")
+        assert 'data-loaded="overview"' in page
+        assert f"{len(FLEET)} engine(s) live on 2 worker(s)" in page and f"{len(found)} recent violation(s)" in page
+        engines = page_rows(page, "engines", "engine")
+        assert {e: row["data-worker"] for e, row in engines.items()} == holder
+        for e, row in engines.items():  # the owner link: this page's own filter, or the other worker's page
+            assert row["href"] == (f"#/?engine={e}" if holder[e] == url else f"{holder[e]}/#/?engine={e}"), row
+        violations = page_rows(page, "violations", "id")
+        assert {vid: row["data-worker"] for vid, row in violations.items()} == found
+        workers = page_rows(page, "workers", "worker")
+        assert {u: row["data-state"] for u, row in workers.items()} == {u: "up" for u in urls}
+
+    # A violation held by the other worker links to its block table, drawn there.
+    page = rendered(urls[0] + "/")
+    links = [attrs(x)["href"] for x in re.findall(r'<a class="travel"[^>]*>', tbody(page, "violations"))]
+    remote = [h for h in links if h.startswith(urls[1] + "/#/block?")]
+    assert remote, links
+    drawn = rendered(remote[0])
+    assert 'data-loaded="block"' in drawn and 'class="group"' in drawn
+
+
+def test_a_worker_not_answering_shows_as_such_and_then_as_gone(fleet):
+    a, b = fleet
+    ua, ub = f"http://127.0.0.1:{a.port}", f"http://127.0.0.1:{b.port}"
+    on_b, _ = own(b)
+    b.proc.send_signal(signal.SIGSTOP)  # it still accepts connections, and answers nothing
+    started = time.monotonic()
+    view = json.loads(a.get("/fleet", timeout=10))
+    assert time.monotonic() - started < 4  # bounded by the fleet's timeout, not by the silent worker
+    [unreachable] = [x for x in view["workers"] if x["url"] == ub]
+    assert unreachable["state"] == "unreachable" and unreachable["error"].startswith("no answer in")
+    assert not on_b & {e["engine_id"] for e in view["engines"]}
+    page = rendered(ua + "/")
+    assert page_rows(page, "workers", "worker")[ub]["data-state"] == "unreachable"
+    assert "1 worker(s) not answering" in page
+
+    # The group drops it after its session timeout: listed as having left, its engines on the survivor.
+    def taken_over() -> bool:
+        view = json.loads(a.get("/fleet", timeout=10))
+        states = {x["url"]: x["state"] for x in view["workers"]}
+        return states == {ua: "up", ub: "left"} and {e["engine_id"]: e["worker"] for e in view["engines"]} == {
+            e: ua for e in FLEET
+        }
+
+    wait_for("the survivor to hold every engine, the stopped worker listed as gone", taken_over, [a], timeout=60)
+    page = rendered(ua + "/")
+    assert page_rows(page, "workers", "worker")[ub]["data-state"] == "left"
+    assert set(page_rows(page, "engines", "engine")) == set(FLEET)

@@ -249,6 +249,27 @@ def test_the_workers_serve_metrics_beyond_the_container(stack):
     assert result.stdout.split() == ["0.0.0.0", str(web_port)]
 
 
+def test_each_worker_advertises_a_url_the_other_worker_reaches(stack):
+    """Workers find each other's status views through the URL each one's group membership carries
+    (Faust's canonical_url, which NODE_CANONICAL_URL sets): its own service name and its container's
+    web port, one per worker. Checked on the worker's real app object."""
+    web_port = int(WORKER_COMMAND[WORKER_COMMAND.index("--web-port") + 1])
+    code = textwrap.dedent(f"""
+        from kvledger.stream_app.worker.app import StreamWorker, WorkerSettings
+        worker = StreamWorker(WorkerSettings(bootstrap="kafka:9092", web_port={web_port}, store="memory"))
+        print(worker.app.conf.canonical_url)
+    """)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("WEB_", "NODE_"))}
+    urls = {}
+    for name, worker in _workers(stack).items():
+        env = {**clean, **worker["environment"]}
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert result.returncode == 0, result.stderr
+        urls[name] = result.stdout.strip()
+        assert urls[name] == f"http://{worker['hostname']}:{web_port}", name
+    assert len(set(urls.values())) == len(urls) == 2
+
+
 def test_two_workers_run_kvledger_stream_from_the_project_image(stack):
     workers = _workers(stack)
     assert set(workers) == {"worker-1", "worker-2"}
