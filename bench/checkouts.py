@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 from pathlib import Path
 
@@ -16,3 +18,12 @@ def env_importing(checkout: Path, root: Path) -> dict[str, str]:
     for room in _ROOMS:
         (package / room).symlink_to(checkout.resolve() / room)
     return {**os.environ, "PYTHONPATH": str(root)}  # before the editable install's finder
+
+
+def has_module(name: str) -> bool:
+    """Whether the imported checkout has the module `name` itself: a module it lacks may still be found,
+    served from wherever an editable install of the project points."""
+    parent, _, _ = name.rpartition(".")
+    spec = importlib.util.find_spec(name)
+    package = importlib.import_module(parent)
+    return spec is not None and spec.origin is not None and Path(spec.origin).parent in map(Path, package.__path__)

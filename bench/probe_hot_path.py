@@ -38,7 +38,6 @@ and gives its time per frame.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import io
 import os
 import statistics
@@ -51,7 +50,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from checkouts import env_importing  # bench/, beside this script
+from checkouts import env_importing, has_module  # bench/, beside this script
 from fastavro import schemaless_writer
 
 from kvledger.producer import records
@@ -63,9 +62,9 @@ from kvledger.stream_app.core import Ledger
 
 BLOCK_SIZE, MAX_BLOCKS, PROMPT = 16, 192, 100  # rows long enough for PROMPT + the default 2000 steps
 TARGET_US = 20.0
-# A checkout is told by a module only it has: a module it lacks would be served from this checkout
-# (the editable install's finder), so a failed import cannot tell them apart.
-if importlib.util.find_spec("kvledger.producer.ring_recorder") is None:  # this checkout
+# A checkout is told by a module only the older one has (`has_module`: one it lacks may still be found,
+# served by an editable install of the project elsewhere, so a failed import cannot tell them apart).
+if not has_module("kvledger.producer.ring_recorder"):  # this checkout
     from kvledger.producer.delivery import Delivery
     from kvledger.producer.recorder import FrameReader
     from kvledger.producer.ring_writer import RingWriter

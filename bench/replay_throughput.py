@@ -20,7 +20,6 @@ alternating processes, P pairs: the median ratio of each figure is printed
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 
 import _root  # noqa: F401  (the checkout's root, for tests.synthetic)
-from checkouts import env_importing  # bench/, beside this script
+from checkouts import env_importing, has_module  # bench/, beside this script
 
 from kvledger.producer.sinks import FileSink
 from kvledger.schemas import unpack_i32
@@ -39,7 +38,7 @@ from kvledger.schemas.files import discover, read_segment
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import replay
 
-if importlib.util.find_spec("kvledger.stream_app.core.events") is None:  # this checkout types records at its edges
+if not has_module("kvledger.stream_app.core.events"):  # this checkout types records at its edges
     from kvledger.schemas.events import event_of, events_of
 else:  # an older checkout's ledger typed what it was given (its new modules would come from this checkout)
 

@@ -35,6 +35,11 @@ from kvledger.schemas.kinds import (
 Record = dict[str, Any]
 
 
+class Typed(msgspec.Struct, gc=False):
+    """Every record of the contract: plain data (bytes, numbers, strings, lists of records), never a
+    cycle, so the garbage collector need not track them (a step's records are built by the thousand)."""
+
+
 class RankKey(NamedTuple):
     """One rank of one engine. A tuple: it keys most of the core's dicts, hashed several times per
     event, and a tuple hashes in C."""
@@ -49,7 +54,7 @@ class RankKey(NamedTuple):
 
 
 # -- RankInfo -------------------------------------------------------------------------------------
-class KvGroup(msgspec.Struct):
+class KvGroup(Typed):
     """One KV cache group: layers sharing one block table."""
 
     group_id: int  # index of the group in the engine's KV cache config
@@ -59,7 +64,7 @@ class KvGroup(msgspec.Struct):
     sliding_window: int | None = None  # window in tokens of a SLIDING_WINDOW group
 
 
-class Capability(msgspec.Struct):
+class Capability(Typed):
     """A probe that attached or not, or a configuration the checks do not model (kinds.Declaration)."""
 
     name: str
@@ -67,7 +72,7 @@ class Capability(msgspec.Struct):
     reason: str | None = None  # why it is unavailable
 
 
-class RankInfo(msgspec.Struct):
+class RankInfo(Typed):
     """A rank's identity and KV cache layout: first event of every incarnation, and before each snapshot."""
 
     dp_size: int
@@ -83,7 +88,7 @@ class RankInfo(msgspec.Struct):
 
 
 # -- Step -----------------------------------------------------------------------------------------
-class NewRequest(msgspec.Struct):
+class NewRequest(Typed):
     """A request the worker sees for the first time (or again after it was finished)."""
 
     req_index: int  # rank-local dense index, used by every packed column
@@ -94,7 +99,7 @@ class NewRequest(msgspec.Struct):
     num_scheduled_tokens: int
 
 
-class StepInput(msgspec.Struct):
+class StepInput(Typed):
     """The scheduler output as the worker received it; columns aligned as the contract says."""
 
     new_reqs: list[NewRequest]
@@ -112,7 +117,7 @@ class StepInput(msgspec.Struct):
     block_copies: bytes  # packed int32 (src, dst) pairs
 
 
-class GroupPlan(msgspec.Struct):
+class GroupPlan(Typed):
     """What attention wrote and read in one KV cache group."""
 
     group_id: int
@@ -124,7 +129,7 @@ class GroupPlan(msgspec.Struct):
     rows: bytes | None = None  # packed int32 rows themselves, when full rows were asked for
 
 
-class DraftPass(msgspec.Struct):
+class DraftPass(Typed):
     """One forward pass of a drafter that writes KV in a target group."""
 
     group_id: int
@@ -136,7 +141,7 @@ class DraftPass(msgspec.Struct):
     num_padding: int
 
 
-class StepPlan(msgspec.Struct):
+class StepPlan(Typed):
     """The address plan the runner executed (read from its metadata, never recomputed)."""
 
     req_indices: bytes  # packed int32 req_index values, in slot-mapping order
@@ -146,7 +151,7 @@ class StepPlan(msgspec.Struct):
     draft_writes: list[DraftPass] | None = None  # None: no drafter KV recorded
 
 
-class BlockDigests(msgspec.Struct):
+class BlockDigests(Typed):
     """Content digests of sealed blocks, taken at a step before its forward pass wrote anything."""
 
     group_ids: bytes  # packed int32
@@ -155,7 +160,7 @@ class BlockDigests(msgspec.Struct):
     reasons: list[DigestReason]  # aligned with group_ids; a newer writer's reason reads as OTHER
 
 
-class Step(msgspec.Struct):
+class Step(Typed):
     """One step of one rank: the scheduler's input and the runner's plan."""
 
     step: int  # rank-local counter, aligned across the ranks of an engine
@@ -166,7 +171,7 @@ class Step(msgspec.Struct):
 
 
 # -- the other bodies -----------------------------------------------------------------------------
-class ConnectorEvent(msgspec.Struct):
+class ConnectorEvent(Typed):
     """A KV connector observation (a disaggregated prefill/decode transfer)."""
 
     step: int
@@ -186,7 +191,7 @@ class ConnectorEvent(msgspec.Struct):
             self.kind = connector_kind(self.kind, self.detail)
 
 
-class SnapshotRequest(msgspec.Struct):
+class SnapshotRequest(Typed):
     """A live request as a snapshot holds it."""
 
     req_index: int
@@ -195,14 +200,14 @@ class SnapshotRequest(msgspec.Struct):
     block_ids: list[bytes]  # per group: packed int32 row
 
 
-class Snapshot(msgspec.Struct):
+class Snapshot(Typed):
     """A rank's full state after a step: a reader that lost events resyncs here."""
 
     step: int
     requests: list[SnapshotRequest]
 
 
-class Health(msgspec.Struct):
+class Health(Typed):
     """The probe's own accounting, now and then and at shutdown."""
 
     step: int  # last step captured when emitted
@@ -221,7 +226,7 @@ BODY_NAMES: dict[type, str] = {cls: f"kvledger.{cls.__name__}" for cls in BODIES
 BODY_TYPES: dict[str, type] = {name: cls for cls, name in BODY_NAMES.items()}
 
 
-class LedgerEvent(msgspec.Struct):
+class LedgerEvent(Typed):
     """One record of the ledger: what one engine rank observed."""
 
     rank: RankKey  # engine id and DP/TP/PP ranks
@@ -236,7 +241,7 @@ class LedgerEvent(msgspec.Struct):
 
 
 # -- what the ledger reports (`avro/violation.avsc`) ---------------------------------------------------
-class Violation(msgspec.Struct, frozen=True):
+class Violation(Typed, frozen=True):
     """A mismatch the ledger found, as the violations topic and `kvledger check --format json` carry it."""
 
     kind: ViolationKind  # what went wrong; a kind newer than this reader reads as OTHER
@@ -305,9 +310,34 @@ def to_record(value: msgspec.Struct) -> Record:
     return msgspec.to_builtins(value, builtin_types=(bytes,))
 
 
+_asdict = msgspec.structs.asdict  # one level, in C
+
+
+def _step_record(step: Step) -> Record:
+    """A Step as the Avro writer takes it, one level at a time (a recorder writes one a step: `to_record`'s
+    generic walk costs it several microseconds more). Enums as their symbols, as `to_record` writes them."""
+    out = _asdict(step)
+    out["kind"] = step.kind.value
+    inp, plan, content = step.input, step.plan, step.content
+    if inp is not None:
+        out["input"] = record = _asdict(inp)
+        record["new_reqs"] = [_asdict(r) for r in inp.new_reqs]
+    if plan is not None:
+        out["plan"] = record = _asdict(plan)
+        record["groups"] = [_asdict(g) for g in plan.groups]
+        if plan.draft_writes is not None:
+            record["draft_writes"] = [_asdict(d) for d in plan.draft_writes]
+    if content is not None:
+        out["content"] = record = _asdict(content)
+        record["reasons"] = [r.value for r in content.reasons]
+    return out
+
+
 def body_record(body: Body) -> Record:
     """A body as the Avro writer takes it: a connector kind without a symbol is written as OTHER
     named by its detail."""
+    if isinstance(body, Step):
+        return _step_record(body)
     out = to_record(body)
     if isinstance(body, ConnectorEvent):
         out["kind"], out["detail"] = connector_wire(body.kind, body.detail)

@@ -86,21 +86,19 @@ def block_terms(blocks: np.ndarray, cols: np.ndarray) -> np.ndarray:
     the one definition every writer and reader of digests builds on, which extends on append.
     """
     end = int(cols.max()) + 1 if cols.size else 0
-    with np.errstate(over="ignore"):
-        return mix_blocks(blocks) * position_weights(0, end)[cols]
+    return mix_blocks(blocks) * position_weights(0, end)[cols]  # arrays: wraps mod 2^64, no warning
 
 
 def length_terms(lengths: np.ndarray | int) -> np.ndarray:
-    """The part of rows' digests that depends on their lengths only (uint64)."""
-    with np.errstate(over="ignore"):
-        return np.asarray(lengths).astype(np.uint64) * _K
+    """The part of rows' digests that depends on their lengths only (uint64 array)."""
+    return np.asarray(lengths, dtype=np.int64).reshape(-1).astype(np.uint64) * _K
 
 
 def row_digest(row: np.ndarray | Iterable[int]) -> int:
     """Digest of one block-table row (its block ids, in order)."""
     arr = np.asarray(row, dtype=np.int64)
     with np.errstate(over="ignore"):
-        return int(block_terms(arr, np.arange(arr.size)).sum(dtype=np.uint64) + length_terms(arr.size))
+        return int(block_terms(arr, np.arange(arr.size)).sum(dtype=np.uint64) + length_terms(arr.size)[0])
 
 
 def pack_digests(digests: Iterable[int] | np.ndarray) -> bytes:
