@@ -108,6 +108,11 @@ class ConnectorKind(Open):
         return _ROLES.get(self)
 
     @property
+    def ends_recv(self) -> bool:
+        """The receive is over, done or failed: the blocks its intent held are its request's to read."""
+        return self in (ConnectorKind.RECV_DONE, ConnectorKind.RECV_FAILED)
+
+    @property
     def ends_send(self) -> bool:
         """The send is over, whatever became of it: the blocks its intent held are released."""
         return self in (ConnectorKind.SEND_DONE, ConnectorKind.EXPIRED, ConnectorKind.SEND_CANCELLED)

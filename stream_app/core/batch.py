@@ -405,7 +405,7 @@ def _grant_facts(g, ev_block, ev_col, ev_time, ev_sign, ev_written) -> GrantFact
         written=ew[grant],
         prior=count - granted_now,
         writers=np.bincount(group_of, weights=grant & ew)[group_of][grant],
-        sending=g.send_hold[eb[grant]] > 0,
+        sending=g.in_transfer(eb[grant]),
     )
 
 

@@ -72,7 +72,11 @@ def _ints(data: bytes) -> np.ndarray:
 def _same_tables(a: RankTables, b: RankTables) -> bool:
     if a.index_of != b.index_of or a.num_rows != b.num_rows or a.free_rows != b.free_rows:
         return False
-    if a.pending_sends.keys() != b.pending_sends.keys() or len(a.groups) != len(b.groups):
+    if (
+        a.pending_sends.keys() != b.pending_sends.keys()
+        or a.pending_recvs.keys() != b.pending_recvs.keys()
+        or len(a.groups) != len(b.groups)
+    ):
         return False
     rows = np.asarray([a.row_of[i] for i in a.index_of.values()], np.int64)
     if not (
@@ -87,8 +91,9 @@ def _same_tables(a: RankTables, b: RankTables) -> bool:
         if not np.array_equal(ga.table[:n, :width], gb.table[:n, :width]):
             return False
     return all(
-        all(np.array_equal(x, y) for x, y in zip(a.pending_sends[t], b.pending_sends[t], strict=True))
-        for t in a.pending_sends
+        all(np.array_equal(x, y) for x, y in zip(pending[t], b_pending[t], strict=True))
+        for pending, b_pending in ((a.pending_sends, b.pending_sends), (a.pending_recvs, b.pending_recvs))
+        for t in pending
     )
 
 
@@ -131,7 +136,10 @@ def table_record(state: RankTables) -> Record:
         filled = np.arange(g.table.shape[1]) < lens[:, None]
         blocks, width = pack_ids(g.table[:n][filled])
         groups.append({"lens": _i32(lens), "released": _i32(g.released[:n]), "blocks": blocks, "id_bytes": width})
-    sends = [{"transfer_id": t, "block_ids": [_i32(b) for b in blocks]} for t, blocks in state.pending_sends.items()]
+    sends, recvs = (
+        [{"transfer_id": t, "block_ids": [_i32(b) for b in blocks]} for t, blocks in pending.items()]
+        for pending in (state.pending_sends, state.pending_recvs)
+    )
     return {
         "same_as": None,
         "requests": requests,
@@ -139,6 +147,7 @@ def table_record(state: RankTables) -> Record:
         "free_rows": _i32(state.free_rows),
         "groups": groups,
         "pending_sends": sends,
+        "pending_recvs": recvs,
     }
 
 
@@ -172,11 +181,14 @@ def table_from_record(key: RankKey, info: RankInfo, rec: Record) -> RankTables:
         if ((released < 0) | (released > lens)).any():
             raise StateError(f"{key}: group {g.group_id} releases more than a row holds")
         g.load_rows(lens, released, blocks)
-    for send in rec["pending_sends"]:
-        blocks = [_ints(b) for b in send["block_ids"]]
-        state.pending_sends[send["transfer_id"]] = blocks
-        for g, b in zip(state.groups, blocks, strict=False):
-            g.hold_for_send(b, +1)
+    for receive, pending, field in (
+        (False, state.pending_sends, "pending_sends"),
+        (True, state.pending_recvs, "pending_recvs"),
+    ):
+        for transfer in rec[field]:
+            blocks = pending[transfer["transfer_id"]] = [_ints(b) for b in transfer["block_ids"]]
+            for g, b in zip(state.groups, blocks, strict=False):
+                g.hold_for_transfer(receive, b, +1)
     return state
 
 
@@ -339,6 +351,7 @@ _EMPTY_TABLE: Record = {
     "free_rows": b"",
     "groups": [],
     "pending_sends": [],
+    "pending_recvs": [],
 }
 
 

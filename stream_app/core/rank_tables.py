@@ -64,7 +64,8 @@ class RankTables:
         self.num_rows = 0
         self.computed = np.zeros(8, np.int64)  # per row: num_computed_tokens at the current step
         self.scheduled = np.zeros(8, np.int64)  # per row: tokens scheduled at the current step
-        self.pending_sends: dict[str, list[np.ndarray]] = {}
+        self.pending_sends: dict[str, list[np.ndarray]] = {}  # transfer id -> per group, the blocks it reads
+        self.pending_recvs: dict[str, list[np.ndarray]] = {}  # transfer id -> per group, the blocks it writes
 
     # -- rows ---------------------------------------------------------------------------
     def _rows(self, indices: np.ndarray) -> np.ndarray:
@@ -182,7 +183,7 @@ class RankTables:
         sending = np.zeros(blocks.size, bool)
         for g in self.groups:
             inside = g.in_pool(blocks) & (blocks != NULL_BLOCK)
-            sending[inside] |= g.send_hold[blocks[inside]] > 0
+            sending[inside] |= g.send_hold[blocks[inside]] > 0  # a receive's blocks are its request's to zero
         outside = ~self.groups[0].in_pool(blocks) if self.groups else np.zeros(blocks.size, bool)
         bad = outside | sending | (holders > 1)
         if fresh is not None:  # a copy fills a fresh block: nobody held it before this step
@@ -257,7 +258,7 @@ class RankTables:
             written=written,
             prior=self.holders(mine) - granted_now[of],
             writers=np.bincount(of, weights=written, minlength=granted_now.size)[of],
-            sending=g.send_hold[mine] > 0,
+            sending=g.in_transfer(mine),
         )
         suspect = ~inside
         suspect[real] = grant_failures(facts)
@@ -286,6 +287,8 @@ class RankTables:
                     whose = "another live request holds it at another position"
                 elif g.send_hold[b] > 0:
                     whose = "a pending KV send still reads it"
+                elif g.recv_hold[b] > 0:
+                    whose = "a pending KV receive still writes it"
                 else:
                     whose = "another live request holds it"
                 out.append(
@@ -447,6 +450,8 @@ class RankTables:
                     whose = "the null block"
                 elif g.send_hold[b] > 0:
                     whose = "held by a pending KV send"
+                elif g.recv_hold[b] > 0:
+                    whose = "held by a pending KV receive"
                 elif g.hold_count[b] == 0:
                     whose = "free (no live request holds it)"
                 else:
@@ -573,17 +578,22 @@ class RankTables:
 
     # -- connector and snapshots ---------------------------------------------------------
     def apply_connector(self, event: ConnectorEvent) -> None:
-        tid = event.transfer_id
+        """A pending transfer holds its blocks from its intent to its end (one rule for both sides): a
+        send reads them, a receive writes them, and a grant that writes them meanwhile is a foreign write."""
+        tid, kind = event.transfer_id, event.kind
         if tid is None:
             return
-        if event.kind == ConnectorKind.SEND_INTENT and tid not in self.pending_sends:
-            blocks = [unpack_i32(b).astype(np.int64) for b in event.block_ids]
-            self.pending_sends[tid] = blocks
-            for g, b in zip(self.groups, blocks, strict=False):
-                g.hold_for_send(b, +1)
-        elif event.kind.ends_send and tid in self.pending_sends:
-            for g, b in zip(self.groups, self.pending_sends.pop(tid), strict=False):
-                g.hold_for_send(b, -1)
+        for receive, pending, starts, ends in (
+            (False, self.pending_sends, ConnectorKind.SEND_INTENT, kind.ends_send),
+            (True, self.pending_recvs, ConnectorKind.RECV_INTENT, kind.ends_recv),
+        ):
+            if kind == starts and tid not in pending:
+                blocks = pending[tid] = [unpack_i32(b).astype(np.int64) for b in event.block_ids]
+                for g, b in zip(self.groups, blocks, strict=False):
+                    g.hold_for_transfer(receive, b, +1)
+            elif ends and tid in pending:
+                for g, b in zip(self.groups, pending.pop(tid), strict=False):
+                    g.hold_for_transfer(receive, b, -1)
 
     def load_snapshot(self, snap: Snapshot) -> None:
         """Replace the rows with a snapshot's (pending sends survive: they are not in snapshots)."""

@@ -52,8 +52,10 @@ class GroupTable:
         self.hold_count = np.zeros(num_blocks, dtype=np.int64)
         self.hold_sum = np.zeros(num_blocks, dtype=np.int64)
         self.hold_sumsq = np.zeros(num_blocks, dtype=np.int64)
-        # Blocks a pending KV send still reads, whoever holds them now.
+        # Blocks a pending KV transfer still uses, whoever holds them now: a send reads them, a
+        # receive writes them (its request reads them once it is done).
         self.send_hold = np.zeros(num_blocks, dtype=np.int64)
+        self.recv_hold = np.zeros(num_blocks, dtype=np.int64)
 
     # -- capacity -------------------------------------------------------------------
     def ensure_rows(self, n: int) -> None:
@@ -106,9 +108,13 @@ class GroupTable:
         """Which blocks (in the pool, held at `positions`) another holder has at another position."""
         return positions_differ(self.hold_count[blocks], self.hold_sum[blocks], self.hold_sumsq[blocks], positions)
 
-    def hold_for_send(self, blocks: np.ndarray, sign: int) -> None:
+    def hold_for_transfer(self, receive: bool, blocks: np.ndarray, sign: int) -> None:
         blocks = blocks[(blocks > NULL_BLOCK) & (blocks < self.num_blocks)]
-        np.add.at(self.send_hold, blocks, sign)
+        np.add.at(self.recv_hold if receive else self.send_hold, blocks, sign)
+
+    def in_transfer(self, blocks: np.ndarray) -> np.ndarray:
+        """A pending transfer uses each block: a write to it races the transfer."""
+        return (self.send_hold[blocks] > 0) | (self.recv_hold[blocks] > 0)
 
     # -- row edits ------------------------------------------------------------------------
     def append_many(self, rows: np.ndarray, counts: np.ndarray, blocks: np.ndarray) -> np.ndarray:

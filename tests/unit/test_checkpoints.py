@@ -77,7 +77,13 @@ def _derived(ledger: Ledger) -> list:
     for slot in ledger.ranks.values():
         for g in slot.state.groups if slot.state is not None else ():
             n = slot.state.num_rows
-            out += [g.hold_count.tolist(), g.hold_sum.tolist(), g.hold_sumsq.tolist(), g.send_hold.tolist()]
+            out += [
+                g.hold_count.tolist(),
+                g.hold_sum.tolist(),
+                g.hold_sumsq.tolist(),
+                g.send_hold.tolist(),
+                g.recv_hold.tolist(),
+            ]
             out.append(g.digests[:n][g.lens[:n] > 0].tolist())
     return out
 

@@ -271,3 +271,31 @@ def test_a_send_that_ended_releases_its_blocks_and_one_still_pending_holds_them(
         assert (ViolationKind.FOREIGN_BLOCK_WRITE, "p1") in found
     else:
         assert found == [] and ledger.coverage.checks["exclusivity"] > 0
+
+
+@pytest.mark.parametrize("ending", ["RECV_DONE", "RECV_FAILED", None])
+def test_a_pending_receive_holds_its_blocks_until_it_ends(ending):
+    """A decode rank pulls into blocks 1-2 (the transfer writes them). A request granted them to write
+    while the pull is in flight writes under a late transfer (SGLang 32564: an abort freed them early);
+    once the receive ended, done or failed, they are the scheduler's to hand out again."""
+    rank, seq, events = records.RankIdentity("d", incarnation=1), iter(range(100)), []
+
+    def add(body) -> None:
+        events.append(records.envelope(rank, next(seq), 0, body))
+
+    kv = [records.kv_group(0, "FULL_ATTENTION", 4, 16)]
+    add(records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=kv, vllm_version="t", runner="v1"))
+    add(records.connector_event(0, "test", "RECV_INTENT", req_id="d0", transfer_id="t0", block_ids=[[1, 2]]))
+    inp = records.step_input()
+    add(records.step(0, "REAL", inp, None))
+    if ending is not None:
+        add(records.connector_event(0, "test", ending, req_id="d0", transfer_id="t0"))
+    inp = records.step_input(new_reqs=[records.new_request(1, "d1", [[1, 2]], 0, 8, 8)])
+    group = records.group_plan(0, np.arange(8) + 4, 8, [np.array([1, 2])])
+    add(records.step(1, "REAL", inp, records.step_plan([1], [8], [0], [group])))
+    ledger = Ledger(join_transfers=False)
+    found = [(v.kind, v.req_id, v.step) for e in events for v in ledger.apply(event_of(e))]
+    if ending is None:
+        assert found == [(ViolationKind.FOREIGN_BLOCK_WRITE, "d1", 1)]
+    else:
+        assert found == [] and ledger.coverage.checks["exclusivity"] == 2
