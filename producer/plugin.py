@@ -7,8 +7,13 @@ connector exists). The wrapper reads the engine's `kv_trace` option and,
 only when it is enabled, attaches the probes of the worker's model runner:
 the V1 runner (`kvledger.producer.vllm_v1`) or Model Runner V2 and its
 subclasses such as vllm-ascend's NPU runner (`kvledger.producer.vllm_mrv2`).
-Engines without the option run untouched code. An invalid option fails the
-engine start with the key's name.
+Engines without the option run untouched code.
+
+An invalid option fails the engine start at once, in one line naming every bad key
+and its value: `register()` also wraps `EngineArgs.create_engine_config`, the first
+place vLLM hands a plugin the engine's options (in the process that parsed them,
+before any engine process starts); the worker checks them again, for engines
+configured without `EngineArgs`.
 
 Shutdown: a probe closes (a last Health event, the ledger confirmed complete)
 when vLLM shuts its worker down (`WorkerWrapperBase.shutdown`, on every clean
@@ -28,6 +33,7 @@ import logging
 import multiprocessing.util
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -50,6 +56,7 @@ def register() -> None:
         return
     if getattr(WorkerWrapperBase, "_kvledger_hooked", False):
         return
+    check_options_first()
     initialize_from_config = WorkerWrapperBase.initialize_from_config
     shutdown = getattr(WorkerWrapperBase, "shutdown", None)  # absent: the exit hooks still close
 
@@ -77,6 +84,28 @@ def register() -> None:
     else:
         log.warning("kv_trace: WorkerWrapperBase.shutdown not found; ledgers close at process exit only")
     WorkerWrapperBase._kvledger_hooked = True
+
+
+def check_options_first() -> None:
+    """Validate `kv_trace` where vLLM first holds the engine's options: `EngineArgs` turning into
+    a `VllmConfig`, in the process that parsed them (the server's, the `LLM`'s), seconds after
+    start instead of after the engine processes and their workers are up. vLLM loads the plugins
+    from `EngineArgs` itself (arguments, `__post_init__`), so a process that makes an engine's
+    config has `vllm.engine.arg_utils` imported by now; one that has not (a worker) needs no check."""
+    arg_utils = sys.modules.get("vllm.engine.arg_utils")
+    engine_args = getattr(arg_utils, "EngineArgs", None)
+    create = getattr(engine_args, "create_engine_config", None)
+    if create is None or getattr(create, "_kvledger_checks", False):
+        return
+
+    def check_options_then_create(self, *args, **kwargs):
+        options = getattr(self, "additional_config", None)
+        if isinstance(options, dict):
+            TraceConfig.from_additional_config(options)  # TraceConfigError: one line, every bad key
+        return create(self, *args, **kwargs)
+
+    check_options_then_create._kvledger_checks = True
+    engine_args.create_engine_config = check_options_then_create
 
 
 def probe_class(runner: Any) -> type | None:
