@@ -15,6 +15,11 @@ place vLLM hands a plugin the engine's options (in the process that parsed them,
 before any engine process starts); the worker checks them again, for engines
 configured without `EngineArgs`.
 
+Each rank says, once, at INFO in vLLM's log, where it records: `kv_trace: rank
+dp0-tp0-pp0 of engine E: recording to kafka://HOST:PORT/TOPIC (action record, ring
+16 MiB, v1 runner)`. The plugin's loggers (`kvledger`) write through vLLM's own handlers, at
+vLLM's level and in its format, unless the application configured logging itself.
+
 Shutdown: a probe closes (a last Health event, the ledger confirmed complete)
 when vLLM shuts its worker down (`WorkerWrapperBase.shutdown`, on every clean
 stop and after an engine failure), else at the exit of its process (atexit,
@@ -38,7 +43,7 @@ import threading
 import time
 from typing import Any
 
-from kvledger.producer.config import TraceConfig
+from kvledger.producer.config import SinkSpec, TraceConfig
 
 log = logging.getLogger("kvledger.producer")
 _probes: list = []
@@ -56,6 +61,7 @@ def register() -> None:
         return
     if getattr(WorkerWrapperBase, "_kvledger_hooked", False):
         return
+    log_through_vllm()
     check_options_first()
     initialize_from_config = WorkerWrapperBase.initialize_from_config
     shutdown = getattr(WorkerWrapperBase, "shutdown", None)  # absent: the exit hooks still close
@@ -108,6 +114,36 @@ def check_options_first() -> None:
     engine_args.create_engine_config = check_options_then_create
 
 
+def log_through_vllm() -> None:
+    """The plugin's records in vLLM's log, as vLLM's own (its handlers, level, format and process
+    names), unless the application configured logging: `kvledger` has a handler or a level, or
+    the root logger has handlers (then ours reach them as before). Without this, nothing below
+    WARNING would be shown: vLLM configures its own logger only."""
+    ours, theirs = logging.getLogger("kvledger"), logging.getLogger("vllm")
+    if ours.handlers or ours.level != logging.NOTSET or logging.getLogger().handlers or not theirs.handlers:
+        return
+    ours.addHandler(ThroughVllm())
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+
+
+class ThroughVllm(logging.Handler):
+    """Hands a record to the handlers vLLM's logger has when it is emitted (vLLM may configure
+    its logging again, `--logging-config`)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in logging.getLogger("vllm").handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def sink_url(sink: SinkSpec) -> str:
+    """Where a sink writes, as the `sink` option spells it."""
+    if sink.kind == "kafka":
+        return f"kafka://{sink.bootstrap}/{sink.topic}"
+    return f"file://{sink.path}"
+
+
 def probe_class(runner: Any) -> type | None:
     """The adapter for a model runner, by the vLLM class it derives from."""
     modules = [c.__module__ for c in type(runner).__mro__]
@@ -131,14 +167,25 @@ def attach(runner, config: TraceConfig):
     probe.attach()
     install_exit_hooks()
     _probes.append(probe)
-    log.info(
-        "kv_trace: recording %s to %s (%s runner, action %s)",
-        probe.recorder.identity,
-        config.sink,
-        probe.runner_name,
-        config.action,
-    )
+    recorder = probe.recorder
+    if recorder is not None:
+        rank = recorder.identity
+        log.info(
+            "kv_trace: rank dp%d-tp%d-pp%d of engine %s: recording to %s (action %s, ring %s, %s runner)",
+            rank.dp_rank,
+            rank.tp_rank,
+            rank.pp_rank,
+            rank.engine_id,
+            sink_url(config.sink),
+            config.action,
+            _mib(recorder.ring.capacity),
+            probe.runner_name,
+        )
     return probe
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):g} MiB"
 
 
 def pause_tracing() -> int:

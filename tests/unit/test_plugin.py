@@ -1,15 +1,20 @@
 """The plugin's hooks into vLLM, on stand-ins for vLLM's classes (no vLLM here): the `kv_trace`
-option checked where vLLM first holds it."""
+option checked where vLLM first holds it, the plugin's log lines through vLLM's handlers, each
+rank's start line."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
 from kvledger.producer import plugin
-from kvledger.producer.config import TraceConfigError
+from kvledger.producer.config import SinkSpec, TraceConfig, TraceConfigError
+from kvledger.producer.records import RankIdentity
 
 
 def stand_in(monkeypatch, name: str, **attrs) -> types.ModuleType:
@@ -52,3 +57,82 @@ def test_a_bad_option_fails_where_the_engine_config_is_made_before_any_engine(mo
 def test_no_check_where_no_engine_config_is_made(monkeypatch):
     monkeypatch.delitem(sys.modules, "vllm.engine.arg_utils", raising=False)
     plugin.check_options_first()  # a worker process: nothing to wrap, nothing imported
+
+
+@pytest.fixture
+def vllm_logger():
+    """vLLM's logger as vLLM configures it (its own handler, INFO, not propagating); ours untouched."""
+    theirs, ours = logging.getLogger("vllm"), logging.getLogger("kvledger")
+    saved = (theirs.handlers[:], theirs.level, theirs.propagate, ours.handlers[:], ours.level, ours.propagate)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    theirs.handlers[:] = [handler]
+    theirs.setLevel(logging.INFO)
+    theirs.propagate = False
+    ours.handlers[:], ours.propagate = [], True
+    ours.setLevel(logging.NOTSET)
+    try:
+        yield records
+    finally:
+        theirs.handlers[:], theirs.level, theirs.propagate = saved[0], saved[1], saved[2]
+        ours.handlers[:], ours.level, ours.propagate = saved[3], saved[4], saved[5]
+
+
+@contextlib.contextmanager
+def root_handlers(*handlers: logging.Handler):
+    """The root logger's handlers as a process has them (pytest's capture set aside meanwhile)."""
+    root = logging.getLogger()
+    saved, root.handlers[:] = root.handlers[:], list(handlers)
+    try:
+        yield
+    finally:
+        root.handlers[:] = saved
+
+
+def test_the_plugins_lines_go_where_vllms_go_at_its_level(vllm_logger):
+    with root_handlers():  # none: vLLM configures its own logger only
+        plugin.log_through_vllm()
+    log = logging.getLogger("kvledger.producer")
+    log.info("kv_trace: an info line")
+    log.debug("kv_trace: a debug line")
+    assert [r.getMessage() for r in vllm_logger] == ["kv_trace: an info line"]
+
+
+def test_an_application_that_configured_logging_keeps_its_own(vllm_logger):
+    with root_handlers(logging.NullHandler()):
+        plugin.log_through_vllm()
+    assert logging.getLogger("kvledger").handlers == []
+
+
+def test_each_rank_says_where_it_records_once_at_start(vllm_logger, monkeypatch):
+    with root_handlers():
+        plugin.log_through_vllm()
+    ring = types.SimpleNamespace(capacity=64 << 20)
+    recorder = types.SimpleNamespace(identity=RankIdentity("vllm-42", 1, 0, 0), ring=ring)
+
+    class Probe:
+        runner_name = "v1"
+
+        def __init__(self, runner, config):
+            self.recorder = recorder
+
+        def attach(self):
+            pass
+
+    monkeypatch.setattr(plugin, "probe_class", lambda runner: Probe)
+    monkeypatch.setattr(plugin, "install_exit_hooks", lambda: None)
+    config = TraceConfig.from_additional_config(
+        {"kv_trace": {"enabled": True, "sink": "kafka://10.0.0.5:9092/fleet.events", "ring_bytes": 64 << 20}}
+    )
+    probe = plugin.attach(object(), config)
+    plugin._probes.remove(probe)
+    assert [r.getMessage() for r in vllm_logger] == [
+        "kv_trace: rank dp1-tp0-pp0 of engine vllm-42: recording to kafka://10.0.0.5:9092/fleet.events "
+        "(action record, ring 64 MiB, v1 runner)"
+    ]
+
+
+def test_a_sink_is_named_as_the_option_spells_it():
+    assert plugin.sink_url(SinkSpec("kafka", bootstrap="b1:9092,b2:9092", topic="t")) == "kafka://b1:9092,b2:9092/t"
+    assert plugin.sink_url(SinkSpec("file", path=Path("/var/lib/kvledger"))) == "file:///var/lib/kvledger"
