@@ -29,11 +29,22 @@ rank's recorder process runs in its own session, drains the ring once its
 rank is gone and closes the ledger. SIGTERM and SIGINT first give the
 recorders a moment to read the rings (within `SIGNAL_FLUSH_S`), then run
 vLLM's own handler unchanged.
+
+A stop asked for is not a crash: vLLM's server SIGKILLs its engine processes
+right after their SIGTERM (at once unless `--shutdown-timeout` says
+otherwise), before a worker can close. So the rings of the ranks being
+stopped are marked first (`Ring.request_stop`): by the process manager that
+stops the engines (`CoreEngineProcManager.shutdown`, wrapped here: every rank
+in the engine processes' trees), and by a rank's own SIGTERM/SIGINT handler.
+A marked rank that dies without closing gets its closing Health from its
+recorder, after all it wrote (`recorder`); one that dies unasked does
+not.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing.util
 import os
@@ -63,6 +74,7 @@ def register() -> None:
         return
     log_through_vllm()
     check_options_first()
+    mark_stops_before_shutdown()
     initialize_from_config = WorkerWrapperBase.initialize_from_config
     shutdown = getattr(WorkerWrapperBase, "shutdown", None)  # absent: the exit hooks still close
 
@@ -112,6 +124,33 @@ def check_options_first() -> None:
 
     check_options_then_create._kvledger_checks = True
     engine_args.create_engine_config = check_options_then_create
+
+
+def mark_stops_before_shutdown() -> None:
+    """Before vLLM's engine process manager stops its engines (SIGTERM, then SIGKILL for those
+    still there), mark the rings of every rank below them as stopped on purpose."""
+    try:
+        from vllm.v1.engine.utils import CoreEngineProcManager
+    except Exception as exc:  # another vLLM: a killed rank's ledger then ends unclosed, as before
+        log.debug("kv_trace: no engine process manager to hook (%s)", exc)
+        return
+    shutdown = CoreEngineProcManager.shutdown
+    if getattr(shutdown, "_kvledger_marks", False):
+        return
+
+    def mark_then_shutdown(self, *args, **kwargs):
+        try:
+            pids = [p.pid for p in getattr(self, "processes", ()) if getattr(p, "pid", None)]
+            if pids:
+                from kvledger.producer.ring_writer import request_stop_of
+
+                request_stop_of(pids)
+        except Exception:  # never keep vLLM from stopping its engines
+            log.exception("kv_trace: could not mark the rings of the engines being stopped")
+        return shutdown(self, *args, **kwargs)
+
+    mark_then_shutdown._kvledger_marks = True
+    CoreEngineProcManager.shutdown = mark_then_shutdown
 
 
 def log_through_vllm() -> None:
@@ -230,6 +269,15 @@ def close_all(timeout: float = 5.0) -> None:
         _probes.pop().close(timeout)
 
 
+def request_stop_all() -> None:
+    """Mark this process's rings as stopped on purpose (from a signal handler: stores only)."""
+    for probe in _probes:
+        ring = getattr(getattr(probe, "recorder", None), "ring", None)
+        if ring is not None:
+            with contextlib.suppress(ValueError):  # unmapped: that rank closed already
+                ring.request_stop()
+
+
 def flush_all(timeout: float = SIGNAL_FLUSH_S) -> None:
     """Deliver what every probe of this process captured, now (within `timeout` seconds in all)."""
     deadline = time.monotonic() + timeout
@@ -272,6 +320,7 @@ def chain_signal(signum: int) -> None:
 
     def flush_then_chain(sig: int, frame: Any) -> None:
         try:
+            request_stop_all()
             flush_all()
         except Exception:  # never keep vLLM's own handler from running
             log.exception("kv_trace: flush on signal %d failed", sig)

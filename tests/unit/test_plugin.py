@@ -1,11 +1,12 @@
 """The plugin's hooks into vLLM, on stand-ins for vLLM's classes (no vLLM here): the `kv_trace`
-option checked where vLLM first holds it, the plugin's log lines through vLLM's handlers, each
-rank's start line."""
+option checked where vLLM first holds it, the rings of engines being stopped marked first, the
+plugin's log lines through vLLM's handlers, each rank's start line."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import types
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from kvledger.producer import plugin
 from kvledger.producer.config import SinkSpec, TraceConfig, TraceConfigError
 from kvledger.producer.records import RankIdentity
+from kvledger.producer.ring import Ring
 
 
 def stand_in(monkeypatch, name: str, **attrs) -> types.ModuleType:
@@ -57,6 +59,39 @@ def test_a_bad_option_fails_where_the_engine_config_is_made_before_any_engine(mo
 def test_no_check_where_no_engine_config_is_made(monkeypatch):
     monkeypatch.delitem(sys.modules, "vllm.engine.arg_utils", raising=False)
     plugin.check_options_first()  # a worker process: nothing to wrap, nothing imported
+
+
+def test_the_rings_below_the_engines_being_stopped_are_marked_first(monkeypatch, tmp_path):
+    calls = []
+
+    class Proc:
+        pid = os.getpid()
+
+    class CoreEngineProcManager:
+        def __init__(self):
+            self.processes = [Proc()]
+
+        def shutdown(self, timeout=None):
+            calls.append((timeout, ring.stop_requested))
+
+    stand_in(monkeypatch, "vllm.v1.engine.utils", CoreEngineProcManager=CoreEngineProcManager)
+    monkeypatch.setattr("kvledger.producer.ring_writer.ring_dir", lambda: tmp_path)
+    ring = Ring.create(tmp_path / f"kvledger-{os.getpid()}-dp0-tp0-pp0-0.ring", 4096)
+    plugin.mark_stops_before_shutdown()
+    plugin.mark_stops_before_shutdown()
+    CoreEngineProcManager().shutdown(timeout=0)
+    assert calls == [(0, True)]  # marked before vLLM signals its engines
+
+
+def test_a_ranks_own_sigterm_marks_its_ring(tmp_path):
+    ring = Ring.create(tmp_path / "kvledger-1-dp0-tp0-pp0-0.ring", 4096)
+    probe = types.SimpleNamespace(recorder=types.SimpleNamespace(ring=ring))
+    plugin._probes.append(probe)
+    try:
+        plugin.request_stop_all()
+    finally:
+        plugin._probes.remove(probe)
+    assert ring.stop_requested
 
 
 @pytest.fixture
