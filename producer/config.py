@@ -3,8 +3,10 @@
     vllm serve MODEL --additional-config '{"kv_trace": {"enabled": true, "action": "log",
                                                          "sink": "kafka://127.0.0.1:9092"}}'
 
-A bad value fails at engine start with the key it is about, never later: the object is
-validated by a pydantic model (`TraceOptions`), as vLLM validates its own configs.
+A bad value fails at engine start, never later, in one line that names every bad key and
+its value: the object is validated by a pydantic model (`TraceOptions`), as vLLM validates its
+own configs, and all its errors are reported together (`invalid_options`). The plugin checks the
+option as soon as vLLM has read it (`kvledger.producer.plugin`), before any engine process starts.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class TraceAction(StrEnum):
 
 
 class TraceConfigError(ValueError):
-    """An invalid `kv_trace` setting; the message names the key."""
+    """An invalid `kv_trace` setting; the message, one line, names every bad key and its value."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class TraceConfig:
         try:
             options = TraceOptions.model_validate(raw)
         except ValidationError as exc:
-            raise TraceConfigError(_first_error(exc)) from None
+            raise TraceConfigError(invalid_options(exc)) from None
         return options.config()
 
 
@@ -122,6 +124,13 @@ class TraceOptions(BaseModel):
     segment_bytes: int | None = Field(None, ge=1)
     retain_bytes: int | None = Field(None, ge=0)
     retain_hours: float | None = Field(None, ge=0.0)
+
+    @field_validator("sink")
+    @classmethod
+    def _sink_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_sink(value)  # a bad URL fails here, under its key, beside the other keys' errors
+        return value
 
     @field_validator("engine_id")
     @classmethod
@@ -160,26 +169,29 @@ class TraceOptions(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> TraceOptions:
-        sink = self.sink_spec()  # a bad URL fails here, under its key
+        """The rules across keys (run once every key is valid on its own), every one broken reported."""
+        sink = self.sink_spec()
+        broken: list[tuple[str, str]] = []
         if self.schema_registry is not None and sink.kind != "kafka":
-            raise _KeyError("schema_registry", f"applies to kafka sinks only (got a {sink.kind} sink)")
+            broken.append(("schema_registry", f"applies to kafka sinks only (got a {sink.kind} sink)"))
         if self.kafka_config is not None and sink.kind != "kafka":
-            raise _KeyError("kafka_config", f"applies to kafka sinks only (got a {sink.kind} sink)")
+            broken.append(("kafka_config", f"applies to kafka sinks only (got a {sink.kind} sink)"))
         if self.schema_registry_config is not None and self.schema_registry is None:
-            raise _KeyError("schema_registry_config", "needs kv_trace.schema_registry (the registry's URL)")
-        given = [k for k in ("segment_bytes", "retain_bytes", "retain_hours") if getattr(self, k) is not None]
-        if given and sink.kind != "file":
-            raise _KeyError(given[0], f"applies to file sinks only (got a {sink.kind} sink)")
-        if 0 < sink.retain_bytes < sink.segment_bytes:
-            raise _KeyError(
-                "retain_bytes", f"must be at least segment_bytes ({sink.segment_bytes}), got {sink.retain_bytes}"
-            )
-        if (sink.retain_bytes or sink.retain_hours) and not self.snapshot_interval:
-            # The oldest segment kept is replayable only from a snapshot.
-            raise _KeyError(
-                "retain_bytes" if sink.retain_bytes else "retain_hours",
-                "retention needs snapshots (snapshot_interval > 0)",
-            )
+            broken.append(("schema_registry_config", "needs kv_trace.schema_registry (the registry's URL)"))
+        for key in ("segment_bytes", "retain_bytes", "retain_hours"):
+            if getattr(self, key) is not None and sink.kind != "file":
+                broken.append((key, f"applies to file sinks only (got a {sink.kind} sink)"))
+        if sink.kind == "file":
+            if 0 < sink.retain_bytes < sink.segment_bytes:
+                broken.append(
+                    ("retain_bytes", f"must be at least segment_bytes ({sink.segment_bytes}), got {sink.retain_bytes}")
+                )
+            if (sink.retain_bytes or sink.retain_hours) and not self.snapshot_interval:
+                # The oldest segment kept is replayable only from a snapshot.
+                key = "retain_bytes" if sink.retain_bytes else "retain_hours"
+                broken.append((key, "retention needs snapshots (snapshot_interval > 0)"))
+        if broken:
+            raise _KeyErrors(broken)
         return self
 
     def sink_spec(self) -> SinkSpec:
@@ -228,28 +240,55 @@ def _client_settings(path: str) -> dict[str, Any]:
     return settings
 
 
-class _KeyError(ValueError):
-    """A rule across keys, reported under the key the user should change."""
+class _KeyErrors(ValueError):
+    """Rules across keys, each reported under the key the user should change."""
 
-    def __init__(self, key: str, message: str):
-        super().__init__(message)
-        self.key = key
+    def __init__(self, broken: list[tuple[str, str]]):
+        super().__init__("; ".join(f"{key}: {message}" for key, message in broken))
+        self.broken = broken
 
 
-def _first_error(exc: ValidationError) -> str:
-    """`kv_trace.KEY: what is wrong, got VALUE`: the first error, under the key it is about."""
-    error = exc.errors(include_url=False)[0]
-    cause = (error.get("ctx") or {}).get("error")
-    if isinstance(cause, TraceConfigError):  # parse_sink's, already under its key
-        return str(cause)
-    if isinstance(cause, _KeyError):
-        return f"kv_trace.{cause.key}: {cause}"
-    key = ".".join(str(part) for part in error["loc"])
-    if cause is not None:  # a field validator's own words
-        return f"kv_trace.{key}: {cause}"
-    if error["type"] == "extra_forbidden":
-        return f"kv_trace.{key}: unknown key (known: {', '.join(sorted(TraceOptions.model_fields))})"
-    return f"kv_trace.{key}: {error['msg'][0].lower()}{error['msg'][1:]}, got {error['input']!r}"
+MAX_VALUE_CHARS = 80  # a value longer than this is shown cut, in an error
+
+
+def _shown(value: Any) -> str:
+    """A value as an error shows it: an object's keys only (its values may be credentials), cut short."""
+    text = "{" + ", ".join(f"{k!r}: ..." for k in value) + "}" if isinstance(value, dict) else repr(value)
+    return text if len(text) <= MAX_VALUE_CHARS else text[: MAX_VALUE_CHARS - 3] + "..."
+
+
+def invalid_options(exc: ValidationError) -> str:
+    """Every error of a `kv_trace` object, in one line: `kv_trace.KEY: what is wrong, got VALUE`,
+    joined by "; " (after a count when there are several), the known keys named once after an
+    unknown one. An object's values are not shown (a misspelt `kafka` may hold a password)."""
+    problems: list[str] = []
+    unknown = False
+    for error in exc.errors(include_url=False):
+        cause = (error.get("ctx") or {}).get("error")
+        if isinstance(cause, _KeyErrors):
+            problems += [f"kv_trace.{key}: {message}" for key, message in cause.broken]
+            continue
+        key = ".".join(str(part) for part in error["loc"])
+        if isinstance(cause, TraceConfigError):  # parse_sink's, already under its key
+            problem = str(cause)
+        elif cause is not None:  # a field validator's own words
+            problem = f"kv_trace.{key}: {cause}"
+        elif error["type"] == "extra_forbidden":
+            unknown = True
+            problem = f"kv_trace.{key}: unknown key"
+        else:
+            problem = f"kv_trace.{key}: {error['msg'][0].lower()}{error['msg'][1:]}"
+        if "input" in error and repr(error["input"]) not in problem:
+            problem += f", got {_shown(error['input'])}"
+        problems.append(problem)
+    line = (
+        "; ".join(problems)
+        if len(problems) == 1
+        else f"kv_trace: {len(problems)} invalid settings: " + "; ".join(problems)
+    )
+    if unknown:
+        line += f" (known keys: {', '.join(sorted(TraceOptions.model_fields))})"
+    return line
 
 
 def resolve_engine_id(configured: str | None, connector_engine_id: str | None, instance_id: str) -> str:
@@ -278,5 +317,5 @@ def parse_sink(value: Any) -> SinkSpec:
         topic = url.path.strip("/") or DEFAULT_TOPIC
         return SinkSpec("kafka", bootstrap=url.netloc, topic=topic)
     raise TraceConfigError(
-        f"kv_trace.sink: unsupported scheme {url.scheme!r} (use file:///abs/dir or kafka://HOST:PORT)"
+        f"kv_trace.sink: unsupported scheme {url.scheme!r} (use file:///abs/dir or kafka://HOST:PORT), got {value!r}"
     )

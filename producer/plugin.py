@@ -7,8 +7,18 @@ connector exists). The wrapper reads the engine's `kv_trace` option and,
 only when it is enabled, attaches the probes of the worker's model runner:
 the V1 runner (`kvledger.producer.vllm_v1`) or Model Runner V2 and its
 subclasses such as vllm-ascend's NPU runner (`kvledger.producer.vllm_mrv2`).
-Engines without the option run untouched code. An invalid option fails the
-engine start with the key's name.
+Engines without the option run untouched code.
+
+An invalid option fails the engine start at once, in one line naming every bad key
+and its value: `register()` also wraps `EngineArgs.create_engine_config`, the first
+place vLLM hands a plugin the engine's options (in the process that parsed them,
+before any engine process starts); the worker checks them again, for engines
+configured without `EngineArgs`.
+
+Each rank says, once, at INFO in vLLM's log, where it records: `kv_trace: rank
+dp0-tp0-pp0 of engine E: recording to kafka://HOST:PORT/TOPIC (action record, ring
+16 MiB, v1 runner)`. The plugin's loggers (`kvledger`) write through vLLM's own handlers, at
+vLLM's level and in its format, unless the application configured logging itself.
 
 Shutdown: a probe closes (a last Health event, the ledger confirmed complete)
 when vLLM shuts its worker down (`WorkerWrapperBase.shutdown`, on every clean
@@ -19,20 +29,32 @@ rank's recorder process runs in its own session, drains the ring once its
 rank is gone and closes the ledger. SIGTERM and SIGINT first give the
 recorders a moment to read the rings (within `SIGNAL_FLUSH_S`), then run
 vLLM's own handler unchanged.
+
+A stop asked for is not a crash: vLLM's server SIGKILLs its engine processes
+right after their SIGTERM (at once unless `--shutdown-timeout` says
+otherwise), before a worker can close. So the rings of the ranks being
+stopped are marked first (`Ring.request_stop`): by the process manager that
+stops the engines (`CoreEngineProcManager.shutdown`, wrapped here: every rank
+in the engine processes' trees), and by a rank's own SIGTERM/SIGINT handler.
+A marked rank that dies without closing gets its closing Health from its
+recorder, after all it wrote (`recorder`); one that dies unasked does
+not.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing.util
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
 
-from kvledger.producer.config import TraceConfig
+from kvledger.producer.config import SinkSpec, TraceConfig
 
 log = logging.getLogger("kvledger.producer")
 _probes: list = []
@@ -50,6 +72,9 @@ def register() -> None:
         return
     if getattr(WorkerWrapperBase, "_kvledger_hooked", False):
         return
+    log_through_vllm()
+    check_options_first()
+    mark_stops_before_shutdown()
     initialize_from_config = WorkerWrapperBase.initialize_from_config
     shutdown = getattr(WorkerWrapperBase, "shutdown", None)  # absent: the exit hooks still close
 
@@ -79,6 +104,85 @@ def register() -> None:
     WorkerWrapperBase._kvledger_hooked = True
 
 
+def check_options_first() -> None:
+    """Validate `kv_trace` where vLLM first holds the engine's options: `EngineArgs` turning into
+    a `VllmConfig`, in the process that parsed them (the server's, the `LLM`'s), seconds after
+    start instead of after the engine processes and their workers are up. vLLM loads the plugins
+    from `EngineArgs` itself (arguments, `__post_init__`), so a process that makes an engine's
+    config has `vllm.engine.arg_utils` imported by now; one that has not (a worker) needs no check."""
+    arg_utils = sys.modules.get("vllm.engine.arg_utils")
+    engine_args = getattr(arg_utils, "EngineArgs", None)
+    create = getattr(engine_args, "create_engine_config", None)
+    if create is None or getattr(create, "_kvledger_checks", False):
+        return
+
+    def check_options_then_create(self, *args, **kwargs):
+        options = getattr(self, "additional_config", None)
+        if isinstance(options, dict):
+            TraceConfig.from_additional_config(options)  # TraceConfigError: one line, every bad key
+        return create(self, *args, **kwargs)
+
+    check_options_then_create._kvledger_checks = True
+    engine_args.create_engine_config = check_options_then_create
+
+
+def mark_stops_before_shutdown() -> None:
+    """Before vLLM's engine process manager stops its engines (SIGTERM, then SIGKILL for those
+    still there), mark the rings of every rank below them as stopped on purpose."""
+    try:
+        from vllm.v1.engine.utils import CoreEngineProcManager
+    except Exception as exc:  # another vLLM: a killed rank's ledger then ends unclosed, as before
+        log.debug("kv_trace: no engine process manager to hook (%s)", exc)
+        return
+    shutdown = CoreEngineProcManager.shutdown
+    if getattr(shutdown, "_kvledger_marks", False):
+        return
+
+    def mark_then_shutdown(self, *args, **kwargs):
+        try:
+            pids = [p.pid for p in getattr(self, "processes", ()) if getattr(p, "pid", None)]
+            if pids:
+                from kvledger.producer.ring_writer import request_stop_of
+
+                request_stop_of(pids)
+        except Exception:  # never keep vLLM from stopping its engines
+            log.exception("kv_trace: could not mark the rings of the engines being stopped")
+        return shutdown(self, *args, **kwargs)
+
+    mark_then_shutdown._kvledger_marks = True
+    CoreEngineProcManager.shutdown = mark_then_shutdown
+
+
+def log_through_vllm() -> None:
+    """The plugin's records in vLLM's log, as vLLM's own (its handlers, level, format and process
+    names), unless the application configured logging: `kvledger` has a handler or a level, or
+    the root logger has handlers (then ours reach them as before). Without this, nothing below
+    WARNING would be shown: vLLM configures its own logger only."""
+    ours, theirs = logging.getLogger("kvledger"), logging.getLogger("vllm")
+    if ours.handlers or ours.level != logging.NOTSET or logging.getLogger().handlers or not theirs.handlers:
+        return
+    ours.addHandler(ThroughVllm())
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+
+
+class ThroughVllm(logging.Handler):
+    """Hands a record to the handlers vLLM's logger has when it is emitted (vLLM may configure
+    its logging again, `--logging-config`)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in logging.getLogger("vllm").handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def sink_url(sink: SinkSpec) -> str:
+    """Where a sink writes, as the `sink` option spells it."""
+    if sink.kind == "kafka":
+        return f"kafka://{sink.bootstrap}/{sink.topic}"
+    return f"file://{sink.path}"
+
+
 def probe_class(runner: Any) -> type | None:
     """The adapter for a model runner, by the vLLM class it derives from."""
     modules = [c.__module__ for c in type(runner).__mro__]
@@ -102,14 +206,25 @@ def attach(runner, config: TraceConfig):
     probe.attach()
     install_exit_hooks()
     _probes.append(probe)
-    log.info(
-        "kv_trace: recording %s to %s (%s runner, action %s)",
-        probe.recorder.identity,
-        config.sink,
-        probe.runner_name,
-        config.action,
-    )
+    recorder = probe.recorder
+    if recorder is not None:
+        rank = recorder.identity
+        log.info(
+            "kv_trace: rank dp%d-tp%d-pp%d of engine %s: recording to %s (action %s, ring %s, %s runner)",
+            rank.dp_rank,
+            rank.tp_rank,
+            rank.pp_rank,
+            rank.engine_id,
+            sink_url(config.sink),
+            config.action,
+            _mib(recorder.ring.capacity),
+            probe.runner_name,
+        )
     return probe
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):g} MiB"
 
 
 def pause_tracing() -> int:
@@ -154,6 +269,15 @@ def close_all(timeout: float = 5.0) -> None:
         _probes.pop().close(timeout)
 
 
+def request_stop_all() -> None:
+    """Mark this process's rings as stopped on purpose (from a signal handler: stores only)."""
+    for probe in _probes:
+        ring = getattr(getattr(probe, "recorder", None), "ring", None)
+        if ring is not None:
+            with contextlib.suppress(ValueError):  # unmapped: that rank closed already
+                ring.request_stop()
+
+
 def flush_all(timeout: float = SIGNAL_FLUSH_S) -> None:
     """Deliver what every probe of this process captured, now (within `timeout` seconds in all)."""
     deadline = time.monotonic() + timeout
@@ -196,6 +320,7 @@ def chain_signal(signum: int) -> None:
 
     def flush_then_chain(sig: int, frame: Any) -> None:
         try:
+            request_stop_all()
             flush_all()
         except Exception:  # never keep vLLM's own handler from running
             log.exception("kv_trace: flush on signal %d failed", sig)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+from collections.abc import Iterable
+from pathlib import Path
 
 
 class ProcessWatch:
@@ -39,3 +42,19 @@ class ProcessWatch:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def process_trees(pids: Iterable[int]) -> set[int]:
+    """`pids` and every process below them, from /proc (empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # the name before may hold anything
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = set(), list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo += children.get(pid, [])
+    return tree

@@ -7,6 +7,14 @@ when the ring is closed by the rank (a clean stop: the closing Health is in
 it) or its rank's process is gone (killed: what the ring holds is delivered,
 then the ledger is closed, nothing cut short). SIGTERM ends it the same way
 once the ring is drained. Its log lines go to the engine's stderr.
+
+A rank stopped on purpose but killed before it could close (vLLM's server
+SIGKILLs its engines right after their SIGTERM, by default at once) has its
+ring marked (`Ring.request_stop`, by its SIGTERM handler or by the server's
+shutdown, `kvledger.producer.plugin`): the recorder then writes the rank's
+closing Health itself, after everything the rank wrote, so a Kafka ledger
+reads closed as a clean stop does. A rank that died unasked (a crash, an
+OOM kill) is not closed: its ledger ends without the rank's last word.
 """
 
 from __future__ import annotations
@@ -78,6 +86,21 @@ class FrameReader:
         self.recorder = recorder
         self.full_rows = full_rows
         self.index = RequestIndex()
+        self.step = 0  # the newest step a frame named
+        self.probe_ns = 0  # the rank's probe time, as its newest Health said
+        self.closed_by_rank = False  # its closing Health was read
+
+    def closing_health(self) -> HealthCapture:
+        """The rank's closing Health, made for it (`close_for_rank`): its newest step, every frame
+        it offered (the ring counts them: published or dropped), its probe time as last reported."""
+        return HealthCapture(self.step, self.ring.published + self.ring.dropped, self.probe_ns, closing=True)
+
+    def close_for_rank(self) -> int:
+        """Record the closing Health of a rank that was stopped before it could; its seq."""
+        health = self.closing_health()
+        r = self.recorder
+        body = health.record(self.ring.dropped + r.dropped, r.capacity, r.high_water)
+        return r.capture(body, seq=health.captured, at_us=time.time_ns() // 1000)
 
     def body(self, kind: FrameKind, parts: list) -> tuple[str, dict]:
         if kind is FrameKind.STEP:
@@ -86,7 +109,9 @@ class FrameReader:
             return SnapshotCapture.from_parts(parts).record(self.index)
         if kind is FrameKind.HEALTH:
             r = self.recorder
-            return HealthCapture.from_parts(parts).record(self.ring.dropped + r.dropped, r.capacity, r.high_water)
+            health = HealthCapture.from_parts(parts)
+            self.probe_ns, self.closed_by_rank = health.probe_ns, self.closed_by_rank or health.closing
+            return health.record(self.ring.dropped + r.dropped, r.capacity, r.high_water)
         return body_from_part(parts[0])
 
     def read(self, limit: int) -> int:
@@ -105,6 +130,7 @@ class FrameReader:
                 log.exception("kv_trace: could not build a record from a %s frame", frame.kind.name)
                 self.recorder.sink_failed += 1
             else:
+                self.step = max(self.step, getattr(body, "step", self.step))
                 self.recorder.capture(body, seq=frame.seq, at_us=frame.emitted_at_us)
         return n
 
@@ -152,10 +178,20 @@ def run(ring_path: Path, ring: Ring, engine: ProcessWatch) -> int:
         elif done and ring.pending == 0:
             break
         time.sleep(POLL_S if now - last_frame < SLOW_POLL_AFTER_S else IDLE_POLL_S)
+    closed = ring.producer_closed or reader.closed_by_rank
+    stopped = not closed and ring.stop_requested and not engine.alive()
+    if stopped:
+        seq = reader.close_for_rank()
     recorder.finish(CLOSE_S)
-    closed = ring.producer_closed
     ring.close(unlink=True)
     meta_path(ring_path).unlink(missing_ok=True)
-    if not closed:
+    if stopped:
+        log.info(
+            "kv_trace: %s: its rank was stopped before it could close; closed for it at step %d (seq %d)",
+            recorder.identity,
+            reader.step,
+            seq,
+        )
+    elif not closed:
         log.warning("kv_trace: %s: its rank ended without closing; the ledger holds all it wrote", recorder.identity)
     return 0

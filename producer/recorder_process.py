@@ -24,7 +24,7 @@ log = logging.getLogger("kvledger.producer")
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(asctime)s [kvledger recorder] %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [kvledger recorder] %(message)s")
     if len(argv) != 1:
         print("usage: python -m kvledger.producer.recorder_process RING_PATH", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ Layout (little-endian u64 words, then the data):
 
     0 magic+version  1 capacity  2 head (bytes published)  3 tail (bytes released)
     4 published (records)  5 dropped (records)  6 producer pid  7 closed (0/1)
-    8 consumer pid (0: none yet)  9-15 reserved
+    8 consumer pid (0: none yet)  9 stop requested (0/1)  10-15 reserved
 
 `head` and `tail` only grow; each is written by one side only, with one aligned
 8-byte store, after (head) or before (tail) the bytes it covers, behind a
@@ -40,7 +40,7 @@ from kvledger.producer import _hotpath
 
 MAGIC = 0x4B564C52_00000002  # "KVLR", layout version 2
 HEADER_BYTES = 128
-_MAGIC, _CAPACITY, _HEAD, _TAIL, _PUBLISHED, _DROPPED, _PID, _CLOSED, _CONSUMER = range(9)
+_MAGIC, _CAPACITY, _HEAD, _TAIL, _PUBLISHED, _DROPPED, _PID, _CLOSED, _CONSUMER, _STOP = range(10)
 _LENGTH = 8  # bytes of a record's length word
 _PAD = 1 << 63  # a length word with this bit set: skip to the ring's start
 _fence_lock = threading.Lock()
@@ -191,6 +191,17 @@ class Ring:
         return bool(self._word(_CLOSED))
 
     @property
+    def stop_requested(self) -> bool:
+        """Whether the producer's process was asked to stop (SIGTERM, its engine's shutdown): a
+        producer gone without closing after that was stopped, not lost (`request_stop`)."""
+        return bool(self._word(_STOP))
+
+    def request_stop(self) -> None:
+        """Say the producer's process is being stopped on purpose: one aligned store, safe in a
+        signal handler."""
+        self._set(_STOP, 1)
+
+    @property
     def consumer_pid(self) -> int:
         """The process reading the ring, as it said when it attached (0: none yet)."""
         return self._word(_CONSUMER)
@@ -198,6 +209,24 @@ class Ring:
     @consumer_pid.setter
     def consumer_pid(self, pid: int) -> None:
         self._set(_CONSUMER, pid)
+
+    @staticmethod
+    def request_stop_at(path: Path) -> bool:
+        """`request_stop` on the ring at `path`, from a process that has not mapped it (its header
+        only is read and written); False when it is gone or not a ring of this layout."""
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            return False
+        try:
+            if os.pread(fd, 8, 8 * _MAGIC) != _WORD.pack(MAGIC):
+                return False
+            os.pwrite(fd, _WORD.pack(1), 8 * _STOP)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     def close(self, unlink: bool = False) -> None:
         """Unmap (no view into the ring may be alive by then), and remove the file if asked."""

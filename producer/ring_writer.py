@@ -38,7 +38,7 @@ import msgspec
 from kvledger.producer.capture import HealthCapture, SnapshotCapture, StepCapture, StepHeader
 from kvledger.producer.config import TraceConfig
 from kvledger.producer.frames import FrameKind, body_part, pack, pack_into, pack_parts
-from kvledger.producer.processes import ProcessWatch
+from kvledger.producer.processes import ProcessWatch, process_trees
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring, RingError, ring_dir
 
@@ -138,6 +138,24 @@ def sweep_stale_rings(directory: Path) -> None:
             continue  # a recorder draining a dead rank's ring: it unlinks it when done
         path.unlink(missing_ok=True)
         meta_path(path).unlink(missing_ok=True)
+
+
+def request_stop_of(pids: list[int], directory: Path | None = None) -> int:
+    """Mark the rings of the live ranks in the process trees of `pids` as stopped on purpose
+    (`Ring.request_stop`), before they are signalled: a rank then killed before it could close is
+    closed by its recorder. Returns how many rings were marked."""
+    tree = process_trees(pids)
+    marked = 0
+    for path in (directory or ring_dir()).glob("kvledger-*.ring"):
+        rank = _pid_of(path)
+        if rank not in tree:
+            continue
+        watch = ProcessWatch(rank)
+        alive = watch.alive()  # a rank already dead was not stopped by this
+        watch.close()
+        if alive and Ring.request_stop_at(path):
+            marked += 1
+    return marked
 
 
 def create_ring(identity: RankIdentity, size: int) -> Ring:

@@ -666,6 +666,15 @@ STREAM_EXIT = _exit_help(
     help="Start even where Faust, mode or aiokafka differ from the versions the worker's fixes to them were "
     "tested with (a warning names what differs; fixes whose targets are missing are not applied).",
 )
+@click.option(
+    "--client-start-grace",
+    type=click.FloatRange(0.0),
+    default=60.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="For this long after start, the Kafka client's known start-up errors (a broker still starting: "
+    "no group coordinator yet) are logged as warnings; past it, as errors.",
+)
 @click.option("--loglevel", type=click.Choice(["debug", "info", "warning", "error"]), default="warning")
 def stream(
     bootstrap: str | None,
@@ -683,6 +692,7 @@ def stream(
     rocksdb_memory: int,
     schema_registry: str | None,
     untested_client_libraries: bool,
+    client_start_grace: float,
     loglevel: str,
 ) -> None:
     """Run a stream worker: project kvledger.events, publish violations (runs until stopped)."""
@@ -718,6 +728,7 @@ def stream(
         kafka=security,
         schema_registry=schema_registry,
         untested_client_libraries=untested_client_libraries,
+        client_start_grace=client_start_grace,
     )
     click.echo(
         f"kvledger: worker of group {group} on {bootstrap} ({partitions} partitions), http://127.0.0.1:{web_port}/",

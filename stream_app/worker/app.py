@@ -38,7 +38,7 @@ from kvledger.schemas.events import avro_datum, event_record
 from kvledger.schemas.kinds import Unchecked
 from kvledger.schemas.registry import raw_schema
 from kvledger.stream_app.kafka_security import KafkaSecurity
-from kvledger.stream_app.worker.client_logs import hold_repeated_client_logs
+from kvledger.stream_app.worker.client_logs import START_GRACE_S, hold_repeated_client_logs
 from kvledger.stream_app.worker.faust_fixes import close_faust_holes
 from kvledger.stream_app.worker.join import JoinProjection
 from kvledger.stream_app.worker.metrics import WorkerMetrics
@@ -86,6 +86,9 @@ class WorkerSettings:
     schema_registry: str | None = None
     # Start even on Faust/mode/aiokafka versions the fixes were not tested with (faust_fixes.py).
     untested_client_libraries: bool = False
+    # Seconds after start during which the client's known start-up errors (a broker still starting:
+    # no group coordinator yet) are logged as warnings (client_logs.py).
+    client_start_grace: float = START_GRACE_S
 
     def rocksdb_options(self) -> dict[str, int]:
         """Bounded RocksDB memory (Faust's defaults allow 2.7 GB per table and partition): half for
@@ -115,7 +118,7 @@ class StreamWorker:
 
     def __init__(self, settings: WorkerSettings):
         close_faust_holes(settings.untested_client_libraries)  # or UntestedClientLibraries (one line)
-        hold_repeated_client_logs()
+        hold_repeated_client_logs(start_grace=settings.client_start_grace)
         self.settings = s = settings
         self.topics = Topics(s.topic_prefix)
         self.metrics = WorkerMetrics()

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_SCRIPT = Path(__file__).with_name("engine_run.py")
 TEST_PLUGINS = Path(__file__).with_name("plugins")
+
+
+def plugins_path() -> str:
+    """PYTHONPATH for an engine: the test plugins, then what the caller's PYTHONPATH holds (a
+    directory whose `kvledger` is another checkout's, as bench/checkouts.py makes)."""
+    return os.pathsep.join(p for p in (str(TEST_PLUGINS), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def vllm_python() -> str:
@@ -51,6 +58,7 @@ class EngineRun:
     outputs: list[list[int]]
     log: str  # stdout and stderr (vLLM logs to stdout, our probes and plugins to stderr)
     faults: list[dict]  # what the test fault plugin injected
+    seconds: float = 0.0  # the engine process's wall time, from its start to its exit
 
 
 def run_engine(
@@ -64,7 +72,7 @@ def run_engine(
     expect_failure: bool = False,
     env: dict[str, str] | None = None,
 ) -> EngineRun:
-    env = {**os.environ, "PYTHONPATH": str(TEST_PLUGINS), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    env = {**os.environ, "PYTHONPATH": plugins_path(), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     if spec.get("tp", 1) * spec.get("pp", 1) > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     if fault:
@@ -73,22 +81,25 @@ def run_engine(
             env["KVLEDGER_TEST_FAULT_TP_RANK"] = str(fault_tp_rank)
         if fault_pp_rank is not None:
             env["KVLEDGER_TEST_FAULT_PP_RANK"] = str(fault_pp_rank)
+    python = vllm_python()
+    started = time.monotonic()
     proc = subprocess.run(
-        [vllm_python(), str(ENGINE_SCRIPT), json.dumps(spec)],
+        [python, str(ENGINE_SCRIPT), json.dumps(spec)],
         env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=ROOT,
     )
+    seconds = time.monotonic() - started
     found = re.search(r"^OUTPUTS (.*)$", proc.stdout, re.M)
     log = proc.stdout + proc.stderr
     if expect_failure:
         assert proc.returncode != 0 and not found, "the engine was expected to fail"
-        return EngineRun([], log, _faults(proc.stderr))
+        return EngineRun([], log, _faults(proc.stderr), seconds)
     if proc.returncode != 0 or not found:
         pytest.fail(f"engine failed (exit {proc.returncode}):\n{log[-3000:]}", pytrace=False)
-    return EngineRun(json.loads(found[1]), log, _faults(proc.stderr))
+    return EngineRun(json.loads(found[1]), log, _faults(proc.stderr), seconds)
 
 
 def _faults(stderr: str) -> list[dict]:

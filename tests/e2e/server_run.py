@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import ROOT, TEST_PLUGINS, vllm_python
+from tests.e2e.conftest import ROOT, plugins_path, vllm_python
 from tests.e2e.engine_run import TINY_LLAMA
 
 MODEL_NAME = "tiny"
@@ -182,7 +182,7 @@ def serve(
     ]
     environ = {
         **os.environ,
-        "PYTHONPATH": str(TEST_PLUGINS),
+        "PYTHONPATH": plugins_path(),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_HOST_IP": "127.0.0.1",
         **(env or {}),

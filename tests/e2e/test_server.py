@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -29,9 +30,12 @@ import pytest
 
 from kvledger.producer.sinks import FILE_LINGER_S
 from kvledger.schemas import unpack_i32
+from kvledger.schemas.events import event_of
 from kvledger.schemas.files import discover, end_marker_path, incarnation_of, read_end_marker, read_stream
+from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import replay
-from tests.e2e.server_run import Server, serve
+from tests.e2e.server_run import Server, children, cmdline, serve
+from tests.stream_harness import BATCHES, read_all
 
 pytestmark = pytest.mark.e2e
 
@@ -184,6 +188,61 @@ def test_sigterm_right_after_the_last_response_leaves_a_complete_clean_ledger(tm
     assert {r.rsplit("-", 2)[0] for r in arrived} == answered and len(arrived) == 64
     assert finished == arrived
     assert ledger_counts(ledger)[0]["prefix_hit_tokens"] >= 31 * 64  # 15 hits in the first round, 32 in the second
+
+
+def test_sigterm_with_a_kafka_sink_delivers_the_closing_health_of_every_rank(tmp_path, kafka_bootstrap):
+    """vLLM's server answers SIGTERM by finishing its HTTP requests, then SIGTERMs its engine
+    processes and SIGKILLs them at once (no grace period by default): a worker closes only if it
+    gets there first. Here DP rank 1's worker cannot (it is stopped, as one busy in a long forward
+    pass would be); the server's shutdown marked its ring first, so its recorder writes the
+    rank's closing Health after all it wrote. Both ranks read closed on the topic."""
+    topic = f"e2e-sigterm-{uuid.uuid4().hex[:8]}"
+    kv_trace = {"enabled": True, "sink": f"kafka://{kafka_bootstrap}/{topic}", "snapshot_interval": 16}
+    with serve(
+        tmp_path,
+        kv_trace,
+        args=["--max-num-seqs", "32", "--data-parallel-size", "2"],
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    ) as server:
+        starts = re.findall(
+            r"kv_trace: rank (dp\d-tp0-pp0) of engine \S+: recording to (\S+) \(action (\w+)", server.log
+        )
+        assert sorted(starts) == [(f"dp{dp}-tp0-pp0", f"kafka://{kafka_bootstrap}/{topic}", "record") for dp in (0, 1)]
+        server.complete_all(PROMPTS, max_tokens=16)
+        [core] = [pid for pid in server.processes("VLLM::EngineCore") if "DP1" in cmdline(pid)]
+        [worker] = [pid for pid in children(core) if cmdline(pid).startswith("VLLM::Worker")]
+        os.kill(worker, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        assert server.stop(signal.SIGTERM) == 0
+    assert f"force killing sub process VLLM::Worker pid {worker}" in server.log
+    # The recorders outlive the server: wait for both ranks' closing Health on the topic.
+    deadline = stopped_at + 60
+    while True:
+        events = [e for m in read_all(kafka_bootstrap, topic) for e in BATCHES.decode(m.value())]
+        streams: dict[int, list[dict]] = {}
+        for e in events:
+            streams.setdefault(e["dp_rank"], []).append(e)
+        closing = [dp for dp, evs in streams.items() if evs[-1]["body"][1].get("closing")]
+        if len(closing) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    print(
+        f"SIGTERM, Kafka sink: {len(closing)} rank(s) closed on the topic {time.monotonic() - stopped_at:.1f} s after"
+    )
+    assert re.search(r"dp_rank=1, .*its rank was stopped before it could close; closed for it at step", server.log)
+    assert "ended without closing" not in server.log, server.log[-3000:]
+    assert sorted(streams) == [0, 1]
+    for dp, evs in streams.items():
+        assert [e["seq"] for e in evs] == list(range(len(evs))), dp  # nothing lost, nothing repeated
+        name, last = evs[-1]["body"]
+        assert name == "kvledger.Health" and last["closing"], (dp, evs[-1])
+        assert last["events_captured"] == evs[-1]["seq"] and last["events_dropped"] == 0, last
+        assert last["step"] >= max(e["body"][1]["step"] for e in evs if e["body"][0] == "kvledger.Step")
+        assert not any(e["body"][1].get("closing") for e in evs[:-1])
+    ledger = Ledger()
+    violations = [v for e in events for v in ledger.apply(event_of(e))] + ledger.finish()
+    assert violations == [] and ledger.closed  # a stream worker retires the engine as closed
+    assert ledger.coverage.checks["write"] > 0
 
 
 def run_until_killed(server: Server, title: str, decode_steps: int = 60) -> tuple[float, list[str]]:

@@ -39,6 +39,10 @@ PRESSURE = {
     "max_num_batched_tokens": 128,
     "max_num_seqs": 6,
 }
+# From the interpreter's start to an invalid option's error: the driver imports vLLM (~8-10 s on a
+# 2-core host) and fails where it makes the engine's config, before any engine process starts
+# (which used to take ~40 s: every process up, the worker's model loaded).
+FAIL_FAST_S = 15.0
 
 
 def traced(tmp_path, action="log", content_digests=0.0, **spec):
@@ -222,12 +226,21 @@ def test_raise_mode_fails_the_step_naming_the_violation(tmp_path, engine):
 
 
 @pytest.mark.parallel
-def test_bad_option_fails_the_engine_start_naming_its_key(tmp_path, engine):
+def test_bad_options_fail_the_engine_start_at_once_naming_every_key_in_one_line(tmp_path, engine):
+    """Checked where vLLM turns its arguments into the engine's config, in the driver's process:
+    no engine process starts, and the error is one line with every bad key and value."""
     spec = traced(tmp_path, max_tokens=4, num_blocks=64)
-    spec["kv_trace"]["ring_bytes"] = 4096
+    spec["kv_trace"].update(ring_bytes=4096, sink="s3://bucket/ledger")
     run = engine(spec, expect_failure=True)
-    assert "kv_trace.ring_bytes: input should be greater than or equal to 1048576, got 4096" in run.log
+    print(f"an invalid kv_trace option failed the engine {run.seconds:.1f} s after its interpreter started")
+    assert (
+        "kvledger.producer.config.TraceConfigError: kv_trace: 2 invalid settings: "
+        "kv_trace.sink: unsupported scheme 's3' (use file:///abs/dir or kafka://HOST:PORT), got 's3://bucket/ledger'; "
+        "kv_trace.ring_bytes: input should be greater than or equal to 1048576, got 4096\n"
+    ) in run.log
+    assert "EngineCore" not in run.log  # failed before vLLM started its engine process
     assert not (tmp_path / "ledger").exists()  # nothing started recording
+    assert run.seconds < FAIL_FAST_S
 
 
 @pytest.mark.parallel

@@ -1,13 +1,21 @@
 """The Kafka client's repeated warnings, held: the first of a kind logged, the repeats counted and
-logged with the next one after the interval; other kinds, and debug, untouched."""
+logged with the next one after the interval; other kinds, and debug, untouched. Its known
+start-up errors (a broker still starting) logged as warnings for a while after the worker's start."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
+from aiokafka import errors as client_errors
 
-from kvledger.stream_app.worker.client_logs import CLIENT, HoldRepeats, client_loggers, hold_repeated_client_logs
+from kvledger.stream_app.worker.client_logs import (
+    CLIENT,
+    HoldRepeats,
+    StartingBroker,
+    client_loggers,
+    hold_repeated_client_logs,
+)
 
 CONNECT = "Unable connect to node with id %s: %s"
 
@@ -78,4 +86,83 @@ def test_every_client_logger_holds_repeats_once():
             assert [f for f in logging.getLogger(name).filters if isinstance(f, HoldRepeats)] == [held], name
     finally:
         for logger in client_loggers():
-            logger.removeFilter(held)
+            for f in [f for f in logger.filters if isinstance(f, (HoldRepeats, StartingBroker))]:
+                logger.removeFilter(f)
+
+
+COORDINATOR = f"{CLIENT}.consumer.group_coordinator"  # the logger and call aiokafka logs it with
+COORDINATOR_FAILED = "Group Coordinator Request failed: %s"
+
+
+@pytest.fixture
+def coordinator_logs(caplog):
+    """The client's group coordinator logger under StartingBroker (60 s) then HoldRepeats, on one
+    fake clock, as the worker puts them; the records that reached the handlers."""
+    clock = Clock()
+    logger = logging.getLogger(COORDINATOR)
+    starting, held = StartingBroker(grace=60.0, clock=clock), HoldRepeats(every=30.0, clock=clock)
+    saved = list(logger.filters)
+    logger.filters[:] = [starting, held]
+    caplog.set_level(logging.DEBUG, logger=COORDINATOR)
+    try:
+        yield logger, clock, starting, lambda: [(r.levelname, r.getMessage()) for r in caplog.records]
+    finally:
+        logger.filters[:] = saved
+
+
+def test_a_coordinator_not_yet_elected_at_start_is_a_warning_that_says_why(coordinator_logs):
+    logger, clock, starting, logged = coordinator_logs
+    clock.now += 10  # a worker started ten seconds after its broker: the coordinator is still starting
+    logger.error(COORDINATOR_FAILED, client_errors.GroupCoordinatorNotAvailableError())
+    [(level, message)] = logged()
+    assert level == "WARNING" and starting.downgraded == 1
+    assert message == (
+        "Group Coordinator Request failed: [Error 15] GroupCoordinatorNotAvailableError "
+        "(the broker is still starting: retried; an error if it lasts 60 s after the worker's start)"
+    )
+    for _ in range(20):  # retried every 100 ms: held as repeats, as any client warning
+        clock.now += 0.1
+        logger.error(COORDINATOR_FAILED, client_errors.GroupCoordinatorNotAvailableError())
+    assert len(logged()) == 1
+
+
+def test_a_coordinator_still_missing_past_the_bound_is_an_error(coordinator_logs):
+    logger, clock, _, logged = coordinator_logs
+    logger.error(COORDINATOR_FAILED, client_errors.CoordinatorLoadInProgressError())
+    clock.now += 61
+    logger.error(COORDINATOR_FAILED, client_errors.GroupCoordinatorNotAvailableError())
+    assert logged() == [
+        (
+            "WARNING",
+            "Group Coordinator Request failed: [Error 14] GroupLoadInProgressError "
+            "(the broker is still starting: retried; an error if it lasts 60 s after the worker's start)",
+        ),
+        (
+            "ERROR",
+            "Group Coordinator Request failed: [Error 15] GroupCoordinatorNotAvailableError "
+            "(still failing 60 s or more after the worker's start)",
+        ),
+    ]
+
+
+def test_other_errors_of_the_client_stay_errors_at_start(coordinator_logs):
+    logger, _, starting, logged = coordinator_logs
+    logger.error(COORDINATOR_FAILED, client_errors.GroupAuthorizationFailedError())  # not transient
+    logger.error("Heartbeat failed: %r", client_errors.GroupCoordinatorNotAvailableError())  # another call
+    logging.getLogger(f"{CLIENT}.conn").error(COORDINATOR_FAILED, client_errors.GroupCoordinatorNotAvailableError())
+    assert [level for level, _ in logged()] == ["ERROR", "ERROR", "ERROR"] and starting.downgraded == 0
+
+
+def test_the_worker_puts_the_start_filter_before_the_repeats_with_its_bound():
+    import kvledger.stream_app.worker.app  # noqa: F401  (imports the client as the worker does)
+
+    held = hold_repeated_client_logs(start_grace=5.0)
+    try:
+        filters = logging.getLogger(COORDINATOR).filters
+        starting = [f for f in filters if isinstance(f, StartingBroker)]
+        assert len(starting) == 1 and starting[0].grace == 5.0
+        assert filters.index(starting[0]) < filters.index(held)
+    finally:
+        for logger in client_loggers():
+            for f in [f for f in logger.filters if isinstance(f, (HoldRepeats, StartingBroker))]:
+                logger.removeFilter(f)

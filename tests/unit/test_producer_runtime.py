@@ -157,6 +157,51 @@ def test_bad_settings_name_their_key(raw, key):
         TraceConfig.from_additional_config({"kv_trace": {"enabled": True, **raw}})
 
 
+def test_every_bad_key_and_value_in_one_line():
+    raw = {"enabled": True, "ring_bytes": 4096, "sink": "s3://bucket/ledger", "snapshot_interval": "256"}
+    with pytest.raises(TraceConfigError) as caught:
+        TraceConfig.from_additional_config({"kv_trace": raw})
+    assert str(caught.value) == (
+        "kv_trace: 3 invalid settings: "
+        "kv_trace.sink: unsupported scheme 's3' (use file:///abs/dir or kafka://HOST:PORT), got 's3://bucket/ledger'; "
+        "kv_trace.ring_bytes: input should be greater than or equal to 1048576, got 4096; "
+        "kv_trace.snapshot_interval: input should be a valid integer, got '256'"
+    )
+
+
+def test_unknown_keys_are_each_named_with_their_value_and_the_known_keys_once():
+    raw = {"ringbytes": 1 << 24, "kafak": {"sasl.password": "secret"}, "action": "panic"}
+    with pytest.raises(TraceConfigError) as caught:
+        TraceConfig.from_additional_config({"kv_trace": raw})
+    message = str(caught.value)
+    assert message.startswith(
+        "kv_trace: 3 invalid settings: kv_trace.action: input should be 'record', 'log' or 'raise', got 'panic'; "
+        "kv_trace.ringbytes: unknown key, got 16777216; "
+        "kv_trace.kafak: unknown key, got {'sasl.password': ...} (known keys: action, buffer_events, "
+    )
+    assert "secret" not in message  # an object's values may be credentials
+    assert message.count("known keys") == 1 and "\n" not in message
+
+
+def test_the_rules_across_keys_are_all_named_too():
+    raw = {"sink": "kafka://b:9092", "segment_bytes": 1 << 20, "retain_hours": 2.0, "schema_registry_config": {}}
+    with pytest.raises(TraceConfigError) as caught:
+        TraceConfig.from_additional_config({"kv_trace": raw})
+    assert str(caught.value) == (
+        "kv_trace: 3 invalid settings: "
+        "kv_trace.schema_registry_config: needs kv_trace.schema_registry (the registry's URL); "
+        "kv_trace.segment_bytes: applies to file sinks only (got a kafka sink); "
+        "kv_trace.retain_hours: applies to file sinks only (got a kafka sink)"
+    )
+
+
+def test_a_long_value_is_cut_in_the_message():
+    with pytest.raises(
+        TraceConfigError, match=r"^kv_trace\.engine_id: input should be a valid string, got \[0, 1, .*\.\.\.$"
+    ):
+        TraceConfig.from_additional_config({"kv_trace": {"engine_id": list(range(100))}})
+
+
 def test_kv_trace_must_be_an_object():
     with pytest.raises(TraceConfigError, match=r"^kv_trace: expected an object"):
         TraceConfig.from_additional_config({"kv_trace": True})

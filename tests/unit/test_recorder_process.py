@@ -28,7 +28,7 @@ from kvledger.producer.frames import FrameKind, body_from_part, pack_parts, read
 from kvledger.producer.processes import ProcessWatch
 from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
-from kvledger.producer.ring_writer import RingWriter, meta_path, sweep_stale_rings
+from kvledger.producer.ring_writer import RingWriter, meta_path, request_stop_of, sweep_stale_rings
 from kvledger.producer.staging import Lease, Staged
 from kvledger.schemas.events import RankInfo, body_of
 from kvledger.stream_app.replay import iter_ledger, replay
@@ -164,7 +164,69 @@ def test_an_engine_killed_mid_run_leaves_a_complete_ledger(tmp_path):
     wait_gone(pid)  # the recorder drains the ring, closes the ledger and ends on its own
     events = ledger_events(tmp_path)  # no read problem: nothing truncated
     assert [e["seq"] for e in events] == list(range(written))
-    assert replay(tmp_path).violations == []
+    result = replay(tmp_path)
+    assert result.violations == []
+    assert not result.ledger.closed  # killed unasked: nobody says the rank shut down
+
+
+STOPPED_ENGINE = ENGINE.replace(
+    "os.kill(os.getpid(), signal.SIGKILL)  # mid-run, nothing closed",
+    """from kvledger.producer import plugin
+plugin._probes.append(type("Probe", (), {"recorder": recorder})())
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+plugin.chain_signal(signal.SIGTERM)  # as the plugin does in a rank's process
+print("READY", flush=True)
+time.sleep(60)""",
+)
+
+
+@pytest.mark.parametrize("stopped_by", ["its engine's shutdown", "SIGTERM"])
+def test_a_rank_stopped_on_purpose_and_killed_before_closing_is_closed_by_its_recorder(tmp_path, stopped_by):
+    """vLLM's server marks the rings below the engines it stops, then SIGKILLs them; a rank's own
+    SIGTERM handler marks its rings. Either way the recorder writes the rank's closing Health
+    after all it wrote, and says so."""
+    engine = subprocess.Popen(
+        [sys.executable, "-c", STOPPED_ENGINE, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        pid, written = map(int, engine.stdout.readline().split())
+        assert engine.stdout.readline().strip() == "READY"
+        if stopped_by == "SIGTERM":
+            engine.send_signal(signal.SIGTERM)  # the handler marks the ring, then the default action
+        else:
+            assert request_stop_of([engine.pid]) == 1  # before the kill, as CoreEngineProcManager.shutdown
+            engine.kill()
+        engine.wait(30)
+        wait_gone(pid)
+        stderr = engine.stderr.read()
+    finally:
+        engine.kill()
+        engine.wait()
+    events = ledger_events(tmp_path)
+    assert [e["seq"] for e in events] == list(range(written + 1))  # every frame, then the last word
+    name, health = events[-1]["body"]
+    last_step = max(e["body"][1]["step"] for e in events if e["body"][0] == "kvledger.Step")
+    assert name == "kvledger.Health" and health["closing"] and health["step"] == last_step
+    assert health["events_captured"] == written and health["events_dropped"] == 0
+    result = replay(tmp_path)
+    assert result.violations == [] and result.ledger.closed and result.problems == []
+    assert f"closed for it at step {last_step} (seq {written})" in stderr, stderr
+    assert "ended without closing" not in stderr
+
+
+def test_only_live_ranks_below_the_stopped_processes_are_marked(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    rings = {
+        name: Ring.create(tmp_path / f"kvledger-{pid}-dp0-tp0-pp0-0.ring", 4096)
+        for name, pid in (("ours", os.getpid()), ("dead", gone.pid), ("elsewhere", 1))
+    }
+    assert request_stop_of([os.getppid(), gone.pid], tmp_path) == 1  # this process is below its parent
+    assert {name: ring.stop_requested for name, ring in rings.items()} == {
+        "ours": True,
+        "dead": False,  # it died unasked
+        "elsewhere": False,  # alive, but not below the processes stopped
+    }
 
 
 @pytest.mark.parametrize("action", [TraceAction.LOG])
