@@ -24,6 +24,7 @@ from kvledger.schemas.files import discover, read_segment
 from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.replay import replay
 from tests.e2e.conftest import ROOT, TEST_PLUGINS, vllm_python
+from tests.e2e.engine_run import TINY_LLAMA
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +38,7 @@ class ZooRun:
     rounds: dict[int, list[list[int]]]  # generate round -> each prompt's output tokens
     logprobs: dict[int, list[list[float]]]  # generate round -> each sampled token's log-probability
     log: str
-    records: list[dict]  # the plugin's own lines: `ZOO key=value ...`
+    records: list[dict]  # the plugin's own lines: `ZOO [WHAT] key=value ...`
     metrics: dict | None
 
 
@@ -59,9 +60,18 @@ def run_zoo(spec: dict, env: dict[str, str] | None = None, timeout: float = 600)
         pytest.fail(f"engine failed (exit {proc.returncode}):\n{log[-3000:]}", pytrace=False)
     rounds = {int(i): json.loads(o) for i, o in re.findall(r"^ROUND (\d+) OUTPUTS (.*)$", proc.stdout, re.M)}
     logprobs = {int(i): json.loads(o) for i, o in re.findall(r"^ROUND (\d+) LOGPROBS (.*)$", proc.stdout, re.M)}
-    records = [dict(kv.split("=", 1) for kv in m.split()) for m in re.findall(r"^ZOO (.*)$", proc.stderr, re.M)]
+    records = [_record(line) for line in re.findall(r"^ZOO (.*)$", proc.stderr, re.M)]
     metrics = re.search(r"^METRICS (.*)$", proc.stdout, re.M)
     return ZooRun(rounds, logprobs, log, records, json.loads(metrics[1]) if metrics else None)
+
+
+def _record(line: str) -> dict:
+    """A plugin's line `ZOO [WHAT] key=value ...` as a dict (WHAT, if given, as "what")."""
+    record = {}
+    for word in line.split():
+        key, has_value, value = word.partition("=")
+        record.update({key: value} if has_value else {"what": key})
+    return record
 
 
 def traced(root: Path, action: str, **keys) -> dict:
@@ -261,3 +271,67 @@ def test_prefix_hit_on_blocks_written_in_the_same_step_is_allowed(dummy_runs):
     assert hit == blocks_of(writer)[: len(X) // BLOCK]
     assert [v for v in replay(ledger).violations if v.step == reader_at] == []
     print(f"zoo 41838: request {reader['req_id']} hit blocks {hit} written in the same step {reader_at}: allowed")
+
+
+# -- a drafter writing past the blocks its prefill got (vllm 42971) ------------------------------------
+K = 3  # draft tokens: EAGLE passes 0 .. K-1; pass k writes the prompt's last position + k
+# Prompt lengths: 32 and 63 end within K-1 positions of a block boundary (the drafter's passes
+# reach 32, 33 and 63, 64: a block the prefill did not get); 50 stays inside its block.
+LOOKAHEAD_PROMPTS = [list(range(3, 35)), list(range(100, 163)), list(range(200, 250))]
+LOOKAHEAD_SPEC = {
+    "num_blocks": 32,
+    "max_model_len": 384,
+    "max_num_batched_tokens": 256,
+    "max_num_seqs": 8,
+    "speculative_config": {"method": "eagle", "num_speculative_tokens": K},
+    "draft_model": {**TINY_LLAMA, "num_hidden_layers": 1},
+    "rounds": [{"prompts": LOOKAHEAD_PROMPTS, "max_tokens": 8}],
+}
+
+
+@pytest.mark.parallel
+def test_drafter_writing_past_its_prefill_blocks_is_caught_in_place(tmp_path):
+    """vllm 42971 with EAGLE: the waiting path reserves no lookahead (the fix reverted), so the
+    first drafter passes of a prompt ending near a block boundary write past the request's row:
+    into block 0 in vLLM 0.32 (rows are cleared past their end). Each such pass is caught at the
+    prefill step, with its request, the null block and the position it wrote."""
+    run = run_zoo({**LOOKAHEAD_SPEC, "kv_trace": traced(tmp_path, "log")}, env={"ZOO_NO_PREFILL_LOOKAHEAD": "1"})
+    ledger = tmp_path / "ledger"
+    # Fired: every request's first allocation lost its K lookahead slots ...
+    trimmed = {r["req"]: r for r in run.records}
+    assert {int(r["prompt"]) for r in trimmed.values()} == {len(p) for p in LOOKAHEAD_PROMPTS}
+    assert all(r["trimmed"] == str(K) and r["computed"] == "0" for r in trimmed.values()), trimmed
+    # ... so the prompts of 32 and 63 tokens got one block too few for the drafter's reach.
+    result = replay(ledger)
+    by_request = {}
+    for v in result.violations:
+        by_request.setdefault(v.req_id, []).append(v)
+    reach = {}
+    for n, prompt in enumerate(LOOKAHEAD_PROMPTS):
+        at, request = admitted(ledger, n)
+        assert request["num_computed_tokens"] == 0 and request["num_scheduled_tokens"] == len(prompt)
+        assert len(blocks_of(request)) == -(-len(prompt) // BLOCK)  # no lookahead block
+        past = [k for k in range(1, K) if (len(prompt) - 1 + k) // BLOCK >= len(blocks_of(request))]
+        reach[request["req_id"]] = (at, past, len(prompt))
+    # Caught: per pass that wrote past the row, at the prefill step, group 0: the wrong slot (past
+    # the end of its row: block 0, at the position's offset) and the null block written.
+    for req_id, (at, past, length) in reach.items():
+        found = by_request.pop(req_id, [])
+        kinds = ("write_target_mismatch", "foreign_block_write")
+        expected = [(kind, at, req_id, 0, RANK) for _ in past for kind in kinds]
+        assert sorted((v.kind, v.step, v.req_id, v.group, rank_of(v)) for v in found) == sorted(expected), found
+        details = sorted(v.detail for v in found)
+        assert details == sorted(
+            detail
+            for k in past
+            for detail in (
+                f"drafter pass {k}: 1 token(s) written to the wrong slot; first: expected a slot past the end "
+                f"of its row, actual slot {(length - 1 + k) % BLOCK}",
+                f"drafter pass {k}: slot mapping writes block 0, which is the null block",
+            )
+        ), details
+        if past:
+            print(f"zoo 42971: request {req_id}, drafter passes {past} wrote block 0 at step {at}, reported at {at}")
+    assert by_request == {}, by_request  # nothing else
+    assert sum(bool(past) for _, past, _ in reach.values()) == 2
+    assert all(len(o) == 8 for o in run.rounds[0])
