@@ -130,7 +130,9 @@ DUMMY_SPEC = {
     "max_num_seqs": 8,
     "rounds": DUMMY_ROUNDS,
 }
-DUMMY_ENV = {"ZOO_DUMMY_ATTENTION": "0"}  # both runs: the first dummy batch builds attention metadata
+# Both runs: the first dummy batch builds attention metadata; weights scaled so that the
+# outputs depend on the KV attended over (plugins/zoo_weight_scale.py).
+DUMMY_ENV = {"ZOO_DUMMY_ATTENTION": "0", "ZOO_WEIGHT_SCALE": "100"}
 
 
 @dataclass
@@ -154,13 +156,22 @@ def dummy_runs(tmp_path_factory) -> Pair:
     return Pair(faulty, clean, faulty_root / "ledger", clean_root / "ledger")
 
 
-def admitted(ledger: Path, n: int) -> tuple[int, dict]:
-    """The step that first scheduled the engine's n-th request (vLLM names them `N-<suffix>`, N
-    counting prompts across generate calls), and that request as the step input has it."""
+def scheduled(ledger: Path, req_id: str) -> tuple[int, dict]:
+    """The step that first scheduled a request, and the request as that step's input has it."""
     for at, body in sorted(steps(ledger).items()):
         for request in new_requests(body):
-            if request["req_id"].split("-")[0] == str(n):
+            if request["req_id"] == req_id:
                 return at, request
+    raise AssertionError(f"request {req_id} never scheduled")
+
+
+def admitted(ledger: Path, n: int) -> tuple[int, dict]:
+    """`scheduled` for the engine's n-th request (vLLM names them `N-<suffix>`, N counting prompts
+    across generate calls)."""
+    for body in steps(ledger).values():
+        for request in new_requests(body):
+            if request["req_id"].split("-")[0] == str(n):
+                return scheduled(ledger, request["req_id"])
     raise AssertionError(f"request {n} never scheduled")
 
 
@@ -193,17 +204,15 @@ def test_dummy_batch_through_stale_slots_is_caught_at_its_step(dummy_runs):
     _, y = admitted(ledger, 3)
     y_block = blocks_of(y)[0]
     assert (record["slots"], record["blocks"]) == (str(y_block * BLOCK), str(y_block))
-    # ... and changed its KV there, finite values: the forward computed that token with a
-    # context of its own (attention metadata built for a made-up request of one token), not the
-    # prefix the real write had seen. Request 4 (Y+c) then reads the block as a prefix hit.
+    # ... and changed its KV there: the forward computed that token with a context of its own
+    # (attention metadata built for a made-up request of one token), not the prefix the real
+    # write had seen. Request 4 (Y+c) then reads the block as a prefix hit.
     assert int(record["changed"]) > 0, record
     reader_at, reader = admitted(ledger, 4)
     assert reader["num_computed_tokens"] == len(Y) and blocks_of(reader)[0] == y_block
-    # The outputs before the damage are the clean run's. After it they stay the same on this
-    # model: its random weights (vLLM's dummy load, within ±1e-3) keep every distribution close
-    # to uniform, and one finite KV row moves the logits below float32 resolution (a NaN, as on
-    # the NPU of the report, does reach them: it zeroes the output).
+    # The outputs: the clean run's until request 4 reads the block, then not.
     assert all(faulty.rounds[i] == clean.rounds[i] for i in (0, 1))
+    assert faulty.rounds[3] != clean.rounds[3], (faulty.rounds[3], clean.rounds[3])
     print(
         f"zoo 15492/39444 (attention metadata): {record['changed']} KV values changed, "
         f"{record['nonfinite']} not finite; request 4 tokens {faulty.rounds[3]} (clean {clean.rounds[3]})"
@@ -335,3 +344,70 @@ def test_drafter_writing_past_its_prefill_blocks_is_caught_in_place(tmp_path):
     assert by_request == {}, by_request  # nothing else
     assert sum(bool(past) for _, past, _ in reach.values()) == 2
     assert all(len(o) == 8 for o in run.rounds[0])
+
+
+# -- an abort frees a decode request's blocks under an in-flight transfer (SGLang 32564) -------------
+DOOMED_PROMPT, VICTIM_PROMPT = list(range(3, 99)), list(range(300, 396))  # three blocks each
+
+
+def connector_events(ledger: Path) -> list[dict]:
+    return [
+        body
+        for stream in discover(ledger)
+        for path in stream.segments
+        for name, body in (event["body"] for event in read_segment(path, []))
+        if name == "kvledger.ConnectorEvent"
+    ]
+
+
+def test_abort_freeing_blocks_under_an_in_flight_transfer_is_a_documented_miss(tmp_path):
+    """SGLang 32564 on vLLM's Mooncake pair, vLLM's fix (PR 32255) reverted: the client aborts a
+    decode request whose pull reached the prefill side; its blocks are freed at once and go to
+    the next request (the victim), whose prefill fills them; then the transfer's write lands on
+    them, and the victim decodes on the aborted request's KV. The decode ledger shows the victim
+    granted the blocks of a receive that is still pending, which no check reads: a documented
+    miss (the detector it needs: a pending receive holds its blocks, as a pending send does)."""
+    from tests.e2e.test_pd_pair import _pair_ready
+    from tests.e2e.zoo_pair import TRANSFER, run_zoo_pair
+
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    spec = {
+        "doomed": DOOMED_PROMPT,
+        "victim": VICTIM_PROMPT,
+        "max_tokens": 8,
+        "ledger_root": str(tmp_path / "ledger"),
+        "markers": str(markers),
+    }
+    env = {"ZOO_ABORT_VICTIM": "zoo-victim", "ZOO_ABORT_REVERT": "1", "ZOO_WEIGHT_SCALE": "100"}
+    run = run_zoo_pair(_pair_ready(), spec, env)
+    # Fired, in the report's order: the pull reached the prefill side, the abort freed the doomed
+    # request's blocks, the victim got them and ran its prefill, the held write landed, and the
+    # doomed request's receive completed afterwards.
+    records = [_record(line) for line in re.findall(r"^ZOO (.*)$", run.log, re.M)]
+    assert [r["what"] for r in records] == ["pull", "freed", "victim", "landed", "late"], records
+    freed, victim = records[1], records[2]
+    freed_blocks = [int(b) for b in freed["blocks"].split(",")]
+    assert sorted(int(b) for b in victim["blocks"].split(",")) == sorted(freed_blocks)
+    assert records[4]["req"] == freed["req"]
+    # The victim's answer: its first token was sampled at its prefill, before the write landed;
+    # from then on it decodes over the doomed prompt's KV and parts from the reference.
+    assert run.victim[0] == run.baseline[0] and run.victim != run.baseline, (run.victim, run.baseline)
+    # The decode ledger saw it all: the receive's intent on those blocks, the victim granted them
+    # in the step whose input finished the aborted request, the receive done a step later.
+    decode = tmp_path / "ledger" / "decode"
+    events = {e["kind"]: e for e in connector_events(decode) if e["transfer_id"] == TRANSFER}
+    assert unpack_i32(events["RECV_INTENT"]["block_ids"][0]).tolist() == freed_blocks
+    granted_at, granted = scheduled(decode, victim["req"])
+    assert blocks_of(granted) == [int(b) for b in victim["blocks"].split(",")]
+    assert freed["req"] in steps(decode)[granted_at]["input"]["finished_req_ids"]
+    assert events["RECV_INTENT"]["step"] < granted_at < events["RECV_DONE"]["step"]
+    # The verdict: both ledgers checked together are silent, the transfer joined and matched.
+    result = replay(tmp_path / "ledger")
+    assert result.violations == [] and not result.unchecked, (result.violations, result.unchecked)
+    assert result.ledger.coverage.checks["transfer_join"] == 1
+    print(
+        f"zoo 32564: blocks {freed_blocks} of a receive pending from step {events['RECV_INTENT']['step']} to "
+        f"{events['RECV_DONE']['step']} granted to {victim['req']} at step {granted_at}: not reported; "
+        f"victim {run.victim} vs {run.baseline}"
+    )
