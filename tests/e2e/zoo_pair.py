@@ -1,0 +1,128 @@
+"""A prefill/decode pair (pd_pair.py's engines) whose decode request is aborted mid-transfer, for the bug zoo.
+
+    python zoo_pair.py SPEC_JSON      (the driver; run by `run_zoo_pair` in a loopback-only namespace)
+
+The driver, with the interpreter that has vLLM and Mooncake:
+
+1. the prefill engine serves the victim's prompt alone (its reference answer);
+2. the prefill engine prefills the doomed prompt for a transfer (`do_remote_decode`): its
+   blocks stay held until the decode engine pulls them;
+3. the decode engine gets the doomed request (`do_remote_prefill`); once its pull has reached
+   the prefill side (the zoo plugin's `pull` marker), the client aborts it
+   (`LLMEngine.abort_request`) and sends the victim, a plain prompt of the same length;
+4. the decode engine runs until the victim is done.
+
+The zoo plugin (plugins/zoo_abort_in_flight.py) holds the prefill side's write until the
+victim's prefill ran, and the victim's next step until the write landed.
+
+Spec: {"doomed": [token ids], "victim": [token ids], "max_tokens": 8, "ledger_root": "/abs" | null,
+"markers": "/abs"}. Prints `ZOO_PAIR {"baseline": [...], "victim": [...]}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+try:  # the driver, run as a script beside pd_pair.py
+    from pd_pair import BOOTSTRAP_ADDR, LOOPBACK_ONLY, PAIR_ENV, PREFILL_ENGINE_ID, _engine, _params, _tokens
+except ImportError:  # the harness, imported by the tests
+    from tests.e2e.pd_pair import BOOTSTRAP_ADDR, LOOPBACK_ONLY, PAIR_ENV, PREFILL_ENGINE_ID, _engine, _params, _tokens
+
+DOOMED, VICTIM = "zoo-doomed", "zoo-victim"
+TRANSFER = "xfer-doomed"
+
+
+# -- harness (the tests' interpreter) ------------------------------------------------------------
+@dataclass
+class ZooPairRun:
+    baseline: list[int]
+    victim: list[int]
+    log: str
+
+
+def run_zoo_pair(python: str, spec: dict, env: dict[str, str], timeout: float = 600) -> ZooPairRun:
+    """Run the driver once in a loopback-only namespace; fail with the log's tail if it breaks."""
+    import pytest
+
+    here = Path(__file__).resolve().parent
+    run_env = {**os.environ, **PAIR_ENV, "ZOO_ABORT_MARKERS": spec["markers"], **env}
+    run_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here / "plugins"), run_env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(
+        [*LOOPBACK_ONLY, python, str(here / "zoo_pair.py"), json.dumps(spec)],
+        env=run_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=here.parents[1],
+        start_new_session=True,  # a hung pair is ended whole: driver, engine cores and workers
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"zoo pair still running after {timeout:.0f} s:\n{(stdout + stderr)[-4000:]}")
+    log = stdout + stderr
+    found = [line for line in stdout.splitlines() if line.startswith("ZOO_PAIR ")]
+    if proc.returncode != 0 or not found:
+        pytest.fail(f"zoo pair failed (exit {proc.returncode}):\n{log[-4000:]}", pytrace=False)
+    result = json.loads(found[0].removeprefix("ZOO_PAIR "))
+    return ZooPairRun(result["baseline"], result["victim"], log)
+
+
+# -- driver (the vLLM interpreter, inside the namespace) -----------------------------------------
+def _drive(spec: dict) -> dict:
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_run import TINY_LLAMA
+
+    model = tempfile.mkdtemp(prefix="tiny-llama-")
+    Path(model, "config.json").write_text(json.dumps(TINY_LLAMA))
+    settings = {"ledger_root": spec.get("ledger_root")}
+    prefill = _engine(model, "prefill", PREFILL_ENGINE_ID, settings)
+    decode = _engine(model, "decode", "decode-0", settings)
+    max_tokens = spec.get("max_tokens", 8)
+
+    baseline = _tokens(prefill.generate([{"prompt_token_ids": spec["victim"]}], _params(max_tokens, None)))[0]
+    prefill.generate(
+        [{"prompt_token_ids": spec["doomed"]}], _params(1, {"do_remote_decode": True, "transfer_id": TRANSFER})
+    )
+
+    engine = decode.llm_engine
+    pulled = {
+        "do_remote_prefill": True,
+        "transfer_id": TRANSFER,
+        "remote_engine_id": PREFILL_ENGINE_ID,
+        "remote_bootstrap_addr": BOOTSTRAP_ADDR,
+    }
+    engine.add_request(DOOMED, {"prompt_token_ids": spec["doomed"]}, _params(max_tokens, pulled))
+    marker, deadline = Path(spec["markers"]) / "pull", time.monotonic() + 120
+    while not marker.exists():  # the engine core runs on its own; the pull is its worker's
+        if time.monotonic() > deadline:
+            raise TimeoutError("the decode engine never pulled the doomed request's KV")
+        time.sleep(0.01)
+    engine.abort_request([DOOMED])
+    engine.add_request(VICTIM, {"prompt_token_ids": spec["victim"]}, _params(max_tokens, None))
+    victim = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id.startswith(VICTIM) and output.finished:
+                victim = list(output.outputs[0].token_ids)
+    return {"baseline": baseline, "victim": victim}
+
+
+def main() -> None:
+    result = _drive(json.loads(sys.argv[1]))
+    print("ZOO_PAIR " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
