@@ -360,13 +360,13 @@ def connector_events(ledger: Path) -> list[dict]:
     ]
 
 
-def test_abort_freeing_blocks_under_an_in_flight_transfer_is_a_documented_miss(tmp_path):
+def test_abort_freeing_blocks_under_an_in_flight_transfer_is_caught_at_the_victims_grant(tmp_path):
     """SGLang 32564 on vLLM's Mooncake pair, vLLM's fix (PR 32255) reverted: the client aborts a
     decode request whose pull reached the prefill side; its blocks are freed at once and go to
     the next request (the victim), whose prefill fills them; then the transfer's write lands on
     them, and the victim decodes on the aborted request's KV. The decode ledger shows the victim
-    granted the blocks of a receive that is still pending, which no check reads: a documented
-    miss (the detector it needs: a pending receive holds its blocks, as a pending send does)."""
+    granted, to write, the blocks of a receive still pending: a pending receive holds its blocks
+    as a pending send does, so the grant is a foreign_block_write at the victim's step."""
     from tests.e2e.test_pd_pair import _pair_ready
     from tests.e2e.zoo_pair import TRANSFER, run_zoo_pair
 
@@ -402,12 +402,16 @@ def test_abort_freeing_blocks_under_an_in_flight_transfer_is_a_documented_miss(t
     assert blocks_of(granted) == [int(b) for b in victim["blocks"].split(",")]
     assert freed["req"] in steps(decode)[granted_at]["input"]["finished_req_ids"]
     assert events["RECV_INTENT"]["step"] < granted_at < events["RECV_DONE"]["step"]
-    # The verdict: both ledgers checked together are silent, the transfer joined and matched.
+    # The verdict: caught where it happened, the victim's grant, on the decode engine's rank; the
+    # transfer itself joined and matched (its bytes were right: they landed in the wrong owner's blocks).
     result = replay(tmp_path / "ledger")
-    assert result.violations == [] and not result.unchecked, (result.violations, result.unchecked)
+    found = [(v.kind, v.req_id, v.step, v.group, (v.dp_rank, v.tp_rank, v.pp_rank)) for v in result.violations]
+    assert found == [("foreign_block_write", victim["req"], granted_at, 0, (0, 0, 0))], result.violations
+    assert "pending KV receive" in result.violations[0].detail
+    assert result.violations[0].engine_id == next(s.engine_id for s in discover(decode))
     assert result.ledger.coverage.checks["transfer_join"] == 1
     print(
         f"zoo 32564: blocks {freed_blocks} of a receive pending from step {events['RECV_INTENT']['step']} to "
-        f"{events['RECV_DONE']['step']} granted to {victim['req']} at step {granted_at}: not reported; "
-        f"victim {run.victim} vs {run.baseline}"
+        f"{events['RECV_DONE']['step']} granted to {victim['req']} at step {granted_at}: "
+        f"{result.violations[0].kind} at step {result.violations[0].step}; victim {run.victim} vs {run.baseline}"
     )
