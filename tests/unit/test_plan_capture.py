@@ -88,7 +88,7 @@ def step(at_plan, of_pieces=False):
 
 early, late = step(True), step(False)
 assert (early[0], late[0]) == (1, 0), (early[0], late[0])  # written with its plan, or at the step's end
-assert early[1] == late[1] and early[1][1]["plan"] is not None and early[1][1]["input"] is not None
+assert early[1] == late[1] and early[1].plan is not None and early[1].input is not None
 assert step(True, of_pieces=True) == early  # a host step's frame written of its pieces: the same, as early
 print("ok")
 """

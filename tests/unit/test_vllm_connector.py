@@ -238,8 +238,8 @@ for _ in range(3000):
     if ready():
         break
     threading.Event().wait(0.01)
-name, fields = body()
-assert fields["kind"] == "SEND_DONE" and fields["digest"] == records.transfer_digest(probe.digester.layout, want)
+event = body()
+assert event.kind == "SEND_DONE" and event.digest == records.transfer_digest(probe.digester.layout, want)
 assert [t.name for t in threading.enumerate() if t.name.startswith("kvledger-digest")]  # hashed off this thread
 print("ok")
 """
