@@ -76,8 +76,11 @@ def test_a_write_waiting_for_an_unknown_leader_backs_off_and_is_delivered_after_
 
 async def outage(broker: OutageBroker, failures: Failures) -> dict:
     loop = asyncio.get_running_loop()
-    # No write may expire in the queue while the broker restarts (aiokafka's default: 40 s).
-    producer = AIOKafkaProducer(bootstrap_servers=broker.bootstrap, acks=-1, linger_ms=2, request_timeout_ms=300_000)
+    # No write may expire in the queue while the broker restarts (aiokafka's default: 40 s); a batch the
+    # stopping broker took but whose answer was lost is sent again, and only idempotence keeps it once.
+    producer = AIOKafkaProducer(
+        bootstrap_servers=broker.bootstrap, acks=-1, linger_ms=2, request_timeout_ms=300_000, enable_idempotence=True
+    )
     await producer.start()
     try:
         await producer.send_and_wait(TOPIC, b"first")
