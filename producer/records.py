@@ -15,7 +15,6 @@ import numpy as np
 
 from kvledger.schemas import pack_digests, pack_i32
 from kvledger.schemas.events import (
-    BODY_NAMES,
     BlockDigests,
     Body,
     Capability,
@@ -33,7 +32,7 @@ from kvledger.schemas.events import (
     Step,
     StepInput,
     StepPlan,
-    body_record,
+    envelope_record,
 )
 from kvledger.schemas.kinds import ConnectorKind, Declaration, DigestReason, KvGroupKind, PdRole, Runner, StepKind
 from kvledger.schemas.packing import block_terms, length_term, length_terms, mix_blocks, pack_u64, position_weights
@@ -49,17 +48,9 @@ class RankIdentity:
 
 
 def envelope(rank: RankIdentity, seq: int, emitted_at_us: int, body: Body) -> dict:
-    """A LedgerEvent as the Avro writer takes it (`kvledger.schemas.events.avro_datum` names its branches)."""
-    return {
-        "engine_id": rank.engine_id,
-        "dp_rank": rank.dp_rank,
-        "tp_rank": rank.tp_rank,
-        "pp_rank": rank.pp_rank,
-        "incarnation": rank.incarnation,
-        "seq": seq,
-        "emitted_at_us": emitted_at_us,
-        "body": (BODY_NAMES[type(body)], body_record(body)),
-    }
+    """A LedgerEvent of this rank as the Avro writer takes it."""
+    r = rank
+    return envelope_record(r.engine_id, r.dp_rank, r.tp_rank, r.pp_rank, r.incarnation, seq, emitted_at_us, body)
 
 
 def event(rank: RankIdentity, seq: int, emitted_at_us: int, body: Body) -> LedgerEvent:

@@ -344,19 +344,25 @@ def body_record(body: Body) -> Record:
     return out
 
 
+def envelope_record(
+    engine_id: str, dp: int, tp: int, pp: int, incarnation: int, seq: int, emitted_at_us: int, body: Body
+) -> Record:
+    """A LedgerEvent as the Avro writer takes it, from its fields (`avro_datum` names its branches)."""
+    return {
+        "engine_id": engine_id,
+        "dp_rank": dp,
+        "tp_rank": tp,
+        "pp_rank": pp,
+        "incarnation": incarnation,
+        "seq": seq,
+        "emitted_at_us": emitted_at_us,
+        "body": (BODY_NAMES[type(body)], body_record(body)),
+    }
+
+
 def event_record(event: LedgerEvent) -> Record:
     """A typed event as the Avro writer takes it (a stream worker forwards some of what it read)."""
-    rank = event.rank
-    return {
-        "engine_id": rank.engine_id,
-        "dp_rank": rank.dp,
-        "tp_rank": rank.tp,
-        "pp_rank": rank.pp,
-        "incarnation": event.incarnation,
-        "seq": event.seq,
-        "emitted_at_us": event.emitted_at_us,
-        "body": (BODY_NAMES[type(event.body)], body_record(event.body)),
-    }
+    return envelope_record(*event.rank, event.incarnation, event.seq, event.emitted_at_us, event.body)
 
 
 # A Step's optional parts, by the names of their union branches.

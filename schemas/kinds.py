@@ -7,8 +7,8 @@ decoder hands out, hashes as that string (a `Counter` of coverage reasons keeps
 one key per reason whether a checkpoint or the core counted it) and formats as
 it in a message.
 
-A symbol from a newer writer never fails a reader: `read` maps it to the
-enum's named fallback (`OTHER`), and the reader counts what it could not
+A symbol from a newer writer never fails a reader: an enum kept open (`Open`)
+reads it as its named fallback (`OTHER`), and the reader counts what it could not
 interpret as unchecked. Avro enums in `avro/*.avsc` carry the same symbols and
 name that fallback as their default; fields that stay Avro strings for evolution
 (the runner, a violation's kind, coverage reasons) document these values.
@@ -17,21 +17,6 @@ name that fallback as their default; fields that stay Avro strings for evolution
 from __future__ import annotations
 
 from enum import StrEnum
-from functools import cache
-from typing import TypeVar
-
-E = TypeVar("E", bound=StrEnum)
-
-
-def read(enum: type[E], symbol: str) -> E:
-    """The member of `symbol`; a symbol this reader does not know is the enum's `OTHER`."""
-    return symbols(enum).get(symbol, enum.OTHER)  # type: ignore[attr-defined]
-
-
-@cache
-def symbols(enum: type[E]) -> dict[str, E]:
-    """Symbol -> member, for decoders on the hot path (an enum's call is slow there)."""
-    return {m.value: m for m in enum}
 
 
 class Open(StrEnum):
@@ -160,7 +145,7 @@ def connector_wire(kind: ConnectorKind, detail: str | None) -> tuple[str, str | 
 def connector_kind(symbol: str, detail: str | None) -> ConnectorKind:
     """A connector event's kind as written by `connector_wire`; a symbol this reader does not know, or an
     OTHER it cannot name, is OTHER."""
-    kind = read(ConnectorKind, symbol)
+    kind = ConnectorKind(symbol)
     if kind is ConnectorKind.OTHER and detail is not None:
         return _OF_DETAIL.get(detail, kind)
     return kind

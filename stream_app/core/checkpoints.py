@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvledger.schemas.events import RankInfo, StepPlan, to_record, typed
-from kvledger.schemas.kinds import ConnectorKind, TransferOutcome, TransferRole, read
+from kvledger.schemas.kinds import ConnectorKind, TransferOutcome, TransferRole
 from kvledger.schemas.packing import pack_i32, unpack_i32
 from kvledger.stream_app.core.declarations import Declared
 from kvledger.stream_app.core.ledger import Ledger, TrackedRank
@@ -423,7 +423,7 @@ def _side_from_record(rec: Record) -> Side:
     fields = {k: rec[k] for k in ("req_id", "first_step", "intent_step", "num_tokens", "remote_engine_id")}
     fields |= {k: rec[k] for k in ("done_step", "digest", "stuck", "open_counted", "peer_clock")}
     outcome = None if rec["outcome"] is None else TransferOutcome(rec["outcome"])
-    seen = {(read(ConnectorKind, s["kind"]), s["step"]) for s in rec["seen"]}
+    seen = {(ConnectorKind(s["kind"]), s["step"]) for s in rec["seen"]}
     return Side(_key(rec["rank"]), TransferRole(rec["role"]), blocks=blocks, outcome=outcome, seen=seen, **fields)
 
 

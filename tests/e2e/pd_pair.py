@@ -68,6 +68,33 @@ class PdPairRun:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def launch_pair(python: str, script: str, spec: dict, env: dict[str, str], timeout: float, what: str):
+    """Run a pair driver (a script beside this file) once in a loopback-only namespace, the test
+    plugins first on its path: (exit status, stdout, the whole log); fail if it outlasts `timeout`."""
+    import pytest
+
+    here = Path(__file__).resolve().parent
+    run_env = {**os.environ, **PAIR_ENV, **env}
+    run_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here / "plugins"), run_env.get("PYTHONPATH")) if p)
+    # Its own session, so a hung pair is ended whole: driver, engine cores and workers.
+    proc = subprocess.Popen(
+        [*LOOPBACK_ONLY, python, str(here / script), json.dumps(spec)],
+        env=run_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=here.parents[1],
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{what} still running after {timeout:.0f} s:\n{(stdout + stderr)[-4000:]}")
+    return proc.returncode, stdout, stdout + stderr
+
+
 def run_pd_pair(
     python: str,
     prompts: list[list[int]],
@@ -81,40 +108,21 @@ def run_pd_pair(
     """Run the pair once in a loopback-only namespace; fail with the log's tail if it breaks."""
     import pytest
 
-    here = Path(__file__).resolve().parent
     spec = {
         "prompts": prompts,
         "max_tokens": max_tokens,
         "ledger_root": str(ledger_root) if ledger_root else None,
         **(extra or {}),
     }
-    run_env = {**os.environ, **PAIR_ENV, **(env or {})}
-    run_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here / "plugins"), run_env.get("PYTHONPATH")) if p)
     started = time.perf_counter()
-    # Its own session, so a hung pair is ended whole: driver, engine cores and workers.
-    proc = subprocess.Popen(
-        [*LOOPBACK_ONLY, python, str(here / "pd_pair.py"), json.dumps(spec)],
-        env=run_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=here.parents[1],
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"prefill/decode pair still running after {timeout:.0f} s:\n{(stdout + stderr)[-4000:]}")
-    log = stdout + stderr
+    returncode, stdout, log = launch_pair(python, "pd_pair.py", spec, env or {}, timeout, "prefill/decode pair")
     found = re.search(r"^PD_RESULT (.*)$", stdout, re.M)
-    if proc.returncode != 0 or not found:
+    if returncode != 0 or not found:
         kept = ""
         if ledger_root is not None:  # the whole log, for the root cause far above the tail
             (ledger_root / "pair.log").write_text(log)
             kept = f" (whole log: {ledger_root / 'pair.log'})"
-        pytest.fail(f"prefill/decode pair failed (exit {proc.returncode}){kept}:\n{log[-4000:]}", pytrace=False)
+        pytest.fail(f"prefill/decode pair failed (exit {returncode}){kept}:\n{log[-4000:]}", pytrace=False)
     result = json.loads(found[1])
     timings = {**result["timings"], "total_s": time.perf_counter() - started}
     return PdPairRun(

@@ -22,18 +22,15 @@ Spec: {"doomed": [token ids], "victim": [token ids], "max_tokens": 8, "ledger_ro
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 try:  # the driver, run as a script beside pd_pair.py
-    from pd_pair import BOOTSTRAP_ADDR, LOOPBACK_ONLY, PAIR_ENV, PREFILL_ENGINE_ID, _engine, _params, _tokens
+    from pd_pair import BOOTSTRAP_ADDR, PREFILL_ENGINE_ID, _engine, _params, _tokens, launch_pair
 except ImportError:  # the harness, imported by the tests
-    from tests.e2e.pd_pair import BOOTSTRAP_ADDR, LOOPBACK_ONLY, PAIR_ENV, PREFILL_ENGINE_ID, _engine, _params, _tokens
+    from tests.e2e.pd_pair import BOOTSTRAP_ADDR, PREFILL_ENGINE_ID, _engine, _params, _tokens, launch_pair
 
 DOOMED, VICTIM = "zoo-doomed", "zoo-victim"
 TRANSFER = "xfer-doomed"
@@ -51,28 +48,11 @@ def run_zoo_pair(python: str, spec: dict, env: dict[str, str], timeout: float = 
     """Run the driver once in a loopback-only namespace; fail with the log's tail if it breaks."""
     import pytest
 
-    here = Path(__file__).resolve().parent
-    run_env = {**os.environ, **PAIR_ENV, "ZOO_ABORT_MARKERS": spec["markers"], **env}
-    run_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here / "plugins"), run_env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(
-        [*LOOPBACK_ONLY, python, str(here / "zoo_pair.py"), json.dumps(spec)],
-        env=run_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=here.parents[1],
-        start_new_session=True,  # a hung pair is ended whole: driver, engine cores and workers
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"zoo pair still running after {timeout:.0f} s:\n{(stdout + stderr)[-4000:]}")
-    log = stdout + stderr
+    env = {"ZOO_ABORT_MARKERS": spec["markers"], **env}
+    returncode, stdout, log = launch_pair(python, "zoo_pair.py", spec, env, timeout, "zoo pair")
     found = [line for line in stdout.splitlines() if line.startswith("ZOO_PAIR ")]
-    if proc.returncode != 0 or not found:
-        pytest.fail(f"zoo pair failed (exit {proc.returncode}):\n{log[-4000:]}", pytrace=False)
+    if returncode != 0 or not found:
+        pytest.fail(f"zoo pair failed (exit {returncode}):\n{log[-4000:]}", pytrace=False)
     result = json.loads(found[0].removeprefix("ZOO_PAIR "))
     return ZooPairRun(result["baseline"], result["victim"], log)
 

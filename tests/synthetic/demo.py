@@ -15,13 +15,13 @@ from kvledger.producer.sinks import FileSink
 from tests.synthetic.engine import FAULTS, SHARING_FAULTS, FaultSpec, GroupSpec, SimConfig, simulate
 
 # Faults that need several ranks to be visible.
-_MULTI_RANK = {"rank_divergence", "rank_missing"}
+MULTI_RANK = {"rank_divergence", "rank_missing"}
 
 
-def _faults(names: list[str], steps: int, tp_size: int) -> tuple[FaultSpec, ...]:
+def spread_faults(names: list[str], steps: int, tp_size: int) -> tuple[FaultSpec, ...]:
     spread = max(steps // (len(names) + 1), 1)
     return tuple(
-        FaultSpec(name, spread * (i + 1), tp_rank=1 if name in _MULTI_RANK and tp_size > 1 else 0)
+        FaultSpec(name, spread * (i + 1), tp_rank=1 if name in MULTI_RANK and tp_size > 1 else 0)
         for i, name in enumerate(names)
     )
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown fault(s): {', '.join(unknown)}")
     if args.tp < 2:
-        names = [n for n in names if n not in _MULTI_RANK]
+        names = [n for n in names if n not in MULTI_RANK]
     config = SimConfig(
         seed=args.seed,
         engine_id="demo-engine",
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         max_batched_tokens=192,
         arrival_rate=0.6,
         dummy_every=50,
-        faults=_faults(names, args.steps, args.tp),
+        faults=spread_faults(names, args.steps, args.tp),
     )
     sim = simulate(config)
     with FileSink(args.out) as sink:

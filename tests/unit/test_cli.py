@@ -21,6 +21,7 @@ from kvledger.producer.sinks import FileSink
 from kvledger.schemas import unpack_i32
 from kvledger.schemas.registry import STEP
 from kvledger.stream_app.replay import replay
+from tests.synthetic.demo import spread_faults
 from tests.synthetic.engine import FAULT_KINDS, FAULTS, SHARING_FAULTS, FaultSpec, GroupSpec, SimConfig, simulate
 
 STEPS = 240
@@ -38,8 +39,6 @@ VIOLATION_KEYS = {
     "detail",
 }
 SUMMARY_KEYS = {"type", "events", "steps", "ranks", "checks", "unchecked", "violations"}
-# Faults that need several ranks to be visible (as in tests/synthetic/demo.py).
-MULTI_RANK = {"rank_divergence", "rank_missing"}
 
 
 def _kvledger_script() -> str:
@@ -83,15 +82,6 @@ def assert_one_line_error(proc: subprocess.CompletedProcess) -> None:
 
 
 PLACEABLE = [f for f in FAULTS if f not in SHARING_FAULTS]  # this config has a sliding-window group
-
-
-def spread_faults(names: list[str], steps: int, tp_size: int) -> tuple[FaultSpec, ...]:
-    """Faults evenly over the run; multi-rank faults on tp1 (how tests/synthetic/demo.py places them)."""
-    spread = max(steps // (len(names) + 1), 1)
-    return tuple(
-        FaultSpec(name, spread * (i + 1), tp_rank=1 if name in MULTI_RANK and tp_size > 1 else 0)
-        for i, name in enumerate(names)
-    )
 
 
 def config(faults: tuple[FaultSpec, ...] = (), **overrides) -> SimConfig:
