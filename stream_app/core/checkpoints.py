@@ -1,4 +1,4 @@
-"""The core's state as plain data: records of `schemas/avro/checkpoint.avsc` and back.
+"""The core's state as plain data: the typed checkpoint records (`kvledger.schemas.checkpoint`) and back.
 
 A checkpoint holds what cannot be recomputed: each rank's sequence, its live
 rows and pending sends, the steps waiting for ranks, the transfers. Who holds
@@ -9,15 +9,17 @@ stored as a reference to it.
 
 Reading a record builds the state field by field; nothing named in it is ever
 looked up or run. A record that does not describe a consistent state raises
-`StateError`.
+`StateError`. The records are encoded and decoded at the edge
+(`kvledger.schemas.checkpoint.encode`, `decode`): none of the Avro dicts comes
+here.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvledger.schemas.events import RankInfo, StepPlan, to_record, typed
-from kvledger.schemas.kinds import ConnectorKind, TransferOutcome, TransferRole
+from kvledger.schemas import checkpoint as ck
+from kvledger.schemas.events import RankInfo
 from kvledger.schemas.packing import pack_i32, unpack_i32
 from kvledger.stream_app.core.declarations import Declared
 from kvledger.stream_app.core.ledger import Ledger, TrackedRank
@@ -31,9 +33,7 @@ from kvledger.stream_app.core.transfers import (
     Transfer,
     TransferJoin,
 )
-from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
-
-Record = dict
+from kvledger.stream_app.core.violations import Coverage, RankKey
 
 
 class StateError(ValueError):
@@ -41,21 +41,13 @@ class StateError(ValueError):
 
 
 # -- small pieces ---------------------------------------------------------------------------------
-def _rank(key: RankKey) -> Record:
-    return {"engine_id": key.engine_id, "dp": key.dp, "tp": key.tp, "pp": key.pp}
+def coverage_record(cov: Coverage) -> ck.Coverage:
+    return ck.Coverage(checks=dict(cov.checks), unchecked=dict(cov.unchecked))
 
 
-def _key(rec: Record) -> RankKey:
-    return RankKey(rec["engine_id"], rec["dp"], rec["tp"], rec["pp"])
-
-
-def coverage_record(cov: Coverage) -> Record:
-    return {"checks": dict(cov.checks), "unchecked": dict(cov.unchecked)}
-
-
-def _coverage_into(cov: Coverage, rec: Record) -> None:
-    cov.checks.update(rec["checks"])
-    cov.unchecked.update(rec["unchecked"])
+def _coverage_into(cov: Coverage, rec: ck.Coverage) -> None:
+    cov.checks.update(rec.checks)
+    cov.unchecked.update(rec.unchecked)
 
 
 def _i32(values) -> bytes:
@@ -117,51 +109,50 @@ def unpack_ids(data: bytes, width: int) -> np.ndarray:
     return wide.view("<u4").ravel().astype(np.int64)
 
 
-def table_record(state: RankTables) -> Record:
+def table_record(state: RankTables) -> ck.Table:
     n = state.num_rows
     ids = list(state.index_of)
     indices = np.fromiter(state.index_of.values(), np.int64, len(ids))
     rows = state.row_of[indices]
-    requests = {
-        "req_ids": ids,
-        "req_indices": _i32(indices),
-        "rows": _i32(rows),
-        "num_computed_tokens": _i32(state.computed[rows]),
-        "num_scheduled_tokens": _i32(state.scheduled[rows]),
-    }
+    requests = ck.LiveRequests(
+        req_ids=ids,
+        req_indices=_i32(indices),
+        rows=_i32(rows),
+        num_computed_tokens=_i32(state.computed[rows]),
+        num_scheduled_tokens=_i32(state.scheduled[rows]),
+    )
     groups = []
     for g in state.groups:
         lens = g.lens[:n]
         # Row after row: a boolean mask of the filled cells keeps the order of the rows.
         filled = np.arange(g.table.shape[1]) < lens[:, None]
         blocks, width = pack_ids(g.table[:n][filled])
-        groups.append({"lens": _i32(lens), "released": _i32(g.released[:n]), "blocks": blocks, "id_bytes": width})
+        groups.append(ck.GroupRows(lens=_i32(lens), released=_i32(g.released[:n]), blocks=blocks, id_bytes=width))
     sends, recvs = (
-        [{"transfer_id": t, "block_ids": [_i32(b) for b in blocks]} for t, blocks in pending.items()]
+        [ck.PendingSend(transfer_id=t, block_ids=[_i32(b) for b in blocks]) for t, blocks in pending.items()]
         for pending in (state.pending_sends, state.pending_recvs)
     )
-    return {
-        "same_as": None,
-        "requests": requests,
-        "num_rows": n,
-        "free_rows": _i32(state.free_rows),
-        "groups": groups,
-        "pending_sends": sends,
-        "pending_recvs": recvs,
-    }
+    return ck.Table(
+        requests=requests,
+        num_rows=n,
+        free_rows=_i32(state.free_rows),
+        groups=groups,
+        pending_sends=sends,
+        pending_recvs=recvs,
+    )
 
 
-def table_from_record(key: RankKey, info: RankInfo, rec: Record) -> RankTables:
+def table_from_record(key: RankKey, info: RankInfo, rec: ck.Table) -> RankTables:
     state = RankTables(key, info)
-    if len(rec["groups"]) != len(state.groups):
-        raise StateError(f"{key}: tables of {len(rec['groups'])} groups for a rank of {len(state.groups)}")
-    n = rec["num_rows"]
+    if len(rec.groups) != len(state.groups):
+        raise StateError(f"{key}: tables of {len(rec.groups)} groups for a rank of {len(state.groups)}")
+    n = rec.num_rows
     state.num_rows = n
     state.grow_rows(n)
-    state.free_rows = _ints(rec["free_rows"]).tolist()
-    reqs = rec["requests"]
-    ids = reqs["req_ids"]
-    columns = [_ints(reqs[k]) for k in ("req_indices", "rows", "num_computed_tokens", "num_scheduled_tokens")]
+    state.free_rows = _ints(rec.free_rows).tolist()
+    reqs = rec.requests
+    ids = reqs.req_ids
+    columns = [_ints(c) for c in (reqs.req_indices, reqs.rows, reqs.num_computed_tokens, reqs.num_scheduled_tokens)]
     if any(c.size != len(ids) for c in columns):
         raise StateError(f"{key}: request columns of different lengths")
     indices, rows, computed, scheduled = columns
@@ -173,153 +164,157 @@ def table_from_record(key: RankKey, info: RankInfo, rec: Record) -> RankTables:
     state.index_of = dict(zip(ids, indices.tolist(), strict=True))
     state.req_id_of = dict(zip(indices.tolist(), ids, strict=True))
     state.computed[rows], state.scheduled[rows] = computed, scheduled
-    for g, grec in zip(state.groups, rec["groups"], strict=True):
-        lens, released = _ints(grec["lens"]), _ints(grec["released"])
-        blocks = unpack_ids(grec["blocks"], grec["id_bytes"])
+    for g, grec in zip(state.groups, rec.groups, strict=True):
+        lens, released = _ints(grec.lens), _ints(grec.released)
+        blocks = unpack_ids(grec.blocks, grec.id_bytes)
         if lens.size != n or released.size != n or int(lens.sum()) != blocks.size or (lens < 0).any():
             raise StateError(f"{key}: group {g.group_id} rows do not match their lengths")
         if ((released < 0) | (released > lens)).any():
             raise StateError(f"{key}: group {g.group_id} releases more than a row holds")
         g.load_rows(lens, released, blocks)
-    for receive, pending, field in (
-        (False, state.pending_sends, "pending_sends"),
-        (True, state.pending_recvs, "pending_recvs"),
+    for receive, pending, transfers in (
+        (False, state.pending_sends, rec.pending_sends),
+        (True, state.pending_recvs, rec.pending_recvs),
     ):
-        for transfer in rec[field]:
-            blocks = pending[transfer["transfer_id"]] = [_ints(b) for b in transfer["block_ids"]]
+        for transfer in transfers:
+            blocks = pending[transfer.transfer_id] = [_ints(b) for b in transfer.block_ids]
             for g, b in zip(state.groups, blocks, strict=False):
                 g.hold_for_transfer(receive, b, +1)
     return state
 
 
 # -- the ledger -----------------------------------------------------------------------------------
-def _rank_steps(values: dict[tuple[int, int], int]) -> list[Record]:
-    return [{"tp": tp, "pp": pp, "step": step} for (tp, pp), step in values.items()]
+def _rank_steps(values: dict[tuple[int, int], int]) -> list[ck.RankStep]:
+    return [ck.RankStep(tp=tp, pp=pp, step=step) for (tp, pp), step in values.items()]
 
 
-def _step_group_record(dp: int, group: StepGroup) -> Record:
-    return {
-        "dp": dp,
-        "expected": [{"tp": tp, "pp": pp, "step": -1} for tp, pp in sorted(group.expected)],
-        "pending": [
-            {
-                "step": step,
-                "reports": [
-                    {"tp": tp, "pp": pp, "input_fingerprint": fi, "plan_fingerprint": fp, "clean": clean}
+def _step_group_record(dp: int, group: StepGroup) -> ck.StepGroup:
+    return ck.StepGroup(
+        dp=dp,
+        expected=[ck.RankStep(tp=tp, pp=pp, step=-1) for tp, pp in sorted(group.expected)],
+        pending=[
+            ck.PendingStep(
+                step=step,
+                reports=[
+                    ck.RankReport(tp=tp, pp=pp, input_fingerprint=fi, plan_fingerprint=fp, clean=clean)
                     for (tp, pp), (fi, fp, clean) in entry.items()
                 ],
-            }
+            )
             for step, entry in group.pending.items()
         ],
-        "last_step": _rank_steps(group.last_step),
-        "missing_since": _rank_steps(group.missing_since),
-        "lost": [
-            {"tp": tp, "pp": pp, "after": after, "before": None if before == float("inf") else int(before)}
+        last_step=_rank_steps(group.last_step),
+        missing_since=_rank_steps(group.missing_since),
+        lost=[
+            ck.LostSteps(tp=tp, pp=pp, after=after, before=None if before == float("inf") else int(before))
             for (tp, pp), spans in group.lost.items()
             for after, before in spans
         ],
-        "settled_through": group.settled_through,
-        "lead_steps": [
-            {
-                "step": step,
-                "input_fingerprint": ls.input_fp,
-                "plan_fingerprint": ls.plan_fp,
-                "checked": ls.checked,
-                "found_input": [v.to_record() for v in ls.found_input],
-                "found_plan": [v.to_record() for v in ls.found_plan],
-            }
+        settled_through=group.settled_through,
+        lead_steps=[
+            ck.LeadStep(
+                step=step,
+                input_fingerprint=ls.input_fp,
+                plan_fingerprint=ls.plan_fp,
+                checked=ls.checked,
+                found_input=list(ls.found_input),
+                found_plan=list(ls.found_plan),
+            )
             for step, ls in group.lead_steps.items()
         ],
-        "early": [
-            {"step": step, "tp": tp, "pp": pp, "plan": to_record(plan)}
+        early=[
+            ck.EarlyPlan(step=step, tp=tp, pp=pp, plan=plan)
             for step, plans in group.early.items()
             for (tp, pp), plan in plans.items()
         ],
-    }
+    )
 
 
-def _step_group_from_record(rec: Record) -> StepGroup:
-    group = StepGroup(frozenset((r["tp"], r["pp"]) for r in rec["expected"]))
-    for pending in rec["pending"]:
-        group.pending[pending["step"]] = {
-            (r["tp"], r["pp"]): (r["input_fingerprint"], r["plan_fingerprint"], r["clean"]) for r in pending["reports"]
+def _step_group_from_record(rec: ck.StepGroup) -> StepGroup:
+    group = StepGroup(frozenset((r.tp, r.pp) for r in rec.expected))
+    for pending in rec.pending:
+        group.pending[pending.step] = {
+            (r.tp, r.pp): (r.input_fingerprint, r.plan_fingerprint, r.clean) for r in pending.reports
         }
-    group.last_step = {(r["tp"], r["pp"]): r["step"] for r in rec["last_step"]}
-    group.missing_since = {(r["tp"], r["pp"]): r["step"] for r in rec["missing_since"]}
-    for r in rec["lost"]:
-        before = float("inf") if r["before"] is None else r["before"]
-        group.lost.setdefault((r["tp"], r["pp"]), []).append((r["after"], before))
-    group.settled_through = rec["settled_through"]
-    for r in rec["lead_steps"]:
-        found_input = [Violation.of(v) for v in r["found_input"]]
-        found_plan = [Violation.of(v) for v in r["found_plan"]]
-        ls = LeadStep(r["input_fingerprint"], r["plan_fingerprint"], r["checked"], found_input, found_plan)
-        group.lead_steps[r["step"]] = ls
-    for r in rec["early"]:
-        group.early.setdefault(r["step"], {})[(r["tp"], r["pp"])] = typed(StepPlan, r["plan"])
+    group.last_step = {(r.tp, r.pp): r.step for r in rec.last_step}
+    group.missing_since = {(r.tp, r.pp): r.step for r in rec.missing_since}
+    for r in rec.lost:
+        before = float("inf") if r.before is None else r.before
+        group.lost.setdefault((r.tp, r.pp), []).append((r.after, before))
+    group.settled_through = rec.settled_through
+    for r in rec.lead_steps:
+        ls = LeadStep(r.input_fingerprint, r.plan_fingerprint, r.checked, list(r.found_input), list(r.found_plan))
+        group.lead_steps[r.step] = ls
+    for r in rec.early:
+        group.early.setdefault(r.step, {})[(r.tp, r.pp)] = r.plan
     return group
 
 
-def _slot_record(key: RankKey, slot: TrackedRank, table) -> Record:
-    return {
-        "rank": _rank(key),
-        "incarnation": slot.incarnation,
-        "next_seq": slot.next_seq,
-        "info": to_record(slot.info) if slot.info is not None else None,
-        "desynced": slot.desynced,
-        "last_step": slot.last_step,
-        "events_dropped": slot.events_dropped,
-        "gap_after_step": slot.gap_after_step,
-        "closed": slot.closed,
-        "closed_step": slot.closed_step,
-        "table": table,
-    }
+def _slot_record(key: RankKey, slot: TrackedRank, table: ck.Table | None) -> ck.RankSlot:
+    return ck.RankSlot(
+        rank=ck.Rank.of(key),
+        incarnation=slot.incarnation,
+        next_seq=slot.next_seq,
+        info=slot.info,
+        desynced=slot.desynced,
+        last_step=slot.last_step,
+        events_dropped=slot.events_dropped,
+        gap_after_step=slot.gap_after_step,
+        closed=slot.closed,
+        closed_step=slot.closed_step,
+        table=table,
+    )
 
 
-def _transfers_record(key: RankKey, state: PendingTransfers) -> Record:
-    return {
-        "rank": _rank(key),
-        "block_sizes": list(state.block_sizes),
-        "sends": [
-            {
-                "transfer_id": s.transfer_id,
-                "req_id": s.req_id,
-                "intent_step": s.intent_step,
-                "blocks": [_i32(sorted(b)) for b in s.blocks],
-                "reused": [{"step": a, "group": g, "req_id": r, "block": b} for a, g, r, b in s.reused],
-            }
+def _transfers_record(key: RankKey, state: PendingTransfers) -> ck.RankTransfers:
+    return ck.RankTransfers(
+        rank=ck.Rank.of(key),
+        block_sizes=list(state.block_sizes),
+        sends=[
+            ck.HeldSend(
+                transfer_id=s.transfer_id,
+                req_id=s.req_id,
+                intent_step=s.intent_step,
+                blocks=[_i32(sorted(b)) for b in s.blocks],
+                reused=[ck.Reuse(step=a, group=g, req_id=r, block=b) for a, g, r, b in s.reused],
+            )
             for s in state.sends.values()
         ],
-        "recvs": [
-            {
-                "req_id": req_id,
-                "transfer_id": r.transfer_id,
-                "intent_step": r.intent_step,
-                "blocks": [_i32(b) for b in r.blocks],
-                "done_step": r.done_step,
-                "failed_step": r.failed_step,
-            }
+        recvs=[
+            ck.PendingRecv(
+                req_id=req_id,
+                transfer_id=r.transfer_id,
+                intent_step=r.intent_step,
+                blocks=[_i32(b) for b in r.blocks],
+                done_step=r.done_step,
+                failed_step=r.failed_step,
+            )
             for req_id, r in state.recvs.items()
         ],
-    }
+    )
 
 
-def _transfers_from_record(rec: Record) -> PendingTransfers:
-    state = PendingTransfers(block_sizes=list(rec["block_sizes"]))
-    for s in rec["sends"]:
-        blocks = [set(_ints(b).tolist()) for b in s["blocks"]]
-        reused = [(r["step"], r["group"], r["req_id"], r["block"]) for r in s["reused"]]
-        state.sends[s["transfer_id"]] = HeldSend(s["transfer_id"], s["req_id"], s["intent_step"], blocks, reused)
-    for r in rec["recvs"]:
-        blocks = [_ints(b).tolist() for b in r["blocks"]]
-        state.recvs[r["req_id"]] = PendingRecv(
-            r["transfer_id"], r["intent_step"], blocks, r["done_step"], r["failed_step"]
-        )
+def _transfers_from_record(rec: ck.RankTransfers) -> PendingTransfers:
+    state = PendingTransfers(block_sizes=list(rec.block_sizes))
+    for s in rec.sends:
+        blocks = [set(_ints(b).tolist()) for b in s.blocks]
+        reused = [(r.step, r.group, r.req_id, r.block) for r in s.reused]
+        state.sends[s.transfer_id] = HeldSend(s.transfer_id, s.req_id, s.intent_step, blocks, reused)
+    for r in rec.recvs:
+        blocks = [_ints(b).tolist() for b in r.blocks]
+        state.recvs[r.req_id] = PendingRecv(r.transfer_id, r.intent_step, blocks, r.done_step, r.failed_step)
     return state
 
 
-def ledger_record(ledger: Ledger) -> Record:
-    """The fields of an EngineCheckpoint that describe `ledger` (one engine's: the worker's ledgers are)."""
+def ledger_checkpoint(
+    ledger: Ledger,
+    engine_id: str,
+    *,
+    next_offset: int = 0,
+    partition: int | None = None,
+    issued: list[ck.IssuedCount] | None = None,
+) -> ck.EngineCheckpoint:
+    """The EngineCheckpoint of `ledger` (one engine's: the worker's ledgers are), with what the worker
+    keeps beside it: the offset it covers, its partition, the violation ids it issued."""
     if ledger.transfer_join is not None:
         raise StateError("a ledger that joins transfers itself is not checkpointed (the worker's never does)")
     slots, written = [], []  # written: (slot index, rank state) of the tables stored in full
@@ -331,64 +326,64 @@ def ledger_record(ledger: Ledger) -> Record:
                 written.append((len(slots), slot.state))
                 table = table_record(slot.state)
             else:
-                table = {**_EMPTY_TABLE, "same_as": same}
+                table = _same_as(same)
         slots.append(_slot_record(key, slot, table))
-    return {
-        "events": ledger.events,
-        "steps": ledger.steps,
-        "coverage": coverage_record(ledger.coverage),
-        "rank_window": ledger.rank_window,
-        "ranks": slots,
-        "step_groups": [_step_group_record(dp, group) for (_, dp), group in ledger.step_groups.items()],
-        "transfer_use": [_transfers_record(k, s) for k, s in ledger.transfer_use.ranks.items()],
-    }
+    return ck.EngineCheckpoint(
+        engine_id=engine_id,
+        next_offset=next_offset,
+        partition=partition,
+        issued=issued if issued is not None else [],
+        events=ledger.events,
+        steps=ledger.steps,
+        coverage=coverage_record(ledger.coverage),
+        rank_window=ledger.rank_window,
+        ranks=slots,
+        step_groups=[_step_group_record(dp, group) for (_, dp), group in ledger.step_groups.items()],
+        transfer_use=[_transfers_record(k, s) for k, s in ledger.transfer_use.ranks.items()],
+    )
 
 
-_NO_REQUESTS: Record = {k: b"" for k in ("req_indices", "rows", "num_computed_tokens", "num_scheduled_tokens")}
-_EMPTY_TABLE: Record = {
-    "requests": {"req_ids": [], **_NO_REQUESTS},
-    "num_rows": 0,
-    "free_rows": b"",
-    "groups": [],
-    "pending_sends": [],
-    "pending_recvs": [],
-}
+def _same_as(index: int) -> ck.Table:
+    """Tables stored as those of the rank at `index` in `ranks`: every other field empty."""
+    empty = ck.LiveRequests(req_ids=[], req_indices=b"", rows=b"", num_computed_tokens=b"", num_scheduled_tokens=b"")
+    return ck.Table(same_as=index, requests=empty, num_rows=0, free_rows=b"", groups=[], pending_sends=[])
 
 
-def ledger_from_record(engine_id: str, rec: Record) -> Ledger:
-    ledger = Ledger(rank_window=rec["rank_window"], join_transfers=False)
-    ledger.events, ledger.steps = rec["events"], rec["steps"]
-    _coverage_into(ledger.coverage, rec["coverage"])
+def ledger_of(rec: ck.EngineCheckpoint) -> Ledger:
+    """The ledger an EngineCheckpoint describes; StateError if it describes none."""
+    engine_id = rec.engine_id
+    ledger = Ledger(rank_window=rec.rank_window, join_transfers=False)
+    ledger.events, ledger.steps = rec.events, rec.steps
+    _coverage_into(ledger.coverage, rec.coverage)
     states: list[RankTables | None] = []
-    for srec in rec["ranks"]:
-        key = _key(srec["rank"])
+    for srec in rec.ranks:
+        key = srec.rank.key
         if key.engine_id != engine_id:
             raise StateError(f"rank {key} in the checkpoint of engine {engine_id}")
-        info = typed(RankInfo, srec["info"]) if srec["info"] is not None else None
-        slot = TrackedRank(srec["incarnation"], srec["next_seq"], info=info)
-        slot.desynced, slot.last_step = srec["desynced"], srec["last_step"]
-        slot.events_dropped, slot.gap_after_step = srec["events_dropped"], srec["gap_after_step"]
-        slot.closed_step = srec["closed_step"]  # `closed` is written for readers; it follows from this
+        slot = TrackedRank(srec.incarnation, srec.next_seq, info=srec.info)
+        slot.desynced, slot.last_step = srec.desynced, srec.last_step
+        slot.events_dropped, slot.gap_after_step = srec.events_dropped, srec.gap_after_step
+        slot.closed_step = srec.closed_step  # `closed` is written for readers; it follows from this
         slot.declared = Declared.of(slot.info) if slot.info is not None else None
-        table = srec["table"]
+        table = srec.table
         if table is not None and slot.info is None:
             raise StateError(f"{key}: tables without a RankInfo")
         if table is None:
             slot.state = None
-        elif table["same_as"] is None:
+        elif table.same_as is None:
             slot.state = table_from_record(key, slot.info, table)
         else:
-            same = table["same_as"]
+            same = table.same_as
             if not (0 <= same < len(states)) or states[same] is None:
                 raise StateError(f"{key}: tables the same as rank #{same}, which has none")
             slot.state = _copy_tables(states[same], key, slot.info)
         states.append(slot.state)
         ledger.ranks[key] = slot
     ledger._keys = {(k.engine_id, k.dp, k.tp, k.pp): k for k in ledger.ranks}
-    for grec in rec["step_groups"]:
-        ledger.step_groups[(engine_id, grec["dp"])] = _step_group_from_record(grec)
-    for trec in rec["transfer_use"]:
-        ledger.transfer_use.ranks[_key(trec["rank"])] = _transfers_from_record(trec)
+    for grec in rec.step_groups:
+        ledger.step_groups[(engine_id, grec.dp)] = _step_group_from_record(grec)
+    for trec in rec.transfer_use:
+        ledger.transfer_use.ranks[trec.rank.key] = _transfers_from_record(trec)
     return ledger
 
 
@@ -398,82 +393,100 @@ def _copy_tables(source: RankTables, key: RankKey, info: RankInfo) -> RankTables
 
 
 # -- the transfer join ----------------------------------------------------------------------------
-def _side_record(side: Side) -> Record:
-    return {
-        "rank": _rank(side.rank),
-        "role": side.role,
-        "req_id": side.req_id,
-        "first_step": side.first_step,
-        "intent_step": side.intent_step,
-        "blocks": None if side.blocks is None else [_i32(b) for b in side.blocks],
-        "num_tokens": side.num_tokens,
-        "remote_engine_id": side.remote_engine_id,
-        "outcome": side.outcome,
-        "done_step": side.done_step,
-        "digest": side.digest,
-        "stuck": side.stuck,
-        "open_counted": side.open_counted,
-        "peer_clock": side.peer_clock,
-        "seen": [{"kind": kind, "step": step} for kind, step in sorted(side.seen)],
-    }
+def _side_record(side: Side) -> ck.Side:
+    return ck.Side(
+        rank=ck.Rank.of(side.rank),
+        role=side.role,
+        req_id=side.req_id,
+        first_step=side.first_step,
+        intent_step=side.intent_step,
+        blocks=None if side.blocks is None else [_i32(b) for b in side.blocks],
+        num_tokens=side.num_tokens,
+        remote_engine_id=side.remote_engine_id,
+        outcome=side.outcome,
+        done_step=side.done_step,
+        digest=side.digest,
+        stuck=side.stuck,
+        open_counted=side.open_counted,
+        peer_clock=side.peer_clock,
+        seen=[ck.SeenEvent(kind=kind, step=step) for kind, step in sorted(side.seen)],
+    )
 
 
-def _side_from_record(rec: Record) -> Side:
-    blocks = None if rec["blocks"] is None else [_ints(b).tolist() for b in rec["blocks"]]
-    fields = {k: rec[k] for k in ("req_id", "first_step", "intent_step", "num_tokens", "remote_engine_id")}
-    fields |= {k: rec[k] for k in ("done_step", "digest", "stuck", "open_counted", "peer_clock")}
-    outcome = None if rec["outcome"] is None else TransferOutcome(rec["outcome"])
-    seen = {(ConnectorKind(s["kind"]), s["step"]) for s in rec["seen"]}
-    return Side(_key(rec["rank"]), TransferRole(rec["role"]), blocks=blocks, outcome=outcome, seen=seen, **fields)
+def _side_from_record(rec: ck.Side) -> Side:
+    return Side(
+        rec.rank.key,
+        rec.role,
+        req_id=rec.req_id,
+        first_step=rec.first_step,
+        intent_step=rec.intent_step,
+        blocks=None if rec.blocks is None else [_ints(b).tolist() for b in rec.blocks],
+        num_tokens=rec.num_tokens,
+        remote_engine_id=rec.remote_engine_id,
+        outcome=rec.outcome,
+        done_step=rec.done_step,
+        digest=rec.digest,
+        stuck=rec.stuck,
+        open_counted=rec.open_counted,
+        peer_clock=rec.peer_clock,
+        seen={(s.kind, s.step) for s in rec.seen},
+    )
 
 
-def join_record(join: TransferJoin) -> Record:
-    """The fields of a JoinCheckpoint that describe `join`."""
+def join_checkpoint(
+    join: TransferJoin, partition: int, *, next_offset: int = 0, issued: list[ck.IssuedCount] | None = None
+) -> ck.JoinCheckpoint:
+    """The JoinCheckpoint of `join`, the join of `partition`, with the offset it covers and the violation
+    ids it issued."""
     transfers = []
     for tid, t in join.transfers.items():
         sides = [_side_record(s) for role in t.sides.values() for s in role.values()]
         transfers.append(
-            {
-                "transfer_id": tid,
-                "sides": sides,
-                "joined": t.joined,
-                "shape_checked": t.shape_checked,
-                "compared": [_rank(k) for k in t.compared],
-                "orphan_settled": t.orphan_settled,
-                "retiring": t.retiring,
-            }
+            ck.Transfer(
+                transfer_id=tid,
+                sides=sides,
+                joined=t.joined,
+                shape_checked=t.shape_checked,
+                compared=[ck.Rank.of(k) for k in t.compared],
+                orphan_settled=t.orphan_settled,
+                retiring=t.retiring,
+            )
         )
-    return {
-        "deadline_steps": join.deadline_steps,
-        "coverage": coverage_record(join.coverage),
-        "transfers": transfers,
-        "clock": [{"rank": _rank(k), "step": s} for k, s in join.clock.items()],
-        "engine_clock": dict(join.engine_clock),
-        "pulled_from": {e: sorted(peers) for e, peers in join.pulled_from.items()},
-        "retired": sorted(join.retired),
-        "due": [
-            {"rank": _rank(k), "entries": [{"step": s, "transfer_id": t, "what": w} for s, t, w in heap]}
+    return ck.JoinCheckpoint(
+        partition=partition,
+        next_offset=next_offset,
+        issued=issued if issued is not None else [],
+        deadline_steps=join.deadline_steps,
+        coverage=coverage_record(join.coverage),
+        transfers=transfers,
+        clock=[ck.RankClock(rank=ck.Rank.of(k), step=s) for k, s in join.clock.items()],
+        engine_clock=dict(join.engine_clock),
+        pulled_from={e: sorted(peers) for e, peers in join.pulled_from.items()},
+        retired=sorted(join.retired),
+        due=[
+            ck.RankDue(rank=ck.Rank.of(k), entries=[ck.Due(step=s, transfer_id=t, what=w) for s, t, w in heap])
             for k, heap in join._due.items()
         ],
-    }
+    )
 
 
-def join_from_record(rec: Record) -> TransferJoin:
-    join = TransferJoin(deadline_steps=rec["deadline_steps"], coverage=Coverage())
-    _coverage_into(join.coverage, rec["coverage"])
-    for trec in rec["transfers"]:
-        t = Transfer(joined=trec["joined"], shape_checked=trec["shape_checked"])
-        t.compared = {_key(r) for r in trec["compared"]}
-        t.orphan_settled, t.retiring = trec["orphan_settled"], trec["retiring"]
-        for srec in trec["sides"]:
-            if srec["role"] not in t.sides:
-                raise StateError(f"transfer {trec['transfer_id']}: a side of role {srec['role']!r}")
+def join_of(rec: ck.JoinCheckpoint) -> TransferJoin:
+    """The transfer join a JoinCheckpoint describes; StateError if it describes none."""
+    join = TransferJoin(deadline_steps=rec.deadline_steps, coverage=Coverage())
+    _coverage_into(join.coverage, rec.coverage)
+    for trec in rec.transfers:
+        t = Transfer(joined=trec.joined, shape_checked=trec.shape_checked)
+        t.compared = {r.key for r in trec.compared}
+        t.orphan_settled, t.retiring = trec.orphan_settled, trec.retiring
+        for srec in trec.sides:
+            if srec.role not in t.sides:
+                raise StateError(f"transfer {trec.transfer_id}: a side of role {srec.role!r}")
             side = _side_from_record(srec)
             t.sides[side.role][side.rank] = side
-        join.transfers[trec["transfer_id"]] = t
-    join.clock = {_key(r["rank"]): r["step"] for r in rec["clock"]}
-    join.engine_clock = dict(rec["engine_clock"])
-    join.pulled_from = {e: set(peers) for e, peers in rec["pulled_from"].items()}
-    join.retired = set(rec["retired"])
-    join._due = {_key(r["rank"]): [(e["step"], e["transfer_id"], e["what"]) for e in r["entries"]] for r in rec["due"]}
+        join.transfers[trec.transfer_id] = t
+    join.clock = {r.rank.key: r.step for r in rec.clock}
+    join.engine_clock = dict(rec.engine_clock)
+    join.pulled_from = {e: set(peers) for e, peers in rec.pulled_from.items()}
+    join.retired = set(rec.retired)
+    join._due = {r.rank.key: [(e.step, e.transfer_id, e.what) for e in r.entries] for r in rec.due}
     return join

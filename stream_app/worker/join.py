@@ -10,10 +10,10 @@ partition of that topic, checkpointed like an engine.
 
 from __future__ import annotations
 
-from kvledger.schemas import LEDGER_EVENT, DecodeError, SingleObjectCodec, UnknownSchemaError
+from kvledger.schemas import LEDGER_EVENT, DecodeError, SingleObjectCodec, UnknownSchemaError, checkpoint
+from kvledger.schemas.checkpoint import JoinCheckpoint
 from kvledger.schemas.events import event_of
-from kvledger.schemas.registry import JOIN_CHECKPOINT
-from kvledger.stream_app.core.checkpoints import StateError, join_from_record, join_record
+from kvledger.stream_app.core.checkpoints import StateError, join_checkpoint, join_of
 from kvledger.stream_app.core.transfers import TransferJoin
 from kvledger.stream_app.worker.projection import (
     CheckpointError,
@@ -22,7 +22,6 @@ from kvledger.stream_app.worker.projection import (
     Record,
     ViolationIds,
     decode_checkpoint,
-    encode_checkpoint,
 )
 
 
@@ -38,21 +37,21 @@ class JoinProjection:
 
     def checkpoint(self) -> bytes:
         """The whole state as an Avro record (schemas/avro/checkpoint.avsc)."""
-        body = {"partition": self.partition, "next_offset": self.next_offset, "issued": self.ids.to_record()}
-        return encode_checkpoint(JOIN_CHECKPOINT, body | join_record(self.join))
+        body = join_checkpoint(self.join, self.partition, next_offset=self.next_offset, issued=self.ids.counts())
+        return checkpoint.encode(body)
 
     @classmethod
     def restore(cls, blob: bytes, partition: int | None = None) -> JoinProjection:
         """The join a checkpoint describes (of `partition`, when given); CheckpointError otherwise."""
-        body = decode_checkpoint(blob, JOIN_CHECKPOINT)
-        if partition is not None and body["partition"] != partition:
-            raise CheckpointError(f"the checkpoint of partition {body['partition']} under the key of {partition}")
+        body = decode_checkpoint(blob, JoinCheckpoint)
+        if partition is not None and body.partition != partition:
+            raise CheckpointError(f"the checkpoint of partition {body.partition} under the key of {partition}")
         try:
-            join = join_from_record(body)
+            join = join_of(body)
         except (StateError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"the checkpoint does not describe a transfer join: {exc}") from exc
-        ids = ViolationIds.from_record(body["issued"])
-        return cls(body["partition"], join, next_offset=body["next_offset"], ids=ids)
+        ids = ViolationIds.from_counts(body.issued)
+        return cls(body.partition, join, next_offset=body.next_offset, ids=ids)
 
     def apply(self, records: list[Record]) -> Outcome:
         """Apply records of this partition in offset order; skip what the state already covers."""

@@ -20,15 +20,15 @@ from kvledger.schemas import (
     LEDGER_EVENT_BATCH,
     BatchCodec,
     DecodeError,
-    SingleObjectCodec,
     UnknownSchemaError,
+    checkpoint,
 )
+from kvledger.schemas.checkpoint import Body, EngineCheckpoint, IssuedCount
 from kvledger.schemas.codec import Lookup
 from kvledger.schemas.events import ConnectorEvent, Health, LedgerEvent, Step, event_of
 from kvledger.schemas.kinds import PdRole, StepKind
-from kvledger.schemas.registry import CHECKPOINT, ENGINE_CHECKPOINT
 from kvledger.stream_app.core import Ledger, Violation
-from kvledger.stream_app.core.checkpoints import StateError, ledger_from_record, ledger_record
+from kvledger.stream_app.core.checkpoints import StateError, ledger_checkpoint, ledger_of
 from kvledger.stream_app.core.violations import RankKey
 
 WAYPOINTS = 8  # checkpoints an engine keeps in memory for time travel ...
@@ -102,22 +102,16 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read back: it is set aside, never run, and the engine rebuilt."""
 
 
-_CHECKPOINT_CODEC = SingleObjectCodec(CHECKPOINT)
-
-
-def encode_checkpoint(name: str, body: dict) -> bytes:
-    """A checkpoint: a `kvledger.checkpoint.Checkpoint` record, Avro single-object encoded."""
-    return _CHECKPOINT_CODEC.encode({"body": (name, body)})
-
-
-def decode_checkpoint(blob: bytes, name: str) -> dict:
-    """The body of a checkpoint of kind `name`; CheckpointError for anything else."""
+def decode_checkpoint(blob: bytes, kind: type[Body]) -> Body:
+    """The typed body of a checkpoint of `kind` (decoded here, once); CheckpointError for anything else."""
     try:
-        kind, body = _CHECKPOINT_CODEC.decode(blob)["body"]
+        body = checkpoint.decode(blob)
     except DecodeError as exc:
         raise CheckpointError(f"not a checkpoint record: {exc}") from exc
-    if kind != name:
-        raise CheckpointError(f"a {kind} where a {name} belongs")
+    except ValueError as exc:
+        raise CheckpointError(f"not a checkpoint of this schema's shape: {exc}") from exc
+    if not isinstance(body, kind):
+        raise CheckpointError(f"a {checkpoint.BODY_NAMES[type(body)]} where a {checkpoint.BODY_NAMES[kind]} belongs")
     return body
 
 
@@ -186,12 +180,13 @@ class ViolationIds:
             self.issued.popitem(last=False)
         return out
 
-    def to_record(self) -> list[dict]:
-        return [{"digest": d, "count": n} for d, n in self.issued.items()]
+    def counts(self) -> list[IssuedCount]:
+        """As a checkpoint keeps them, oldest first."""
+        return [IssuedCount(digest=d, count=n) for d, n in self.issued.items()]
 
     @classmethod
-    def from_record(cls, items: list[dict]) -> ViolationIds:
-        return cls({item["digest"]: item["count"] for item in items})
+    def from_counts(cls, items: list[IssuedCount]) -> ViolationIds:
+        return cls({item.digest: item.count for item in items})
 
 
 def progress_event(key: RankKey, incarnation: int, step: int) -> LedgerEvent:
@@ -235,28 +230,28 @@ class EngineProjection:
     # -- checkpoints ---------------------------------------------------------------------
     def checkpoint(self) -> bytes:
         """The whole state as an Avro record (schemas/avro/checkpoint.avsc)."""
-        body = {
-            "engine_id": self.engine_id,
-            "next_offset": self.next_offset,
-            "partition": self.partition,
-            "issued": self.ids.to_record(),
-        }
-        return encode_checkpoint(ENGINE_CHECKPOINT, body | ledger_record(self.ledger))
+        return checkpoint.encode(
+            ledger_checkpoint(
+                self.ledger,
+                self.engine_id,
+                next_offset=self.next_offset,
+                partition=self.partition,
+                issued=self.ids.counts(),
+            )
+        )
 
     @classmethod
     def restore(cls, blob: bytes, engine_id: str | None = None) -> EngineProjection:
         """The projection a checkpoint describes (of `engine_id`, when given); CheckpointError otherwise."""
-        body = decode_checkpoint(blob, ENGINE_CHECKPOINT)
-        if engine_id is not None and body["engine_id"] != engine_id:
-            raise CheckpointError(f"the checkpoint of engine {body['engine_id']!r} under the key of {engine_id!r}")
+        body = decode_checkpoint(blob, EngineCheckpoint)
+        if engine_id is not None and body.engine_id != engine_id:
+            raise CheckpointError(f"the checkpoint of engine {body.engine_id!r} under the key of {engine_id!r}")
         try:
-            ledger = ledger_from_record(body["engine_id"], body)
+            ledger = ledger_of(body)
         except (StateError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"the checkpoint does not describe a ledger: {exc}") from exc
-        ids = ViolationIds.from_record(body["issued"])
-        return cls(
-            body["engine_id"], ledger, partition=body["partition"], next_offset=body["next_offset"], ids=ids, base=blob
-        )
+        ids = ViolationIds.from_counts(body.issued)
+        return cls(body.engine_id, ledger, partition=body.partition, next_offset=body.next_offset, ids=ids, base=blob)
 
     def mark_checkpointed(self) -> bytes:
         blob = self.checkpoint()

@@ -20,11 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec
+from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec, checkpoint
+from kvledger.schemas.checkpoint import EngineCheckpoint
 from kvledger.schemas.events import event_of, events_of
 from kvledger.schemas.registry import ENGINE_CHECKPOINT
 from kvledger.stream_app.core import Ledger
-from kvledger.stream_app.core.checkpoints import join_from_record, join_record, ledger_from_record, ledger_record
+from kvledger.stream_app.core.checkpoints import join_checkpoint, join_of, ledger_checkpoint, ledger_of
 from kvledger.stream_app.core.transfers import TransferJoin
 from kvledger.stream_app.worker.join import JoinProjection
 from kvledger.stream_app.worker.projection import (
@@ -35,7 +36,6 @@ from kvledger.stream_app.worker.projection import (
     ViolationIds,
     chunk_count,
     decode_checkpoint,
-    encode_checkpoint,
     join_chunks,
     split_checkpoint,
 )
@@ -66,10 +66,8 @@ def _violations(found) -> Counter:
 
 def _through_checkpoint(ledger: Ledger, engine_id: str) -> Ledger:
     """What a worker restores: the ledger's record, Avro-encoded, decoded, rebuilt."""
-    body = {"engine_id": engine_id, "next_offset": 0, "issued": []} | ledger_record(ledger)
-    return ledger_from_record(
-        engine_id, decode_checkpoint(encode_checkpoint(ENGINE_CHECKPOINT, body), ENGINE_CHECKPOINT)
-    )
+    blob = checkpoint.encode(ledger_checkpoint(ledger, engine_id))
+    return ledger_of(decode_checkpoint(blob, EngineCheckpoint))
 
 
 def _derived(ledger: Ledger) -> list:
@@ -113,7 +111,7 @@ def test_a_ledger_restored_anywhere_goes_on_as_the_original(name):
         assert _violations(found) == _violations(expected), cut
         assert ledger.coverage == reference.coverage, cut
         # Nothing is lost or added by a round trip: the next checkpoint is the same.
-        assert ledger_record(ledger) == ledger_record(reference), cut
+        assert ledger_checkpoint(ledger, engine_id) == ledger_checkpoint(reference, engine_id), cut
 
 
 def test_a_join_restored_anywhere_goes_on_as_the_original():
@@ -129,19 +127,20 @@ def test_a_join_restored_anywhere_goes_on_as_the_original():
         join = JoinProjection.restore(blob, 0).join
         found += [v for e in sim.events[cut:] for v in join.apply(event_of(e))] + join.finish()
         assert _violations(found) == _violations(expected), cut
-        assert join_record(join) == join_record(reference)
-        assert join_record(join_from_record(join_record(join))) == join_record(join)
+        assert join_checkpoint(join, 0) == join_checkpoint(reference, 0)
+        assert join_checkpoint(join_of(join_checkpoint(join, 0)), 0) == join_checkpoint(join, 0)
 
 
 def test_one_table_per_engine_whatever_the_tp_degree():
     sim = simulate(dataclasses.replace(STREAMS["tp2-hybrid"], tp_size=8, faults=(), steps=120))
     ledger = Ledger(join_transfers=False)
     assert ledger.apply_many(events_of(sim.events)) == []
-    tables = [slot["table"] for slot in ledger_record(ledger)["ranks"]]
-    assert len(tables) == 8 and tables[0]["same_as"] is None and tables[0]["requests"]["req_ids"]
+    engine_id = sim.events[0]["engine_id"]
+    tables = [slot.table for slot in ledger_checkpoint(ledger, engine_id).ranks]
+    assert len(tables) == 8 and tables[0].same_as is None and tables[0].requests.req_ids
     assert tables[1:] == [None] * 7  # the other ranks are compared with the lead, not replayed
-    restored = _through_checkpoint(ledger, sim.events[0]["engine_id"])
-    assert ledger_record(restored) == ledger_record(ledger)
+    restored = _through_checkpoint(ledger, engine_id)
+    assert ledger_checkpoint(restored, engine_id) == ledger_checkpoint(ledger, engine_id)
     lead = next(k for k in restored.ranks if (k.tp, k.pp) == (0, 0))
     assert all(restored.tables_of(key) is restored.ranks[lead].state is not None for key in restored.ranks)
 
@@ -190,11 +189,11 @@ def test_a_damaged_checkpoint_is_refused(damage):
 
 
 def test_a_checkpoint_whose_rows_contradict_themselves_is_refused():
-    body = decode_checkpoint(_projection_blob(), ENGINE_CHECKPOINT)
-    table = next(slot["table"] for slot in body["ranks"] if slot["table"] is not None)
-    table["groups"][0]["lens"] = table["groups"][0]["lens"][:-4]  # one row fewer than the table has
+    body = decode_checkpoint(_projection_blob(), EngineCheckpoint)
+    table = next(slot.table for slot in body.ranks if slot.table is not None)
+    table.groups[0].lens = table.groups[0].lens[:-4]  # one row fewer than the table has
     with pytest.raises(CheckpointError, match="rows do not match"):
-        EngineProjection.restore(encode_checkpoint(ENGINE_CHECKPOINT, body), "sim-engine")
+        EngineProjection.restore(checkpoint.encode(body), "sim-engine")
     with pytest.raises(CheckpointError, match="of engine 'sim-engine' under the key of 'other'"):
         EngineProjection.restore(_projection_blob(), "other")
 
@@ -229,7 +228,7 @@ def test_violation_ids_remember_a_bounded_number_of_facts():
     issued = ids.issue(found + found[-1:])
     assert len(ids.issued) == 3
     assert issued[-1].id.endswith("/1")  # the same fact again, just issued: a repeat, by id
-    assert ViolationIds.from_record(ids.to_record()).issued == ids.issued
+    assert ViolationIds.from_counts(ids.counts()).issued == ids.issued
 
 
 # -- the schema --------------------------------------------------------------------------------
@@ -268,7 +267,7 @@ def test_checkpoints_evolve_both_ways():
 
     newer = fastavro.parse_schema(_with_table_field(checkpoint_raw()))
     blob = _projection_blob()  # written by today's schema
-    body = decode_checkpoint(blob, ENGINE_CHECKPOINT)
+    body = SingleObjectCodec(CHECKPOINT).decode(blob)["body"][1]
     upgraded = SingleObjectCodec(newer, known=[CHECKPOINT], reader=newer)
     kind, read = upgraded.decode(blob)["body"]
     assert all(slot["table"] is None or slot["table"]["note"] is None for slot in read["ranks"])

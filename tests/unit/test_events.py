@@ -37,11 +37,11 @@ from kvledger.schemas.kinds import (
     Runner,
     StepKind,
     Unchecked,
-    ViolationKind,
     connector_wire,
 )
 from kvledger.schemas.registry import raw_schema
 from kvledger.stream_app.core import Ledger
+from tests.schema_agreement import record_agrees as _record_agrees
 from tests.synthetic.engine import FaultSpec, PdConfig, SimConfig, simulate, simulate_pd_pair
 
 CODEC = SingleObjectCodec(LEDGER_EVENT)
@@ -192,47 +192,6 @@ def test_a_record_built_in_process_may_leave_out_what_the_schema_defaults():
 
 
 # -- the typed model and the .avsc, field for field ------------------------------------------------------
-_PRIMITIVES = {"int": int, "long": int, "string": str, "bytes": bytes, "boolean": bool}
-
-
-def _agrees(avro, hint, where: str) -> None:
-    """An Avro type and a type hint of the model say the same thing."""
-    if isinstance(avro, list):  # a union: null and one branch
-        assert avro[0] == "null" and len(avro) == 2, where
-        args = typing.get_args(hint)
-        assert type(None) in args, f"{where}: nullable in the schema, not in the model"
-        (inner,) = [a for a in args if a is not type(None)]
-        return _agrees(avro[1], inner, where)
-    assert type(None) not in typing.get_args(hint), f"{where}: nullable in the model, not in the schema"
-    if avro == "string" and isinstance(hint, type) and issubclass(hint, StrEnum):
-        assert hint in (Runner, ViolationKind), f"{where}: an enum the schema keeps a string (for evolution)"
-    elif isinstance(avro, str):
-        assert hint is _PRIMITIVES[avro], f"{where}: {avro} vs {hint}"
-    elif avro["type"] == "array":
-        assert typing.get_origin(hint) is list, where
-        _agrees(avro["items"], typing.get_args(hint)[0], where + "[]")
-    elif avro["type"] == "enum":
-        assert issubclass(hint, StrEnum), where
-        written = [m.value for m in hint if hint is not ConnectorKind or connector_wire(m, None)[0] == m.value]
-        assert written == avro["symbols"], where
-    elif avro["type"] == "record":
-        assert hint.__name__ == avro["name"], where
-        _record_agrees(avro, hint)
-
-
-def _record_agrees(avro: dict, cls: type) -> None:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in msgspec.structs.fields(cls)}
-    assert list(fields) == [f["name"] for f in avro["fields"]], avro["name"]
-    for f in avro["fields"]:
-        where = f"{avro['name']}.{f['name']}"
-        _agrees(f["type"], hints[f["name"]], where)
-        field = fields[f["name"]]
-        if not field.required:  # a default the model fills in is the schema's
-            default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
-            assert "default" in f and to_record(default) == f["default"], where
-
-
 def test_the_typed_model_is_the_schema_field_for_field():
     """`kvledger.schemas.events` and `ledger_event.avsc` name the same records, fields in the same order,
     of the same types (nullable where the schema says so), enums of the same symbols, defaults alike."""
