@@ -45,7 +45,8 @@ which lost records about one run in seven before:
    (100 ms), as Kafka's own clients do (`retry.backoff.ms`).
 
 The fixes reach into private names of these libraries, so they hold for the versions they were
-tested with (`TESTED_WITH`) only. `close_faust_holes`, called as the worker starts, checks those
+tested with (`TESTED_WITH`: the exact pins of pyproject.toml, read from kvledger's installed metadata)
+only. `close_faust_holes`, called as the worker starts, checks those
 exact versions and every name the fixes read or replace (`FIXES`: methods with the parameters the
 fixes call them with, properties, attributes an `__init__` assigns), and refuses to start on any
 difference, in one line naming it and the versions tested and installed: a fix not applied, or one
@@ -61,18 +62,58 @@ import asyncio
 import importlib
 import inspect
 import logging
+import re
 import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, requires, version
 
 log = logging.getLogger("kvledger.worker")
 _PATCHED = False
 
-# The exact versions the fixes were tested with (the takeover, livelock and outage tests). To move
-# one: read every fix below against the new source, update `FIXES`, pass those tests, then here.
-TESTED_WITH = {"faust-streaming": "0.15.3", "mode-streaming": "0.7.1", "aiokafka": "0.14.0"}
+# The libraries the fixes reach into. The exact versions they were tested with (the takeover, livelock
+# and outage tests) are pinned once, in pyproject.toml's `stream` extra, and read here from kvledger's
+# installed metadata. To move one: read every fix below against the new source, update `FIXES`, pass
+# those tests, then change the pin there (and reinstall).
+PINNED = ("faust-streaming", "mode-streaming", "aiokafka")
+_EXACT = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*===?\s*([^\s;,]+)\s*(?:;.*)?")
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pinned_versions(requirements: list[str] | None) -> dict[str, str]:
+    """The exact version each of `PINNED` is pinned to among kvledger's requirements (`requires`);
+    RuntimeError, naming what is missing, where the metadata is missing or pins one of them loosely."""
+    if requirements is None:
+        raise RuntimeError(
+            "kvledger's installed metadata is missing: the versions of faust-streaming, mode-streaming and "
+            "aiokafka the worker's fixes were tested with are read from it (reinstall: pip install -e '.[stream]')"
+        )
+    pins = {}
+    for requirement in requirements:
+        exact = _EXACT.fullmatch(requirement.strip())
+        if exact is not None:
+            pins[_canonical(exact[1])] = exact[2]
+    missing = [package for package in PINNED if package not in pins]
+    if missing:
+        raise RuntimeError(
+            f"kvledger's installed metadata pins no exact version of {', '.join(missing)}: the worker's fixes "
+            "hold for the versions they were tested with only (pyproject.toml pins them with ==; reinstall)"
+        )
+    return {package: pins[package] for package in PINNED}
+
+
+def _requirements() -> list[str] | None:
+    try:
+        return requires("kvledger")
+    except PackageNotFoundError:
+        return None
+
+
+TESTED_WITH = pinned_versions(_requirements())
 OVERRIDE = "--untested-client-libraries (or KVLEDGER_UNTESTED_CLIENT_LIBRARIES=1)"
 
 

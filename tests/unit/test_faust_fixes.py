@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tomllib
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -207,3 +209,23 @@ def test_the_stream_command_refuses_in_one_line_without_a_traceback(unpatched):
     [line] = result.output.splitlines()
     assert line.startswith("kvledger: error: ")
     assert "faust-streaming 0.15.4 is not the tested 0.15.3" in line
+
+
+def test_the_tested_versions_are_the_pins_of_the_installed_package():
+    """Stated once, in pyproject.toml: the guard reads the exact pins from kvledger's installed metadata."""
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    exact = [r.split("==") for r in project["optional-dependencies"]["stream"] if "==" in r]
+    pins = {name.split("[")[0]: pinned for name, pinned in exact}  # aiokafka[lz4,...]: aiokafka
+    assert {package: pins[package] for package in faust_fixes.PINNED} == faust_fixes.TESTED_WITH
+
+
+def test_metadata_without_the_pins_fails_loudly():
+    with pytest.raises(RuntimeError, match="metadata is missing"):
+        faust_fixes.pinned_versions(None)
+    loose = ["faust-streaming>=0.15", 'mode_streaming==0.7.1; extra == "stream"', "aiokafka[lz4] == 0.14.0"]
+    with pytest.raises(RuntimeError, match=r"pins no exact version of faust-streaming:"):
+        faust_fixes.pinned_versions(loose)
+    exact = ['Faust-Streaming==0.15.3; extra == "stream"', *loose[1:]]
+    assert faust_fixes.pinned_versions(exact) == {
+        "faust-streaming": "0.15.3", "mode-streaming": "0.7.1", "aiokafka": "0.14.0",
+    }  # fmt: skip
