@@ -125,11 +125,12 @@ def test_outputs_identical_with_tracing_on_and_off(clean_run, untraced):
     assert untraced(PRESSURE) == run.outputs
 
 
+# slot_shift at step 6 in log mode is test_demo.py's: `make demo` injects it, under more pressure,
+# and that test holds the same (the one finding in place, in the engine's log and in the ledger).
 @pytest.mark.parallel
 @pytest.mark.parametrize(
     ("fault", "kind"),
     [
-        ("slot_shift", "write_target_mismatch"),
         ("block_swap", "read_target_mismatch"),
         ("foreign_write", "foreign_block_write"),
     ],

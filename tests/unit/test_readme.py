@@ -6,7 +6,10 @@
 * every relative link in README.md, docs/*.md and schemas/README.md resolves, anchors included;
 * the facts the docs state about the dev stack and the worker's pinned client libraries
   against infra/ and pyproject.toml;
-* the README stays a newcomer's page (at most ~400 lines).
+* the README stays a newcomer's page (at most ~400 lines);
+* the README's sample of `make demo`'s output shows every line infra/demo prints itself, in its
+  order (tests/e2e/test_demo.py holds the whole sample to a real run; `demo_sample` and
+  `normalized_demo_output` are shared with it).
 """
 
 from __future__ import annotations
@@ -225,3 +228,67 @@ def test_the_pinned_client_libraries_are_the_ones_the_docs_name() -> None:
         assert f"`{pin}`" in operations, pin
     assert "--untested-client-libraries" in operations
     assert "KVLEDGER_UNTESTED_CLIENT_LIBRARIES=1" in operations
+
+
+# -- the README's sample of `make demo` ---------------------------------------------------------------
+
+
+def demo_sample() -> str:
+    """The README's sample of what `make demo` prints: the fenced block that starts with its first line."""
+    text = README.read_text()
+    [sample] = [m[1] for m in re.finditer(r"^```\n(== 1/2 .*?)^```", text, re.M | re.S)]
+    return sample
+
+
+def normalized_demo_output(text: str) -> list[str]:
+    """`make demo`'s lines less what differs from run to run: engine and request ids, the ledger's
+    absolute path, every number (counts, slots, steps; tests/e2e/test_demo.py holds the step and
+    request the fault was placed at), blanks at a line's end."""
+    lines = []
+    for line in text.splitlines():
+        line = re.sub(r"file://(\S*?/)?demo-ledger/", "file://DIR/demo-ledger/", line.rstrip())
+        line = re.sub(r"\bvllm-\d+\b", "vllm-ENGINE", line)
+        line = re.sub(r"\b\d+-[0-9a-f]{8}\b", "REQ", line)
+        lines.append(re.sub(r"\d+", "N", line))
+    return lines
+
+
+def _echoed(script: str) -> list[re.Pattern]:
+    """What each `echo "..."` of infra/demo prints, as a pattern ($out: demo-ledger; $cli: the
+    kvledger the Makefile passes, from the checkout's root; other variables: anything)."""
+    patterns = []
+    script = re.sub(r"^\w+\(\) \{.*?^\}$", "", script, flags=re.M | re.S)  # functions': said where called
+    for literal in re.findall(r'^\s*echo "(.+)"(?:\s*>&2)?$', script, re.M):
+        if literal.startswith("demo: expected") or literal.startswith("demo: the engine failed"):
+            continue  # said only on failure
+        pattern = re.escape(literal)
+        pattern = pattern.replace(re.escape("$out"), "demo-ledger").replace(
+            re.escape("$cli"), re.escape(".venv/bin/kvledger")
+        )
+        pattern = re.sub(r"\\\$(\\\{)?\w+(\\\})?", ".+", pattern)
+        patterns.append(re.compile(f"^{pattern}$"))
+    return patterns
+
+
+def test_the_demo_sample_shows_each_line_the_demo_script_echoes_in_order() -> None:
+    sample = demo_sample().splitlines()
+    patterns = _echoed((ROOT / "infra" / "demo").read_text())
+    assert len(patterns) >= 6, patterns
+    at = 0
+    for pattern in patterns:
+        found = [i for i, line in enumerate(sample[at:], at) if pattern.match(line)]
+        assert found, f"the README's demo sample lacks, after line {at + 1}, a line like {pattern.pattern}"
+        at = found[0] + 1
+    assert demo_sample().count("(engine log: demo-ledger/") == 2  # engine()'s, once per run
+
+
+def test_the_demo_normalization_keeps_each_lines_shape() -> None:
+    sample = normalized_demo_output(demo_sample())
+    assert "kv_trace: write_target_mismatch at step N, req REQ, group N on vllm-ENGINE dpN/tpN/ppN: " in "\n".join(
+        sample
+    )
+    assert any(
+        line.endswith("recording to file://DIR/demo-ledger/clean (action log, ring N MiB, vN runner)")
+        for line in sample
+    )
+    assert normalized_demo_output("45 events\nno violations  \n") != normalized_demo_output("45 events\nno violation\n")
