@@ -476,7 +476,8 @@ static PyObject *set_converter(PyObject *self, PyObject *fn) {
 
 /* Attribute names, interned once at import. */
 static PyObject *s_cached, *s_new, *s_counts, *s_copies, *s_req_ids, *s_resumed, *s_new_blocks, *s_computed,
-    *s_finished, *s_preempted, *s_zero, *s_req_id, *s_block_ids, *s_prompt, *s_src, *s_dst;
+    *s_finished, *s_preempted, *s_zero, *s_req_id, *s_block_ids, *s_prompt, *s_src, *s_dst, *s_lora, *s_lora_name,
+    *s_mm, *s_embeds, *s_mm_position, *s_identifier, *s_offset, *s_length;
 
 /* An optional field: its value, or () where it is None or empty; where `obj` (a vLLM `owner`)
  * has no such attribute, () and "owner.name" added to the set `missing`, or, without a set, the
@@ -519,16 +520,61 @@ static PyObject *list_of(PyObject *items, const char *what, PyObject *(*fn)(PyOb
     return out;
 }
 
-/* A new request as (req_id, block_ids, num_computed_tokens, prompt length); `missing` as in
- * attr_or_missing. */
+/* `obj.name`, or None where it has no such attribute (an older vLLM). A new reference, NULL with
+ * an exception set. */
+static PyObject *attr_or_none(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        v = Py_NewRef(Py_None);
+    }
+    return v;
+}
+
+/* A multimodal item as (identifier, first position, length). */
+static PyObject *mm_item(PyObject *f, PyObject *unused) {
+    PyObject *pos = PyObject_GetAttr(f, s_mm_position);
+    if (pos == NULL)
+        return NULL;
+    PyObject *out = Py_BuildValue("(NNN)", PyObject_GetAttr(f, s_identifier), PyObject_GetAttr(pos, s_offset),
+                                  PyObject_GetAttr(pos, s_length));
+    Py_DECREF(pos);
+    return out;
+}
+
+/* What a request's KV depends on beyond its token ids (its prefix chains' extra keys): () for
+ * nothing (most requests), else (LoRA name or None, [(identifier, offset, length) per multimodal
+ * item], whether the prompt came as embeddings). A new reference, NULL with an exception set. */
+static PyObject *extra_keys(PyObject *r) {
+    PyObject *lora = attr_or_none(r, s_lora), *mm = NULL, *embeds = NULL, *name = NULL, *items = NULL, *out = NULL;
+    if (lora == NULL || (mm = attr_or_none(r, s_mm)) == NULL || (embeds = attr_or_none(r, s_embeds)) == NULL)
+        goto done;
+    int has_mm = mm != Py_None && PyObject_IsTrue(mm);
+    if (lora == Py_None && !has_mm && embeds == Py_None) {
+        out = PyTuple_New(0);
+        goto done;
+    }
+    name = lora == Py_None ? Py_NewRef(Py_None) : PyObject_GetAttr(lora, s_lora_name);
+    items = has_mm ? list_of(mm, "mm_features must be a sequence", mm_item, NULL) : PyList_New(0);
+    if (name != NULL && items != NULL)
+        out = Py_BuildValue("(OOO)", name, items, embeds == Py_None ? Py_False : Py_True);
+done:
+    Py_XDECREF(lora);
+    Py_XDECREF(mm);
+    Py_XDECREF(embeds);
+    Py_XDECREF(name);
+    Py_XDECREF(items);
+    return out;
+}
+
+/* A new request as (req_id, block_ids, num_computed_tokens, prompt token ids, extra keys); `missing`
+ * as in attr_or_missing. The prompt's list itself: the recorder computes its prefix chains. */
 static PyObject *new_request(PyObject *r, PyObject *missing) {
     PyObject *prompt = attr_or_missing(r, s_prompt, "NewRequestData", missing);
-    Py_ssize_t prompt_len = prompt == NULL ? -1 : PyObject_Size(prompt);
-    Py_XDECREF(prompt);
-    if (prompt_len < 0)
+    if (prompt == NULL)
         return NULL;
-    return Py_BuildValue("(NNNn)", PyObject_GetAttr(r, s_req_id), PyObject_GetAttr(r, s_block_ids),
-                         PyObject_GetAttr(r, s_computed), prompt_len);
+    return Py_BuildValue("(NNNNN)", PyObject_GetAttr(r, s_req_id), PyObject_GetAttr(r, s_block_ids),
+                         PyObject_GetAttr(r, s_computed), prompt, extra_keys(r));
 }
 
 /* The counts' values as a list when `counts` (a dict) names exactly `ids` (a list), in order;
@@ -565,7 +611,7 @@ PyDoc_STRVAR(scheduler_fields_doc,
              "scheduler_fields(scheduler_output, cached_ids=None, missing=None) -> tuple\n\n"
              "The SchedulerOutput fields a StepInput is built from, as MessagePack encodes them (the\n"
              "lists themselves, not copies), in this order: the new requests as (id, block ids,\n"
-             "computed tokens, prompt length); the cached requests' ids (`cached_ids(ids)` when given:\n"
+             "computed tokens, prompt token ids, extra keys); the cached requests' ids (`cached_ids(ids)` when given:\n"
              "a RepeatedIds encodes them ahead); their resumed ids, new block ids and computed tokens;\n"
              "the tokens scheduled per request; the finished, the preempted, the blocks to zero; the\n"
              "block copies as (src, dst). The tokens per request go as a list aligned with the cached\n"
@@ -764,6 +810,10 @@ static int intern_names(void) {
         {&s_zero, "new_block_ids_to_zero"},    {&s_req_id, "req_id"},
         {&s_block_ids, "block_ids"},           {&s_prompt, "prompt_token_ids"},
         {&s_src, "src"},                       {&s_dst, "dst"},
+        {&s_lora, "lora_request"},             {&s_lora_name, "lora_name"},
+        {&s_mm, "mm_features"},                {&s_embeds, "prompt_embeds"},
+        {&s_mm_position, "mm_position"},       {&s_identifier, "identifier"},
+        {&s_offset, "offset"},                 {&s_length, "length"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*names[i].name = PyUnicode_InternFromString(names[i].text)) == NULL)

@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 
 from kvledger.producer import records
+from kvledger.producer.chains import PrefixChains
 from kvledger.producer.frames import pack, pack_parts, step_input_record, unpack, unpack_parts
 from kvledger.producer.staging import Staged
 from kvledger.schemas import pack_i32
@@ -244,10 +245,10 @@ class StepCapture:
     plan: PlanCapture | None
     content: ContentCapture | None = None
 
-    def record(self, index: RequestIndex, full_rows: bool) -> tuple[str, dict]:
+    def record(self, index: RequestIndex, full_rows: bool, chains: PrefixChains | None = None) -> tuple[str, dict]:
         # The input first: it gives this step's new requests their indices, which the plan names.
         scheduler = pack(self.scheduler) if isinstance(self.scheduler, tuple) else self.scheduler
-        inp = step_input_record(scheduler, index) if scheduler is not None else None
+        inp = step_input_record(scheduler, index, chains) if scheduler is not None else None
         plan = self.plan.record(index, full_rows) if self.plan is not None else None
         content = self.content.record() if self.content is not None else None
         return records.step(self.step, self.kind, inp, plan, content)

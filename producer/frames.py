@@ -30,6 +30,7 @@ import msgspec
 import numpy as np
 
 from kvledger.producer import _hotpath, records
+from kvledger.producer.chains import PrefixChains
 from kvledger.schemas import pack_i32
 from kvledger.schemas.events import BODY_NAMES, Body, body_of
 
@@ -187,15 +188,24 @@ def _scheduled_column(req_ids: bytes, num_scheduled: bytes) -> bytes:
     return column
 
 
-def step_input_record(payload, index) -> dict:
+def step_input_record(payload, index, chains: PrefixChains | None = None) -> dict:
     """The StepInput record of encoded `scheduler_fields` (the recorder's share); `index` gives the
-    requests their dense indices, in the order the step names them."""
+    requests their dense indices, in the order the step names them; `chains`, the new requests'
+    prefix chains (None until the rank's groups are known: not recorded)."""
     new, ids, resumed_ids, new_block_ids, computed, counts, finished, preempted, zero, copies = _read_payload(payload)
     ids, counts = bytes(ids), bytes(counts)
     num_scheduled = unpack(counts) if new else {}
     new_reqs = [
-        records.new_request(index(req_id), req_id, blocks, num_computed, prompt, num_scheduled.get(req_id, 0))
-        for req_id, blocks, num_computed, prompt in new
+        records.new_request(
+            index(req_id),
+            req_id,
+            blocks,
+            num_computed,
+            len(prompt),
+            num_scheduled.get(req_id, 0),
+            chains(prompt, extras) if chains is not None and prompt else None,
+        )
+        for req_id, blocks, num_computed, prompt, extras in new
     ]
     indices, packed = index.batch(ids)
     resumed = {index(r) for r in resumed_ids}

@@ -29,6 +29,7 @@ from pathlib import Path
 import msgspec
 
 from kvledger.producer.capture import HealthCapture, RequestIndex, SnapshotCapture, StepCapture
+from kvledger.producer.chains import PrefixChains
 from kvledger.producer.config import TraceAction
 from kvledger.producer.delivery import Delivery
 from kvledger.producer.frames import FrameKind, body_from_part, read_frame
@@ -37,7 +38,7 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring import Ring
 from kvledger.producer.ring_writer import RecorderMeta, meta_path, read_meta
 from kvledger.producer.sinks import open_sink
-from kvledger.schemas.events import LedgerEvent
+from kvledger.schemas.events import LedgerEvent, RankInfo
 
 log = logging.getLogger("kvledger.producer")
 
@@ -86,6 +87,7 @@ class FrameReader:
         self.recorder = recorder
         self.full_rows = full_rows
         self.index = RequestIndex()
+        self.chains: PrefixChains | None = None  # from the rank's RankInfo: its groups' block sizes
         self.step = 0  # the newest step a frame named
         self.probe_ns = 0  # the rank's probe time, as its newest Health said
         self.closed_by_rank = False  # its closing Health was read
@@ -104,7 +106,7 @@ class FrameReader:
 
     def body(self, kind: FrameKind, parts: list) -> tuple[str, dict]:
         if kind is FrameKind.STEP:
-            return StepCapture.from_parts(parts).record(self.index, self.full_rows)
+            return StepCapture.from_parts(parts).record(self.index, self.full_rows, self.chains)
         if kind is FrameKind.SNAPSHOT:
             return SnapshotCapture.from_parts(parts).record(self.index)
         if kind is FrameKind.HEALTH:
@@ -112,7 +114,10 @@ class FrameReader:
             health = HealthCapture.from_parts(parts)
             self.probe_ns, self.closed_by_rank = health.probe_ns, self.closed_by_rank or health.closing
             return health.record(self.ring.dropped + r.dropped, r.capacity, r.high_water)
-        return body_from_part(parts[0])
+        body = body_from_part(parts[0])
+        if isinstance(body, RankInfo):
+            self.chains = PrefixChains.of(body)
+        return body
 
     def read(self, limit: int) -> int:
         """Hand up to `limit` frames to the recorder; returns how many."""

@@ -270,9 +270,12 @@ def new_request(
     num_computed_tokens: int,
     num_prompt_tokens: int,
     num_scheduled_tokens: int,
+    prefix_chains: list[bytes] | None = None,
 ) -> NewRequest:
     blocks = [pack_i32(b) for b in block_ids]
-    return NewRequest(req_index, req_id, blocks, num_computed_tokens, num_prompt_tokens, num_scheduled_tokens)
+    return NewRequest(
+        req_index, req_id, blocks, num_computed_tokens, num_prompt_tokens, num_scheduled_tokens, prefix_chains
+    )
 
 
 def step_input(

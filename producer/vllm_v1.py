@@ -48,6 +48,7 @@ from kvledger.producer.capture import (
     StepCapture,
     StepHeader,
 )
+from kvledger.producer.chains import PrefixChains
 from kvledger.producer.config import TraceAction, TraceConfig, resolve_engine_id
 from kvledger.producer.content import GroupRows, SealTracker, digest_blocks, group_pages
 from kvledger.producer.frames import RepeatedIds, as_array, pack_parts, prefix_max, scheduler_fields
@@ -55,6 +56,7 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring_writer import SUPERVISE_EVERY, RingWriter
 from kvledger.producer.staging import Staged, StagingFull, StagingPool
 from kvledger.producer.vllm_connector import attach_connector_probe
+from kvledger.schemas.events import RankInfo
 from kvledger.schemas.kinds import CONTENT_DIGESTS, STEP_INPUT, Declaration, Runner, StepKind
 
 log = logging.getLogger("kvledger.producer")
@@ -69,9 +71,13 @@ def kv_group_kind(spec: Any) -> tuple[str, int | None]:
         return "MAMBA", None
     if "SlidingWindowSpec" in names or window:
         return "SLIDING_WINDOW", window
-    if "MLAAttentionSpec" in names:
+    # Only the exact classes: subclasses and other attention specs (chunked local, sinks, circular
+    # buffers, sparse sources) have managers of their own, which may place the null block in rows
+    # or address blocks otherwise: not modelled, counted unchecked (OTHER).
+    exact = type(spec).__name__
+    if exact == "MLAAttentionSpec":
         return "MLA", None
-    if "AttentionSpec" in names:  # FullAttentionSpec and friends
+    if exact == "FullAttentionSpec":
         return "FULL_ATTENTION", None
     return "OTHER", None
 
@@ -148,6 +154,7 @@ class V1RunnerProbe:
         # (the ledger resyncs at the next snapshot after resume_tracing).
         self.paused = False
         self._checker = None  # the ledger core, in raise mode
+        self._chains: PrefixChains | None = None  # in raise mode, the new requests' prefix chains
         self._violations: list = []
         self._drafter: Any = None  # set when the drafter's KV writes are recorded
         self.drafter_capabilities: list[tuple[str, bool, str | None]] = []
@@ -414,7 +421,7 @@ class V1RunnerProbe:
         if self._checker is None:
             self.recorder.step(capture)
         else:
-            self._record(capture.record(self.index, self.config.full_rows))
+            self._record(capture.record(self.index, self.config.full_rows, self._chains))
 
     def _record_snapshot(self) -> None:
         """The live requests now (`_snapshot`), as a frame the recorder builds, or built here in
@@ -443,6 +450,8 @@ class V1RunnerProbe:
         body = body() if callable(body) else body
         seq = self.recorder.body(body)
         if self._checker is not None:  # raise: check on the engine thread, before the step returns
+            if isinstance(body, RankInfo):  # the recorder's share is done here: chains at its groups
+                self._chains = PrefixChains.of(body)
             found = self._checker.apply(records.event(self.recorder.identity, seq, 0, body))
             if found:
                 self._violations += found

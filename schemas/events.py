@@ -97,6 +97,9 @@ class NewRequest(Typed):
     num_computed_tokens: int  # prefix-cache hits, received KV
     num_prompt_tokens: int
     num_scheduled_tokens: int
+    # Per group: packed uint64 prefix chain of each full prompt block (packing.prefix_chain); b"" for
+    # a group without slots; None when not recorded (prompt embeddings, older producers).
+    prefix_chains: list[bytes] | None = None
 
 
 class StepInput(Typed):

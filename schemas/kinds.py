@@ -52,6 +52,13 @@ class KvGroupKind(Open):
         Mamba state and unknown kinds do not."""
         return self not in (KvGroupKind.MAMBA, KvGroupKind.OTHER)
 
+    @property
+    def null_free(self) -> bool:
+        """vLLM's manager of this kind never puts the null block in a request's row (the probes record
+        only vLLM's exact full-attention and MLA specs so; subclasses with managers of their own, which
+        may, are OTHER)."""
+        return self in (KvGroupKind.FULL_ATTENTION, KvGroupKind.MLA)
+
 
 class StepKind(StrEnum):
     """Why the model runner ran."""
@@ -211,6 +218,11 @@ class ViolationKind(Open):
     # The content of sealed blocks (core/content.py).
     SEALED_BLOCK_MODIFIED = "sealed_block_modified"
     BLOCK_NOT_ZEROED = "block_not_zeroed"
+    # What a block holds (core/rank_tables.py: chains and fills).
+    NULL_BLOCK_GRANT = "null_block_grant"
+    PREFIX_HIT_MISMATCH = "prefix_hit_mismatch"
+    UNWRITTEN_READ = "unwritten_read"
+    SHARED_BLOCK_WRITE = "shared_block_write"
     OTHER = "other"  # a kind newer than this reader (read from a topic or a file)
 
 
@@ -238,6 +250,9 @@ class Check(StrEnum):
     TRANSFER_CONTENT = "transfer_content"  # their content digests agree
     TRANSFER_READ = "transfer_read"  # a request read received blocks after they arrived
     SEND_HOLD = "send_hold"  # a pending send's blocks stayed with it
+    NULL_GRANT = "null_grant"  # a full-attention grant holds no null block
+    PREFIX_IDENTITY = "prefix_identity"  # a prefix hit reads a block computed from its own prefix
+    READ_WRITTEN = "read_written"  # a prefix hit reads a block executed steps wrote to its end
 
 
 class Unchecked(StrEnum):
@@ -282,6 +297,11 @@ class Unchecked(StrEnum):
     TRANSFER_DIGEST_UNREADABLE = "transfer_digest_unreadable"
     TRANSFER_DIGEST_LAYOUT_DIFFERS = "transfer_digest_layout_differs"
     CONNECTOR_KIND_UNKNOWN = "connector_kind_unknown"  # a connector event of a kind newer than this reader
+    # What a block holds.
+    PREFIX_UNKNOWN = "prefix_unknown"  # a hit block or its reader without a known prefix chain
+    READ_SOURCE_UNTRACED = "read_source_untraced"  # a rank with a KV connector: hits may be its loads
+    READ_NOT_SETTLED = "read_not_settled"  # a hit in a step whose plan was not checked
+    FILL_UNKNOWN = "fill_unknown"  # a hit block whose writes the ledger did not see (before a resync)
 
 
 def group_unchecked(kind: KvGroupKind) -> Unchecked:

@@ -7,6 +7,7 @@ Hot per-request columns travel as little-endian integer arrays in Avro
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
 import numpy as np
@@ -123,3 +124,61 @@ def wire_digests(digests: np.ndarray) -> np.ndarray:
 def length_term(n: int) -> int:
     """The part of a digest that depends on the row length only."""
     return int(np.uint64(n) * _K)
+
+
+# -- prefix chains: what a full block's KV was computed from ---------------------------------------
+# chain[i] identifies everything the KV of block i of a request depends on: the token ids of blocks
+# 0 .. i and the request's extra keys (a LoRA adapter; the multimodal items placed in those blocks).
+# It is computed by the probes, independently of vLLM's own block hashes (a bug in those is what it
+# exists to catch); readers only compare chains. Mod 2^64: each block's tokens are weighted per
+# column and scrambled with the block's position (row term), and chain[i] is the scrambled running
+# sum of row terms 0 .. i, so one vectorised pass computes every chain of a prompt. Never 0 (0 says
+# "unknown" in the ledger's tables).
+_M2 = np.uint64(0x94D049BB133111EB)
+_SHIFT2, _SHIFT3 = np.uint64(27), np.uint64(33)
+
+
+def _scramble(x: np.ndarray) -> np.ndarray:
+    """A 64-bit finaliser (splitmix64's), in place: nearby inputs give unrelated outputs."""
+    x ^= x >> _SHIFT3
+    x *= _M1
+    x ^= x >> _SHIFT2
+    x *= _M2
+    x ^= x >> _SHIFT
+    return x
+
+
+# Column k of a block weighs its token by an odd constant: scramble(k + 1) | 1 (block sizes to 4096).
+_COLUMN_WEIGHTS = _scramble(np.arange(1, 4097, dtype=np.uint64)) | _ONE
+
+
+def text_key(text: str) -> int:
+    """A string key (a LoRA name, a multimodal item's hash) as a uint64 term."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def prefix_chain(
+    tokens: np.ndarray | list[int],
+    block_size: int,
+    seed: int = 0,
+    items: Iterable[tuple[int, int, int]] = (),
+) -> np.ndarray:
+    """The chain (uint64) of every full block of `tokens` at `block_size`.
+
+    `seed`: the request-wide extra key (`text_key` of its LoRA adapter, or 0); `items`: per
+    multimodal item, (key, first position, length), mixed into every block the item overlaps.
+    """
+    if block_size > _COLUMN_WEIGHTS.size:
+        raise ValueError(f"block size {block_size} above the {_COLUMN_WEIGHTS.size} a chain supports")
+    toks = np.asarray(tokens, dtype=np.int64)
+    n = toks.size // block_size
+    with np.errstate(over="ignore"):
+        rows = toks[: n * block_size].reshape(n, block_size).astype(np.uint64) @ _COLUMN_WEIGHTS[:block_size]
+        rows ^= np.uint64(seed)
+        for key, first, length in items:
+            lo, hi = first // block_size, min((first + max(length, 1) - 1) // block_size + 1, n)
+            rows[lo:hi] ^= _scramble(np.array([key], np.uint64))[0]
+        rows += (np.arange(1, n + 1, dtype=np.uint64)) * _K
+        chains = _scramble(np.cumsum(_scramble(rows), dtype=np.uint64))
+    chains[chains == 0] = _ONE
+    return chains

@@ -37,11 +37,12 @@ from kvledger.stream_app.core.checks import (
     GroupFacts,
     RequestFacts,
     grant_failures,
+    null_grant_failures,
     plan_clean,
     slot_targets,
     token_positions,
 )
-from kvledger.stream_app.core.rank_tables import RankTables
+from kvledger.stream_app.core.rank_tables import RankTables, shared_blocks
 from kvledger.stream_app.core.tables import NULL_BLOCK, positions_differ, written_from
 
 _FAST_KINDS = (KvGroupKind.FULL_ATTENTION, KvGroupKind.MLA)
@@ -70,6 +71,7 @@ class _Run:
     g_blocks: list[np.ndarray]
     rel_row: np.ndarray  # rows of requests finished in the run, and when
     rel_b: np.ndarray
+    new_chains: list[tuple[int, list[bytes] | None]]  # rows of requests new in the run, their prefix chains
     p_rows: np.ndarray  # plan: row, b, tokens, first position, per request
     p_b: np.ndarray
     p_ntok: np.ndarray
@@ -100,6 +102,8 @@ def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], 
     born: dict[int, int] = {}  # req_index -> step index it arrived at
     died: dict[int, int] = {}  # req_index -> step index it finished at
     new_in: list[tuple[int, int, int, int]] = []  # row, b, computed, scheduled
+    new_chains: list[tuple[int, list[bytes] | None]] = []  # row, the new request's prefix chains
+    reads_from = min((g.block_size for g in state.groups), default=1)  # computed tokens that read a block
     new_grants: list[list[tuple[int, int, np.ndarray]]] = [[] for _ in range(ng)]  # row, b, blocks
     in_cols: list[tuple] = []  # per step, _INPUT_COLUMNS
     plan_cols: list[tuple] = []  # per step, _PLAN_COLUMNS
@@ -129,6 +133,8 @@ def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], 
                 index, req_id = req.req_index, req.req_id
                 if req_id in index_of or len(req.block_ids) != ng:
                     return None  # re-added request: step by step
+                if req.num_computed_tokens >= reads_from:
+                    return None  # it reads blocks (a prefix hit): what they hold is judged step by step
                 if index >= row_of.size:
                     row_of = np.concatenate([row_of, np.full(max(index + 1, row_of.size), -1, np.int64)])
                 if row_of[index] >= 0:
@@ -137,6 +143,7 @@ def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], 
                 num_rows += row == num_rows
                 row_of[index], index_of[req_id], req_id_of[index], born[index] = row, index, req_id, b
                 new_in.append((row, b, req.num_computed_tokens, req.num_scheduled_tokens))
+                new_chains.append((row, req.prefix_chains))
                 for gid, data in enumerate(req.block_ids):
                     new_grants[gid].append((row, b, unpack_i32(data)))
             in_cols.append(_input_columns(inp))
@@ -198,6 +205,7 @@ def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], 
         run.g_b.append(np.concatenate([np.array([b for _, b, _ in grants], np.int64), a_b[mine]]))
         run.g_cnt.append(np.concatenate([np.array([x.size for _, _, x in grants], np.int64), a_cnt[mine]]))
         run.g_blocks.append(np.concatenate([*(x for _, _, x in grants), a_blocks[np.repeat(mine, a_cnt)]]))
+    run.new_chains = new_chains
     run.rel_row = row_of[list(died)].astype(np.int64) if died else np.empty(0, np.int64)
     run.rel_b = np.array(list(died.values()), np.int64)
 
@@ -294,8 +302,12 @@ def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num
         return None
 
     def commit() -> None:
+        for row, chains in run.new_chains:
+            state.keep_chains(row, chains)
         for apply in commits:
             apply()
+        for row in run.rel_row.tolist():
+            state.chains.pop(row, None)
         # Each row's last input wins: the latest step of every row that had one.
         touched = np.flatnonzero(last_in[:, -1] >= 0)
         state.computed[touched] = comp_m[touched, last_in[touched, -1]]
@@ -316,6 +328,10 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
     blocks = run.g_blocks[gid].astype(np.int64)
     if blocks.size and ((blocks < 0).any() or (blocks >= g.num_blocks).any()):
         return None
+    if null_grant_failures(blocks, g.kind.null_free).any():
+        return None
+    if g.kind.null_free and blocks.size:
+        checks[Check.NULL_GRANT] += int(blocks.size)
     if rows_e.size and np.unique(rows_e * shape[1] + b_e).size != rows_e.size:
         return None
     appended = np.zeros(shape, np.int64)
@@ -351,6 +367,9 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
         plan_digests=run.p_digests[gid],
         ledger_lens=g.lens[p_rows] + appended[p_rows, p_b],
         ledger_digests=digest_at,
+        # As the blocks stood before the run: one shared then is held by others throughout it (the
+        # run hands out no block to be read), and none is handed out to be written while held.
+        shared=shared_blocks(g, block),
     )
 
     # -- exclusivity: holders of each granted block right after its step's grants -------------------
@@ -368,15 +387,35 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
         return None
 
     touched = np.unique(rows_e)
+    grant_b = np.repeat(b_e, cnt)
 
     def commit() -> None:
         g.hold(rel_blocks, rel_cols, -1)
         g.hold(blocks, cols, +1)
         g.extend(touched, appended[touched, -1], digest_inc[touched, -1])
+        _commit_content(state, g, gid, blocks, blk_rows, cols, grant_b, block, tok_pos, tok_b, in_row)
         if run.rel_row.size:
             g.reset(run.rel_row)
 
     return facts, commit
+
+
+def _commit_content(state, g, gid, blocks, blk_rows, cols, grant_b, tok_block, tok_pos, tok_b, in_row) -> None:
+    """What the run's blocks hold, as the step path leaves it: every grant writes (the run reads none),
+    in step order; then the writes of the run, each after its block's last grant."""
+    order = np.argsort(grant_b, kind="stable")
+    fresh = order[blocks[order] > NULL_BLOCK]
+    if fresh.size:
+        g.mark_fresh(blocks[fresh], state.chains_at(gid, blk_rows[fresh], cols[fresh]))
+    wrote = in_row & (tok_block > NULL_BLOCK)
+    if fresh.size:
+        granted, of = np.unique(blocks[fresh], return_inverse=True)
+        last = np.full(granted.size, -1, np.int64)
+        np.maximum.at(last, of, grant_b[fresh])
+        at = np.minimum(np.searchsorted(granted, tok_block), granted.size - 1)
+        wrote &= (granted[at] != tok_block) | (tok_b >= last[at])
+    if wrote.any():
+        g.mark_written(tok_block[wrote], tok_pos[wrote] % g.block_size)
 
 
 def _grant_facts(g, ev_block, ev_col, ev_time, ev_sign, ev_written) -> GrantFacts:

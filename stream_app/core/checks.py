@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvledger.schemas.packing import wire_digests
-from kvledger.stream_app.core.tables import NULL_BLOCK
+from kvledger.stream_app.core.tables import NULL_BLOCK, UNKNOWN_FILL
 
 # -- the facts ------------------------------------------------------------------------------------
 
@@ -57,6 +57,7 @@ class GroupFacts:
     tok_req: np.ndarray | None = None
     pos: np.ndarray | None = None
     padding: np.ndarray | None = None  # slots past the scheduled tokens: owned by nobody
+    shared: np.ndarray | None = None  # per token: its ledger block is full and held by two requests or more
     # Per request, the row attention reads: as the plan says (length, wire digest), as the ledger has
     # it (length, digest); whether the ledger knows the request (None: all).
     plan_lens: np.ndarray | None = None
@@ -76,6 +77,15 @@ class GrantFacts:
     prior: np.ndarray  # live holders before this step's grants (one pool: counted across groups)
     writers: np.ndarray  # grants of this step that write it
     sending: np.ndarray  # a pending KV send still reads it
+
+
+@dataclass(slots=True)
+class ReadFacts:
+    """Blocks a step hands out only to be read, below their request's computed tokens (a prefix hit, a
+    resumed request's surviving prefix), one entry each."""
+
+    block_chain: np.ndarray  # the prefix chain the block was handed out to compute (0: unknown)
+    reader_chain: np.ndarray  # the reader's own chain at that row position (0: unknown)
 
 
 # -- how the ledger's side is derived (the same arithmetic in both paths) ------------------------------
@@ -141,6 +151,15 @@ def read_failures(g: GroupFacts) -> np.ndarray | None:
     return _only_known(bad, g.known)
 
 
+def shared_write_failures(g: GroupFacts) -> np.ndarray | None:
+    """A token's KV goes, where its row says, into a full block another live request holds: vLLM
+    shares only full blocks, computed once; writing one again changes what its other holders read.
+    Part of the write check (Check.WRITE)."""
+    if g.real is None or g.shared is None:
+        return None
+    return _only_known((g.real == g.expected) & g.in_row & g.shared, g.tok_known)
+
+
 def draft_position_failures(pos, lo, hi, tok_known) -> np.ndarray:
     """A drafter pass writes outside the positions the scheduler reserved for it: pass k from the
     request's first scheduled position + k up to its last + k (num_lookahead_tokens)."""
@@ -154,6 +173,7 @@ GROUP_RULES = {
     "null_writes": null_write_failures,
     "padding": padding_failures,
     "reads": read_failures,
+    "shared_writes": shared_write_failures,
 }
 
 
@@ -182,3 +202,26 @@ def grant_failures(f: GrantFacts) -> np.ndarray:
     before this step, a second grant of the step writes it, or a pending send reads it. Blocks only
     read (below the computed tokens) may be shared: a prefix hit, a received prefill."""
     return f.elsewhere | (f.written & ((f.prior > 0) | (f.writers > 1) | f.sending))
+
+
+def null_grant_failures(blocks: np.ndarray, null_free: bool) -> np.ndarray:
+    """A request handed the null block in a group whose manager never places it in rows (full
+    attention, MLA): its tokens there would be written nowhere and read as garbage."""
+    return (blocks == NULL_BLOCK) if null_free else np.zeros(blocks.size, bool)
+
+
+def prefix_failures(f: ReadFacts) -> np.ndarray:
+    """A block read as a prefix hit was computed from another prefix than its reader's at that position
+    (token ids, LoRA adapter, multimodal items): the hash that matched them lied."""
+    return (f.block_chain != 0) & (f.reader_chain != 0) & (f.block_chain != f.reader_chain)
+
+
+def prefix_known(f: ReadFacts) -> np.ndarray:
+    """The hits `prefix_failures` can judge: both chains known."""
+    return (f.block_chain != 0) & (f.reader_chain != 0)
+
+
+def unwritten_failures(fill: np.ndarray, block_size: int) -> np.ndarray:
+    """A block read as computed that executed steps did not write to its end since it was handed out
+    to be computed (its writes in the reader's own step count: a layer writes before it attends)."""
+    return (fill != UNKNOWN_FILL) & (fill < block_size)

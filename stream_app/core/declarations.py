@@ -63,9 +63,14 @@ def _is_position(v: Violation) -> bool:
 
 
 def _is_write(v: Violation) -> bool:
-    return v.kind in (ViolationKind.FOREIGN_BLOCK_WRITE, ViolationKind.BLOCK_OUT_OF_RANGE) or (
-        v.kind == ViolationKind.WRITE_TARGET_MISMATCH and v.group is not None
+    # The writes a rank's layout leaves unmodelled, and what is judged from them (which blocks were written).
+    kinds = (
+        ViolationKind.FOREIGN_BLOCK_WRITE,
+        ViolationKind.BLOCK_OUT_OF_RANGE,
+        ViolationKind.SHARED_BLOCK_WRITE,
+        ViolationKind.UNWRITTEN_READ,
     )
+    return v.kind in kinds or (v.kind == ViolationKind.WRITE_TARGET_MISMATCH and v.group is not None)
 
 
 def _behind(state: RankTables, plan: StepPlan) -> set[str]:
@@ -96,7 +101,7 @@ def check_declared_plan(state: RankTables, declared: Declared, step: int, plan: 
             continue
         out.append(v)
     voids = (
-        (declared.writes, (Check.WRITE, Check.DRAFT_WRITE)),
+        (declared.writes, (Check.WRITE, Check.DRAFT_WRITE, Check.READ_WRITTEN)),
         (declared.positions, (Check.POSITION, Check.DRAFT_POSITION)),
     )
     for voided, checks in voids:

@@ -24,19 +24,32 @@ from kvledger.schemas.events import (
     StepInput,
     StepPlan,
 )
-from kvledger.schemas.kinds import Check, ConnectorKind, KvGroupKind, Unchecked, ViolationKind, group_unchecked
-from kvledger.schemas.packing import expand_slot_runs, unpack_digests, unpack_i32
+from kvledger.schemas.kinds import (
+    Check,
+    ConnectorKind,
+    KvGroupKind,
+    PdRole,
+    Unchecked,
+    ViolationKind,
+    group_unchecked,
+)
+from kvledger.schemas.packing import expand_slot_runs, unpack_digests, unpack_i32, unpack_u64
 from kvledger.stream_app.core.checks import (
     GrantFacts,
     GroupFacts,
+    ReadFacts,
     RequestFacts,
     draft_position_failures,
     grant_failures,
+    null_grant_failures,
     plan_failures,
+    prefix_failures,
+    prefix_known,
     slot_targets,
     token_positions,
+    unwritten_failures,
 )
-from kvledger.stream_app.core.tables import NULL_BLOCK, GroupTable, written_from
+from kvledger.stream_app.core.tables import NULL_BLOCK, UNKNOWN_FILL, GroupTable, written_from
 from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
 
 
@@ -66,6 +79,14 @@ class RankTables:
         self.scheduled = np.zeros(8, np.int64)  # per row: tokens scheduled at the current step
         self.pending_sends: dict[str, list[np.ndarray]] = {}  # transfer id -> per group, the blocks it reads
         self.pending_recvs: dict[str, list[np.ndarray]] = {}  # transfer id -> per group, the blocks it writes
+        # What blocks hold: each live request's prefix chains (row -> per group, packed uint64 of its full
+        # prompt blocks), and the blocks this step's grants hand out only to be read, judged once the
+        # step's writes are known (group, blocks, their readers' rows and positions).
+        self.chains: dict[int, list[np.ndarray]] = {}
+        self.pending_reads: list[tuple[GroupTable, np.ndarray, np.ndarray, np.ndarray]] = []
+        # Every block's KV comes from this rank's own steps (no KV connector loads into it: a prefill
+        # engine only sends), so what it reads can be traced to what it wrote.
+        self.reads_traced = info.pd_role in (PdRole.NONE, PdRole.PREFILL)
 
     # -- rows ---------------------------------------------------------------------------
     def _rows(self, indices: np.ndarray) -> np.ndarray:
@@ -106,6 +127,7 @@ class RankTables:
         row = int(self.row_of[index])
         self.row_of[index] = -1
         self._clear_row(row)
+        self.chains.pop(row, None)
         self.free_rows.append(row)
 
     def _clear_row(self, row: int) -> None:
@@ -120,6 +142,9 @@ class RankTables:
 
     # -- step input -----------------------------------------------------------------------
     def apply_input(self, step: int, inp: StepInput, out: list[Violation], cov: Coverage) -> None:
+        if self.pending_reads:  # the last step's plan was never checked
+            cov.unchecked[Unchecked.READ_NOT_SETTLED] += sum(r[1].size for r in self.pending_reads)
+            self.pending_reads.clear()
         for req_id in inp.finished_req_ids:
             if req_id in self.index_of:
                 self._drop(req_id)
@@ -152,6 +177,15 @@ class RankTables:
             granted = np.concatenate([np.concatenate(grant[2]) for grant in grants if grant] or [np.empty(0, np.int32)])
             self._check_overwrites(step, "zeroes", zero, None, out, cov)
             self._check_overwrites(step, "copies into", copies[:, 1], granted, out, cov)
+            for g in self.groups:
+                self._copied(g, copies)
+
+    @staticmethod
+    def _copied(g: GroupTable, copies: np.ndarray) -> None:
+        """Whole-block copies (source, destination) of the worker: what each destination holds now."""
+        inside = g.in_pool(copies).all(axis=1) & (copies != NULL_BLOCK).all(axis=1)
+        if inside.any():
+            g.copy_content(copies[inside, 0], copies[inside, 1])
 
     def holders(self, blocks: np.ndarray) -> np.ndarray:
         """Live holders of each block, counted across groups: block ids name one pool."""
@@ -208,6 +242,7 @@ class RankTables:
             row = self._new_row(req.req_index, req.req_id)
             self.computed[row] = req.num_computed_tokens
             self.scheduled[row] = req.num_scheduled_tokens
+            self.keep_chains(row, req.prefix_chains)
             for gid, data in enumerate(req.block_ids[: len(self.groups)]):
                 blocks = unpack_i32(data)
                 grant = grants[gid] = grants[gid] or [[], [], []]
@@ -215,6 +250,27 @@ class RankTables:
                 grant[1].append(blocks.size)
                 grant[2].append(blocks)
         return grants
+
+    def keep_chains(self, row: int, chains: list[bytes] | None) -> None:
+        """A new request's prefix chains, per group (none recorded: its hits go unjudged)."""
+        if chains is not None and len(chains) >= len(self.groups):
+            self.chains[row] = [unpack_u64(c) for c in chains[: len(self.groups)]]
+        else:
+            self.chains.pop(row, None)
+
+    def chains_at(self, gid: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """The prefix chain of each (row, position) in group `gid`; 0 where not known."""
+        out = np.zeros(cols.size, np.uint64)
+        if not self.chains:
+            return out
+        for row in np.unique(rows).tolist():
+            chain = self.chains.get(row)
+            if chain is None or chain[gid].size == 0:
+                continue
+            mine = rows == row
+            at = cols[mine]
+            out[mine] = np.where(at < chain[gid].size, chain[gid][np.minimum(at, chain[gid].size - 1)], 0)
+        return out
 
     def _appends(self, inp: StepInput, grants: list[list | None], cov: Coverage) -> None:
         counts = unpack_i32(inp.append_counts)
@@ -250,8 +306,10 @@ class RankTables:
         # this step may read it at the same position: a prefix hit on a block computed now.
         # Blocks below the computed tokens are only read: shared, even with a pending send, they
         # are no reuse.
+        writes = cols >= written_from(self.computed[owner], g.block_size)
+        self._grant_content(step, g, flat, owner, cols, real, writes, out, cov)
         mine = flat[real]
-        written = (cols >= written_from(self.computed[owner], g.block_size))[real]
+        written = writes[real]
         _, of, granted_now = np.unique(mine, return_inverse=True, return_counts=True)
         facts = GrantFacts(
             elsewhere=g.held_elsewhere(mine, cols[real]),
@@ -302,6 +360,93 @@ class RankTables:
                     )
                 )
 
+    def _grant_content(self, step, g: GroupTable, flat, owner, cols, real, writes, out, cov) -> None:
+        """What granted blocks hold: none is the null block where the group's manager never places it;
+        a block handed out to be written will hold its request's prefix; a block handed out only to be
+        read holds the reader's own prefix, and was written to its end (judged after the step's plan)."""
+        if g.kind.null_free:
+            _count(cov.checks, Check.NULL_GRANT, int(flat.size))
+            null = null_grant_failures(flat, True)
+            for row in np.unique(owner[null]).tolist():
+                cols_null = cols[null & (owner == row)]
+                out.append(
+                    self._violation(
+                        ViolationKind.NULL_BLOCK_GRANT,
+                        step,
+                        f"scheduler handed the null block (block {NULL_BLOCK}) at row position(s) "
+                        f"{cols_null[:8].tolist()}; a {g.kind.value.lower()} row never holds it",
+                        self._req_of_row(row),
+                        g.group_id,
+                    )
+                )
+        if not g.kind.addresses_slots:  # state groups: what their blocks hold is not written through slots
+            return
+        chains = self.chains_at(g.group_id, owner, cols)
+        fresh = real & writes
+        if fresh.any():
+            g.mark_fresh(flat[fresh], chains[fresh])
+        reads = real & ~writes
+        if not reads.any():
+            return
+        if not self.reads_traced:
+            cov.unchecked[Unchecked.READ_SOURCE_UNTRACED] += int(reads.sum())
+            return  # (reads.any(): never a zero count)
+        blocks, readers, at = flat[reads], owner[reads], cols[reads]
+        facts = ReadFacts(g.chain[blocks], chains[reads])
+        known = prefix_known(facts)
+        _count(cov.checks, Check.PREFIX_IDENTITY, int(known.sum()))
+        _count(cov.unchecked, Unchecked.PREFIX_UNKNOWN, int((~known).sum()))
+        bad = prefix_failures(facts)
+        for row in np.unique(readers[bad]).tolist():
+            mine = np.flatnonzero(bad & (readers == row))
+            i = int(mine[0])
+            out.append(
+                self._violation(
+                    ViolationKind.PREFIX_HIT_MISMATCH,
+                    step,
+                    f"prefix hit on block {blocks[i]} at row position {at[i]}, computed from another prefix "
+                    f"(its tokens, LoRA adapter or multimodal items differ from this request's there)"
+                    + (f" ({mine.size} such blocks)" if mine.size > 1 else ""),
+                    self._req_of_row(row),
+                    g.group_id,
+                )
+            )
+        self.pending_reads.append((g, blocks, readers, at))
+
+    def settle_reads(self, step: int, facts: list[GroupFacts], out: list[Violation], cov: Coverage) -> None:
+        """After a step's plan: its correct writes mark their blocks, then the blocks its grants handed
+        out only to be read must have been written to their end (this step's writes count)."""
+        for f in facts:
+            if f.real is None:
+                continue
+            g = self.groups[f.group_id]
+            ok = (f.real == f.expected) & f.in_row & g.in_pool(f.block) & (f.block != NULL_BLOCK)
+            if f.tok_known is not None:
+                ok &= f.tok_known
+            if ok.any():
+                g.mark_written(f.block[ok], f.pos[ok] % g.block_size)
+        for g, blocks, readers, at in self.pending_reads:
+            fill = g.fill[blocks]
+            known = fill != UNKNOWN_FILL
+            _count(cov.checks, Check.READ_WRITTEN, int(known.sum()))
+            _count(cov.unchecked, Unchecked.FILL_UNKNOWN, int((~known).sum()))
+            bad = unwritten_failures(fill, g.block_size)
+            for row in np.unique(readers[bad]).tolist():
+                mine = np.flatnonzero(bad & (readers == row))
+                i = int(mine[0])
+                out.append(
+                    self._violation(
+                        ViolationKind.UNWRITTEN_READ,
+                        step,
+                        f"reads block {blocks[i]} at row position {at[i]} as computed (a prefix hit), but executed "
+                        f"steps wrote {g.fill[blocks[i]]} of its {g.block_size} slots since it was handed out"
+                        + (f" ({mine.size} such blocks)" if mine.size > 1 else ""),
+                        self._req_of_row(row),
+                        g.group_id,
+                    )
+                )
+        self.pending_reads.clear()
+
     def _req_of_row(self, row: int) -> str:
         index = np.flatnonzero(self.row_of == row)
         return self.req_id(int(index[0])) if index.size else f"row {row}"
@@ -311,6 +456,7 @@ class RankTables:
         """The plan against the tables, by the rules of checks.py; each failure reported."""
         facts = self.plan_facts(plan, cov)
         self._report(step, facts.requests, facts.groups, facts.indices, facts.rows, plan, out)
+        self.settle_reads(step, facts.groups, out, cov)
         for dp in plan.draft_writes or ():
             self._check_draft_pass(step, dp, facts.indices, facts.rows, facts.known, out, cov)
 
@@ -376,6 +522,7 @@ class RankTables:
             tok_known = tok_known[:n] if tok_known is not None else None
         facts.expected, facts.in_row, facts.block = slot_targets(g.table, g.lens[tok_rows], tok_rows, pos, g.block_size)
         facts.real, facts.tok_known, facts.tok_req, facts.pos = real, tok_known, tok_req, pos
+        facts.shared = shared_blocks(g, facts.block)
 
     def _read_facts(self, facts: GroupFacts, g: GroupTable, gp: GroupPlan, rows, known, cov: Coverage) -> None:
         row_lens = unpack_i32(gp.row_lens)
@@ -514,12 +661,28 @@ class RankTables:
                 )
             )
 
+    def _report_shared_writes(self, step, g: GroupTable, f: GroupFacts, bad, indices, rows, plan, out) -> None:
+        for t in _first_token_per_request(np.flatnonzero(bad), f.tok_req):
+            b = int(f.block[t])
+            holders = [r for r in self.holders_of(b) if r != self.req_id(int(indices[_req(t, f.tok_req)]))]
+            out.append(
+                self._violation(
+                    ViolationKind.SHARED_BLOCK_WRITE,
+                    step,
+                    f"writes position {f.pos[t]} into block {b}, full and shared: "
+                    f"{', '.join(holders[:4]) or 'another live request'} read(s) it",
+                    self.req_id(int(indices[_req(t, f.tok_req)])),
+                    g.group_id,
+                )
+            )
+
     _reporters: ClassVar[dict] = {"positions": _report_positions}
     _group_reporters: ClassVar[dict] = {
         "writes": _report_wrong_writes,
         "null_writes": _report_null_writes,
         "padding": _report_padding,
         "reads": _report_reads,
+        "shared_writes": _report_shared_writes,
     }
 
     # -- drafter passes --------------------------------------------------------------------------
@@ -594,11 +757,16 @@ class RankTables:
             elif ends and tid in pending:
                 for g, b in zip(self.groups, pending.pop(tid), strict=False):
                     g.hold_for_transfer(receive, b, -1)
+                    if kind == ConnectorKind.RECV_DONE:  # written by the transfer, from a prefix known elsewhere
+                        g.mark_received(b[g.in_pool(b) & (b != NULL_BLOCK)])
 
     def load_snapshot(self, snap: Snapshot) -> None:
         """Replace the rows with a snapshot's (pending sends survive: they are not in snapshots)."""
         for req_id in list(self.index_of):
             self._drop(req_id)
+        for g in self.groups:  # events were missed: what any block holds is not known any more
+            g.forget_content()
+        self.pending_reads.clear()
         for req in snap.requests:
             row = self._new_row(req.req_index, req.req_id)
             self.computed[row] = req.num_computed_tokens
@@ -614,6 +782,21 @@ class RankTables:
             return None
         row = int(self.row_of[index])
         return [g.row(row).tolist() for g in self.groups]
+
+
+def _count(counter, key, n: int) -> None:
+    """Coverage counts only what happened: a reason counted zero times is not in the coverage."""
+    if n:
+        counter[key] += n
+
+
+def shared_blocks(g: GroupTable, blocks: np.ndarray) -> np.ndarray:
+    """Per token's block (the ledger's): full and held by two live requests or more (see
+    `GroupTable.sealed_and_shared`); blocks outside the pool and the null block are nobody's."""
+    shared = np.zeros(blocks.size, bool)
+    inside = g.in_pool(blocks) & (blocks != NULL_BLOCK)
+    shared[inside] = g.sealed_and_shared(blocks[inside])
+    return shared
 
 
 def _req(token: int, tok_req) -> int:

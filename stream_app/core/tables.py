@@ -15,6 +15,7 @@ from kvledger.schemas.kinds import KvGroupKind
 from kvledger.schemas.packing import block_terms, length_term, length_terms
 
 NULL_BLOCK = 0
+UNKNOWN_FILL = -1  # GroupTable.fill of a block whose writes the ledger did not see
 
 
 def written_from(num_computed_tokens, block_size: int):
@@ -56,6 +57,12 @@ class GroupTable:
         # receive writes them (its request reads them once it is done).
         self.send_hold = np.zeros(num_blocks, dtype=np.int64)
         self.recv_hold = np.zeros(num_blocks, dtype=np.int64)
+        # What each block's KV holds, as far as the ledger saw it written: the prefix chain of the
+        # prompt block it was handed out to compute (0: unknown, or not a prompt block), and how far
+        # executed steps wrote it since (the highest offset written + 1; UNKNOWN_FILL when it was
+        # never handed out to be written while the ledger watched: before a resync, say).
+        self.chain = np.zeros(num_blocks, dtype=np.uint64)
+        self.fill = np.full(num_blocks, UNKNOWN_FILL, dtype=np.int32)
 
     # -- capacity -------------------------------------------------------------------
     def ensure_rows(self, n: int) -> None:
@@ -115,6 +122,38 @@ class GroupTable:
     def in_transfer(self, blocks: np.ndarray) -> np.ndarray:
         """A pending transfer uses each block: a write to it races the transfer."""
         return (self.send_hold[blocks] > 0) | (self.recv_hold[blocks] > 0)
+
+    # -- what blocks hold ----------------------------------------------------------------------
+    def mark_fresh(self, blocks: np.ndarray, chains: np.ndarray) -> None:
+        """Blocks handed out to be computed anew, each from the prefix `chains` gives (0: unknown)."""
+        self.chain[blocks] = chains
+        self.fill[blocks] = 0
+
+    def mark_written(self, blocks: np.ndarray, offsets: np.ndarray) -> None:
+        """Executed writes at `offsets` of `blocks` (in position order: the last of a block is its
+        highest)."""
+        keep = self.fill[blocks] != UNKNOWN_FILL
+        blocks, offsets = blocks[keep], offsets[keep]
+        self.fill[blocks] = np.maximum(self.fill[blocks], offsets + 1)
+
+    def mark_received(self, blocks: np.ndarray) -> None:
+        """Blocks a KV transfer filled: their writes happened elsewhere, their prefix is not known here."""
+        self.chain[blocks] = 0
+        self.fill[blocks] = self.block_size
+
+    def copy_content(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """The worker copied whole blocks: each destination holds what its source held."""
+        self.chain[dst], self.fill[dst] = self.chain[src], self.fill[src]
+
+    def forget_content(self) -> None:
+        """Nothing known of any block's content any more (a resync: writes were missed)."""
+        self.chain[:] = 0
+        self.fill[:] = UNKNOWN_FILL
+
+    def sealed_and_shared(self, blocks: np.ndarray) -> np.ndarray:
+        """Blocks written to their end and held by two live requests or more: vLLM shares only full
+        blocks, which nobody writes again."""
+        return (self.fill[blocks] >= self.block_size) & (self.hold_count[blocks] >= 2)
 
     # -- row edits ------------------------------------------------------------------------
     def append_many(self, rows: np.ndarray, counts: np.ndarray, blocks: np.ndarray) -> np.ndarray:

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvledger.producer import records
+from kvledger.producer.chains import PrefixChains
 from kvledger.producer.records import RankIdentity
+from kvledger.schemas.kinds import KvGroupKind
 
 FAULTS = (
     "slot_shift",  # one request's slots are off by one: write_target_mismatch
@@ -45,16 +47,19 @@ SHARING_FAULTS = ("zero_shared",)
 # Violation kinds each fault may produce; the first is the one it must produce.
 FAULT_KINDS = {
     "slot_shift": ("write_target_mismatch", "foreign_block_write", "block_out_of_range", "rank_divergence"),
+    # A write through the row at an earlier position rewrites a block others may already read.
     "stale_position": (
         "write_target_mismatch",
         "foreign_block_write",
         "block_out_of_range",
         "rank_divergence",
+        "shared_block_write",
     ),
     "block_swap": ("read_target_mismatch", "rank_divergence"),
     "foreign_write": ("foreign_block_write", "write_target_mismatch", "rank_divergence"),
     "padding_write": ("unowned_write", "rank_divergence"),
-    "recycled_block": ("foreign_block_write",),
+    # The block's new writer overwrites what its holder (and the prefix cache) still read.
+    "recycled_block": ("foreign_block_write", "shared_block_write", "prefix_hit_mismatch"),
     "block_out_of_range": ("block_out_of_range",),
     "rank_divergence": (
         "rank_divergence",
@@ -202,6 +207,8 @@ class SyntheticEngine:
         self.rng = random.Random(c.seed)
         self.bs = c.block_size
         self.pool = _BlockPool(c.num_blocks)
+        # The probes' prefix chains of each new request's prompt, at every group's block size.
+        self.chains = PrefixChains([self.bs if KvGroupKind(g.kind).addresses_slots else None for g in c.groups])
         self.has_window = any(g.kind == "SLIDING_WINDOW" for g in c.groups)
         self.prefix_caching = c.prefix_caching and not self.has_window
         self.prefixes = [
@@ -524,8 +531,9 @@ class SyntheticEngine:
         for req, n_new, appended, kind in scheduled:
             if kind == "new":
                 req.seen = True
+                chains = self.chains(req.tokens[: req.num_prompt], ())
                 new_reqs.append(
-                    records.new_request(req.index, req.req_id, req.blocks, req.computed, req.num_prompt, n_new)
+                    records.new_request(req.index, req.req_id, req.blocks, req.computed, req.num_prompt, n_new, chains)
                 )
                 self.worker_rows[req.index] = [list(row) for row in req.blocks]
                 self.worker_ids[req.index] = req.req_id

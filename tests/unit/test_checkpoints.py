@@ -17,12 +17,14 @@ import pickle
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
 from kvledger.schemas import LEDGER_EVENT, SingleObjectCodec, checkpoint
 from kvledger.schemas.checkpoint import EngineCheckpoint
 from kvledger.schemas.events import event_of, events_of
+from kvledger.schemas.kinds import Check, Unchecked
 from kvledger.schemas.registry import ENGINE_CHECKPOINT
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.core.checkpoints import join_checkpoint, join_of, ledger_checkpoint, ledger_of
@@ -109,9 +111,23 @@ def test_a_ledger_restored_anywhere_goes_on_as_the_original(name):
         assert _derived(ledger) == derived, cut
         found += ledger.apply_many(events_of(events[cut:]))
         assert _violations(found) == _violations(expected), cut
-        assert ledger.coverage == reference.coverage, cut
-        # Nothing is lost or added by a round trip: the next checkpoint is the same.
-        assert ledger_checkpoint(ledger, engine_id) == ledger_checkpoint(reference, engine_id), cut
+        assert _content_as_unknown(ledger.coverage) == _content_as_unknown(reference.coverage), cut
+        # Nothing is lost or added by a round trip: the next checkpoint is the same (its coverage as above).
+        again, original = ledger_checkpoint(ledger, engine_id), ledger_checkpoint(reference, engine_id)
+        assert msgspec.structs.replace(again, coverage=original.coverage) == original, cut
+
+
+# What blocks hold (their prefix chains, how far executed steps wrote them) is not checkpointed: it
+# grows with the pool's cached blocks, not with what is live. A restored ledger counts a prefix hit on
+# a block computed before the checkpoint as unknown, never as a violation; the same hits, all told.
+_CONTENT = ((Check.PREFIX_IDENTITY, Unchecked.PREFIX_UNKNOWN), (Check.READ_WRITTEN, Unchecked.FILL_UNKNOWN))
+
+
+def _content_as_unknown(coverage) -> tuple[Counter, Counter]:
+    checks, unchecked = Counter(coverage.checks), Counter(coverage.unchecked)
+    for check, unknown in _CONTENT:
+        unchecked[unknown] += checks.pop(check, 0)
+    return checks, +unchecked
 
 
 def test_a_join_restored_anywhere_goes_on_as_the_original():

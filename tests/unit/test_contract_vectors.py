@@ -246,6 +246,10 @@ def test_the_rule_cases_cover_every_per_rank_violation_kind():
         "rank_missing",
         "sealed_block_modified",
         "block_not_zeroed",
+        "null_block_grant",
+        "prefix_hit_mismatch",
+        "unwritten_read",
+        "shared_block_write",
     }
 
 

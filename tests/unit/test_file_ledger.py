@@ -191,7 +191,7 @@ def test_discover_single_file_flat_directory_and_missing_root(tmp_path, events):
 
 
 def test_truncated_last_segment(tmp_path, events):
-    limit = header_size(tmp_path, events) + 1500
+    limit = header_size(tmp_path, events) + 3000
     write(tmp_path / "ledger", events, max_segment_bytes=limit)
     [stream] = discover(tmp_path / "ledger")
     *earlier, last = [s for s in stream.segments if len(read_one(s)[0])]

@@ -23,6 +23,7 @@ import pytest
 
 from kvledger.producer import plugin, records
 from kvledger.producer.capture import PlanCapture, RequestIndex, SnapshotCapture, StepCapture, StepHeader
+from kvledger.producer.chains import PrefixChains
 from kvledger.producer.config import SinkSpec, TraceAction, TraceConfig
 from kvledger.producer.frames import FrameKind, body_from_part, pack_parts, read_frame, scheduler_fields, unpack_parts
 from kvledger.producer.processes import ProcessWatch
@@ -38,6 +39,16 @@ from tests.synthetic.engine import SimConfig, simulate
 from .test_frames import scheduler_output
 
 RANK = RankIdentity("ring-eng", 0, 0, 0, 7)
+
+# Two groups, as the test scheduler outputs have: one addresses slots (its prompts get chains), one not.
+INFO = records.rank_info(
+    dp_size=1,
+    tp_size=1,
+    pp_size=1,
+    kv_groups=[records.kv_group(0, "FULL_ATTENTION", 16, 4096), records.kv_group(1, "MAMBA", 16, 4096)],
+    vllm_version="x",
+    runner="v1",
+)
 
 
 def config(root: Path, action: TraceAction = TraceAction.RECORD) -> TraceConfig:
@@ -87,14 +98,16 @@ def test_what_the_recorder_writes_is_what_the_rank_would_have_built(tmp_path):
     captures.append(StepCapture(5, "DUMMY", None, dummy))
     snapshot = SnapshotCapture.of_rows(5, ["r4-0", "r4-1"], [3, 9], [[[1, 2], [3]], [[7], []]])
     recorder = RingWriter(RANK, config(tmp_path))
-    recorder.body(records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1"))
+    recorder.body(INFO)
     for capture in captures:
         recorder.step(capture)
     recorder.snapshot(snapshot)
     recorder.close(step=5, timeout=30)
 
     index = RequestIndex()  # the rank's own build of the same captures, in the same order
-    expected = [c.record(index, False) for c in captures] + [snapshot.record(index)]
+    chains = PrefixChains.of(INFO)  # the recorder's, from the rank's RankInfo
+    expected = [c.record(index, False, chains) for c in captures] + [snapshot.record(index)]
+    assert expected[0].input.new_reqs[0].prefix_chains[0]  # the prompts' chains, at the first group's block size
     events = ledger_events(tmp_path)
     assert [e["seq"] for e in events] == list(range(9))  # RankInfo, 6 steps, the snapshot, the closing Health
     assert [body_of(*e["body"]) for e in events[1:8]] == expected
@@ -315,7 +328,7 @@ def test_a_device_step_is_held_until_its_copies_land_and_later_frames_wait_behin
     captures = [
         StepCapture(s, "REAL", scheduler_fields(scheduler_output(s)), device_plan(s, events[s], pool)) for s in range(3)
     ]
-    transfer = records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=[], vllm_version="x", runner="v1")
+    transfer = INFO
     recorder = RingWriter(RANK, config(tmp_path))
     recorder.step(captures[0])  # its copies are behind a forward pass still running
     assert recorder.body(transfer) is None  # held behind it, to keep the rank's order
@@ -332,7 +345,8 @@ def test_a_device_step_is_held_until_its_copies_land_and_later_frames_wait_behin
     assert pool.given_back == len(captures)  # every step's pinned buffer back in the pool
 
     index = RequestIndex()
-    expected = [c.record(index, False) for c in captures]
+    # Step 0's frame came before the RankInfo: its prompts' chains were not known yet (not recorded).
+    expected = [c.record(index, False, None if s == 0 else PrefixChains.of(INFO)) for s, c in enumerate(captures)]
     events_written = ledger_events(tmp_path)
     assert [e["seq"] for e in events_written] == list(range(6))
     assert [e["body"][0] for e in events_written] == [
