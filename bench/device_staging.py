@@ -51,13 +51,12 @@ from kvledger.producer.capture import SnapshotCapture, StepCapture
 from kvledger.producer.config import TraceAction, TraceConfig
 from kvledger.producer.frames import FrameKind, read_frame, unpack_parts
 from kvledger.producer.records import RankIdentity
-from kvledger.producer.ring_writer import RingWriter
+from kvledger.producer.ring_writer import MAX_HELD, RingWriter
 from kvledger.producer.staging import StagingPool
 from kvledger.producer.vllm_mrv2 import MRV2RunnerProbe
 
 MAX_BLOCKS = 256
 PAD = 8  # CUDA-graph padding of the token count
-HELD = 8  # frames held for their copies before the step's end waits (the ring writer's `max_held`)
 ARMS = ("gather", "per-tensor", "off")
 
 
@@ -160,7 +159,7 @@ def forward(device: torch.device, ms: float) -> None:
         torch.mm(a, a)
 
 
-def make_probe(engine: Engine, arm: str, max_held: int = HELD) -> MRV2RunnerProbe:
+def make_probe(engine: Engine, arm: str, max_held: int = MAX_HELD) -> MRV2RunnerProbe:
     """The MRV2 probe over `engine`, staging as `arm` does."""
     config = TraceConfig(enabled=True, action=TraceAction.RECORD, snapshot_interval=0, ring_bytes=1 << 26)
     probe = MRV2RunnerProbe(engine.runner, config)
@@ -177,7 +176,7 @@ def run(engine: Engine, steps: int, forward_ms: float, arm: str, snapshot_every:
     frame against the device. `off`: the same loop without a probe (the wall time only)."""
     if arm == "off":
         return run_off(engine, steps, forward_ms)
-    probe = make_probe(engine, "gather" if arm == "waited" else arm, 0 if arm == "waited" else HELD)
+    probe = make_probe(engine, "gather" if arm == "waited" else arm, 0 if arm == "waited" else MAX_HELD)
     stream_events: list = []
     times: dict[str, list[float]] = {k: [] for k in ("start", "plan", "end", "probes", "wall")}
     checked = snapshots = 0

@@ -47,6 +47,7 @@ WORK = Path("/tmp/kvledger-gpu-check")
 WHEELS = ROOT / ".whl"
 NEEDED = {"msgspec": None, "fastavro": None}  # the producer's and its recorder's imports torch lacks
 STAGES = ("kernel", "bench", "vllm")
+STAGE_TIMEOUT_S = {"kernel": 180, "bench": 300, "vllm": 200}
 
 
 # -- setup --------------------------------------------------------------------------------------------
@@ -185,11 +186,13 @@ def host_call_table(device) -> None:
     import device_staging as ds
 
     print("kernel: per plan capture (the probe's _capture_mrv2_plan), warm:")
-    print(f"{'groups':>6} {'requests':>8} {'path':>11} {'torch+launch':>12} {'CUDA API':>9} {'host us':>8}")
+    print(f"{'groups':>6} {'requests':>8} {'path':>12} {'torch+launch':>12} {'CUDA API':>9} {'host us':>8}")
     for groups, requests in ((1, 1), (1, 64), (1, 256), (4, 1), (4, 64), (4, 256)):
-        for arm in ("per-tensor", "gather"):
+        for arm in ("per-tensor", "gather", "torch-gather"):
             engine = ds.Engine(device, requests, groups)
-            probe = ds.make_probe(engine, arm)
+            probe = ds.make_probe(engine, "gather" if arm == "torch-gather" else arm)
+            if arm == "torch-gather":  # the gather's torch fallback on this device, for comparison
+                probe._gatherer().use_kernel = False
             times, ops, api = [], 0, "-"
             try:
                 for i in range(60):
@@ -213,7 +216,7 @@ def host_call_table(device) -> None:
                 ds.check_frames(probe.recorder.ring, engine)
             finally:
                 probe.recorder.ring.close(unlink=True)
-            print(f"{groups:>6} {requests:>8} {arm:>11} {ops:>12} {api:>9} {np.median(times[10:]):>8.1f}")
+            print(f"{groups:>6} {requests:>8} {arm:>12} {ops:>12} {api:>9} {np.median(times[10:]):>8.1f}")
 
 
 def cuda_api_calls(fn) -> str:
@@ -233,17 +236,17 @@ def cuda_api_calls(fn) -> str:
 
 
 # -- stage 3: the bench -------------------------------------------------------------------------------
-def stage_bench(dry: bool, env: dict[str, str]) -> bool:
+def stage_bench(dry: bool, env: dict[str, str], left: float) -> bool:
     common = ["--steps", "30", "--rounds", "1", "--device", "cpu"] if dry else ["--steps", "200", "--rounds", "2"]
     runs = [
         ["--requests", "64", "--groups", "4", "--forward-ms", "8", "--prefill-tokens", "2048"],
         ["--requests", "256", "--groups", "1", "--forward-ms", "4", "--prefill-tokens", "2048", "--no-counts"],
     ]
-    ok = True
+    ok, deadline = True, time.monotonic() + min(left, STAGE_TIMEOUT_S["bench"])
     for args in runs:
         cmd = [sys.executable, str(ROOT / "bench" / "device_staging.py"), *args, *common]
         print("bench: " + " ".join(cmd[1:]), flush=True)
-        ok = subprocess.run(cmd, env=env, timeout=300).returncode == 0 and ok
+        ok = subprocess.run(cmd, env=env, timeout=max(deadline - time.monotonic(), 1)).returncode == 0 and ok
     return ok
 
 
@@ -437,6 +440,7 @@ def main() -> None:
     parser.add_argument("--prepare", action="store_true", help="download the wheels the GPU host lacks into .whl/")
     parser.add_argument("--python-version", default="3.12", help="the GPU host's Python, for --prepare")
     parser.add_argument("--only", choices=STAGES, action="append", help="run only these stages")
+    parser.add_argument("--budget-s", type=float, default=540, help="stop starting stages past this (seconds)")
     parser.add_argument("--stage", choices=("kernel", "vllm"), help=argparse.SUPPRESS)  # one stage, in-process
     args = parser.parse_args()
     if args.prepare:
@@ -450,17 +454,24 @@ def main() -> None:
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: run on the GPU host, or --dry-run on CPU")
     where = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name()
-    print(f"gpu_check: {where}, torch {torch.__version__}, Python {sys.version.split()[0]}", flush=True)
+    triton = importlib.util.find_spec("triton")
+    versions = f"torch {torch.__version__}, Triton {'present' if triton else 'absent'}, Python {sys.version.split()[0]}"
+    print(f"gpu_check: {where}, {versions}", flush=True)
     env = setup()
     results = {}
     for name in args.only or STAGES:
-        print(f"\n== {name} ==", flush=True)
+        left = args.budget_s - (time.monotonic() - started)
+        if left < 30:
+            print(f"\n{name}: not started, {left:.0f} s of the budget left")
+            results[name] = "FAIL"
+            continue
+        print(f"\n== {name} ({left:.0f} s of the budget left) ==", flush=True)
         try:
             if name == "bench":
-                code = 0 if stage_bench(args.dry_run, env) else 1
+                code = 0 if stage_bench(args.dry_run, env, left) else 1
             else:
                 cmd = [sys.executable, __file__, "--stage", name, *(["--dry-run"] if args.dry_run else [])]
-                code = subprocess.run(cmd, env=env, timeout=420).returncode
+                code = subprocess.run(cmd, env=env, timeout=min(left, STAGE_TIMEOUT_S[name])).returncode
         except subprocess.TimeoutExpired:
             code = 1
             print(f"{name}: timed out")
