@@ -325,7 +325,10 @@ def measure(engine: Engine, arms: list[str], args) -> dict[str, dict[str, list[f
     return found
 
 
-def table(found: dict[str, dict[str, list[float]]]) -> None:
+TARGET_PROBES_US = 100.0  # the probes' host time per step on a device, at 64 requests and 4 groups and at 256
+
+
+def table(found: dict[str, dict[str, list[float]]], device: torch.device | None = None) -> None:
     print("us per step, median (p99):")
     print(f"{'arm':>10} {'step start':>16} {'plan':>16} {'step end':>16} {'probes':>16} {'wall':>16}")
     for arm, times in found.items():
@@ -334,6 +337,10 @@ def table(found: dict[str, dict[str, list[float]]]) -> None:
             for k in ("start", "plan", "end", "probes", "wall")
         ]
         print(f"{arm:>10} " + " ".join(f"{c:>16}" for c in cells))
+    if device is not None and device.type != "cpu" and "gather" in found:
+        probes = np.median(found["gather"]["probes"])
+        verdict = "met" if probes <= TARGET_PROBES_US else "NOT met"
+        print(f"    gather: probes {probes:.1f} us per step, target <= {TARGET_PROBES_US:.0f} us: {verdict}")
     if "off" in found:
         off = np.median(found["off"]["wall"])
         for arm, times in found.items():
@@ -376,7 +383,7 @@ def main() -> None:
     arms = [*ARMS, "waited"] if args.waited else list(ARMS)
     found = measure(Engine(device, args.requests, args.groups), arms, args)
     print(f"every frame read back matched the device ({args.rounds} rounds of {args.steps} steps per arm)")
-    table(found)
+    table(found, device)
     if args.prefill_tokens:
         tokens = max(1, args.prefill_tokens // args.requests)
         print(f"prefill steps: {tokens} tokens for each of {args.requests} requests")

@@ -169,6 +169,7 @@ def stage_kernel(dry: bool) -> bool:
                         assert np.array_equal(got.slots[g].numpy(), s[g, :padded]), f"slots {g}: {where}"
                         assert np.array_equal(got.rows[g].numpy(), host[g][:nrows, : widths[g]]), f"rows {g}: {where}"
                         assert np.array_equal(rows[g].numpy(), host[g][index, : widths[g]]), f"snapshot {g}: {where}"
+                    assert gather.use_kernel is use, f"the Triton kernel failed (its error is above): {where}"
                     launched = 2 if use and groups <= 8 else 0
                     assert gather.launches == launched, f"{gather.launches} launches, not {launched}: {where}"
                     checked += 1

@@ -27,12 +27,15 @@ torch gather fills the same layout in a constant number of torch calls.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger("kvledger.producer")
 
 
 class StagingFull(RuntimeError):
@@ -386,11 +389,25 @@ class PlanGather:
             if kernel is not None:
                 ptrs, strides = self._table_pointers(tables, device)
                 rows_index = None if index is None else self._device_index(index, device)
-                kernel(
-                    self._views, at32, slots, padded, positions, num_tokens, ptrs, strides, rows_index, nrows, widths
-                )
-                self.launches += 1
-            else:
+                try:
+                    kernel(
+                        self._views,
+                        at32,
+                        slots,
+                        padded,
+                        positions,
+                        num_tokens,
+                        ptrs,
+                        strides,
+                        rows_index,
+                        nrows,
+                        widths,
+                    )
+                    self.launches += 1
+                except Exception:  # not built for this Triton or device: the torch gather from now on
+                    log.exception("kv_trace: the plan's gather kernel failed; gathering with torch instead")
+                    self.use_kernel, kernel = False, None
+            if kernel is None:
                 self._torch_gather(staging, at32, slots, padded, positions, num_tokens, tables, nrows, widths, index)
             buffer[:nbytes].copy_(staging[:nbytes], non_blocking=True)
             event = self._events.get(id(buffer))

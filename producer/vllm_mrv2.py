@@ -9,8 +9,9 @@ gathers the step's plan on the device into one staging buffer by one kernel,
 copied to a reused pinned host buffer by one transfer behind one event, never
 synchronising the stream (producer/staging.py `PlanGather`): a constant number
 of host calls per step, whatever the groups and requests. Row lengths come
-from the host mirror of the runner's `BlockTables.num_blocks`. vllm-ascend's NPU runner subclasses this
-runner (int32 slot mappings there), so the same adapter applies.
+from the host mirror of the runner's `BlockTables.num_blocks`. vllm-ascend's
+NPU runner subclasses this runner (int32 slot mappings there, widened to int64
+by the gather), so the same adapter applies.
 
 `execute_model(scheduler_output, ..., dummy_run=, is_profile=)` gives the
 step and its input, as in the V1 adapter. Snapshots read MRV2's own request

@@ -51,6 +51,19 @@ for groups, nrows in ((1, 5), (4, 7), (3, 0), (9, 3)):  # 9: more groups than th
         for s in h.slots + h.rows + [h.positions]:
             s.numpy()
     assert pool._in_flight == 0
+
+# A kernel that fails (not built for this Triton or device): the torch gather from then on, logged.
+import kvledger.producer.staging as staging
+
+def broken(*args):
+    raise RuntimeError("no kernel here")
+
+staging._KERNEL[:] = [broken]
+gather = PlanGather(StagingPool(), use_kernel=True)
+table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
+got = gather.plan(torch.arange(8).reshape(1, 8), 8, torch.arange(8), 4, [table], 3, [5])
+assert np.array_equal(got.rows[0].numpy(), table[:3, :5].numpy()) and np.array_equal(got.slots[0].numpy(), np.arange(8))
+assert gather.use_kernel is False and gather.launches == 0
 print("ok")
 """
 
