@@ -6,7 +6,9 @@
 * generated tokens/s with tracing off and on, the CPU time tracing adds to the engine's
   worker process per step (all its threads, from the process's CPU clock), the probes' share
   of it (the engine thread), and the CPU the rank's recorder process spends per step (outside
-  the engine process, on the same host), per action (`log`, `record`) at 64 and 256 requests:
+  the engine process, on the same host), per action (`log`, `record`) at 64 and 256 requests;
+  the probes' time and the recorder's CPU also as shares of the traced step's own wall time
+  (the generate calls' wall time per engine step, prefills included, in the same run):
   one engine per configuration, its probes paused and resumed in turn between runs
   (`collective_rpc("kvledger_pause_tracing")` through a worker extension derived from
   `kvledger.producer.plugin.TracingExtension`, tests/e2e/tracing_costs.py, which also reads
@@ -49,6 +51,9 @@ ENGINE = ROOT / "tests" / "e2e" / "engine_run.py"
 TARGET_PROBE_US, TARGET_OVERHEAD, TARGET_BYTES = 20.0, 0.01, 8.0
 TARGET_CPU_US = {64: 30.0, 256: 60.0}  # engine-process CPU added per step
 TARGET_CONTENT = 0.01  # tokens/s cost content_digests 0.01 adds over tracing without digests
+# Shares of a traced step's own wall time (the on arm's, same run) at 64 requests: the probes' time
+# on the engine thread, the recorder process's CPU.
+TARGET_PROBE_SHARE, TARGET_RECORDER_SHARE = 0.005, 0.01
 
 
 def engine_spec(
@@ -203,6 +208,23 @@ def ab_table(
                 f"{min(added):>8.1f}..{max(added):>7.1f} {'{:.0f}..{:.0f}'.format(*median_interval(added)):>15} "
                 f"{probes:>14.1f} {recorder:>20.1f}{mark}"
             )
+            shares_line(ab, probes, recorder)
+
+
+def shares_line(ab: list[tuple[Arm, Arm]], probes_us: float, recorder_us: float) -> None:
+    """The probes' engine-thread time and the recorder's CPU per step as shares of the traced
+    step's own wall time, the generate calls' wall per engine step in the same run (medians)."""
+    wall_on = statistics.median(on.wall_per_step for _, on in ab) * 1e6
+    wall_off = statistics.median(off.wall_per_step for off, _ in ab) * 1e6
+    probe_share = statistics.median(on.probes_per_step / on.wall_per_step for _, on in ab)
+    recorder_share = statistics.median(
+        max(on.recorder_per_step - off.recorder_per_step, 0.0) / on.wall_per_step for off, on in ab
+    )
+    print(
+        f"{'':>16} step wall {wall_off:,.0f} us off / {wall_on:,.0f} us on; probes {probes_us:.1f} us = "
+        f"{probe_share:.2%} of the step (target <= {TARGET_PROBE_SHARE:.1%}), recorder CPU {recorder_us:.1f} us = "
+        f"{recorder_share:.2%} (target <= {TARGET_RECORDER_SHARE:.0%})"
+    )
 
 
 def content_table(python: str, rounds: int, requests: int = 64) -> None:
@@ -287,6 +309,7 @@ class Arm:
     cpu_per_step: float  # the worker process's CPU seconds per step, all its threads
     probes_per_step: float  # of which the probes' time on the engine thread
     recorder_per_step: float  # the recorder process's CPU seconds per step (outside the engine process)
+    wall_per_step: float  # the generate call's wall seconds per engine step (prefills included)
 
 
 def ab_runs(
@@ -320,7 +343,15 @@ def ab_runs(
     for arm, seconds, tokens, cpu, steps, probes, recorder in re.findall(pattern, stdout, re.M):
         per_step = max(int(steps), 1)
         rate = int(tokens) / float(seconds)
-        arms[arm].append(Arm(rate, float(cpu) / per_step, float(probes) / per_step, float(recorder) / per_step))
+        arms[arm].append(
+            Arm(
+                rate,
+                float(cpu) / per_step,
+                float(probes) / per_step,
+                float(recorder) / per_step,
+                float(seconds) / per_step,
+            )
+        )
     assert len(arms["off"]) == len(arms["on"]) == rounds, stdout[-2000:]
     return list(zip(arms["off"], arms["on"], strict=True))
 

@@ -5,16 +5,19 @@ MRV2 keeps block tables and slot mappings on the device and builds both in
 per group the gathered block-table rows `[num_reqs_padded, max_blocks]` and
 the slot mappings `[groups, num_tokens_padded]` (padding is PAD_SLOT_ID).
 The probe wraps that function (and `prepare_dummy_attn` for dummy runs) and
-stages the tensors to reused pinned host buffers without synchronising the
-stream (producer/staging.py); row lengths come from the host mirror of the
-runner's `BlockTables.num_blocks`. vllm-ascend's NPU runner subclasses this
-runner (int32 slot mappings there), so the same adapter applies.
+gathers the step's plan on the device into one staging buffer by one kernel,
+copied to a reused pinned host buffer by one transfer behind one event, never
+synchronising the stream (producer/staging.py `PlanGather`): a constant number
+of host calls per step, whatever the groups and requests. Row lengths come
+from the host mirror of the runner's `BlockTables.num_blocks`. vllm-ascend's
+NPU runner subclasses this runner (int32 slot mappings there, widened to int64
+by the gather), so the same adapter applies.
 
 `execute_model(scheduler_output, ..., dummy_run=, is_profile=)` gives the
 step and its input, as in the V1 adapter. Snapshots read MRV2's own request
 state: `req_states` (request -> state index, computed tokens on the host) and
-the device rows of `BlockTables`, gathered and staged like the plan, every
-`snapshot_interval` steps only.
+the device rows of `BlockTables`, gathered and staged like the plan (one
+kernel for every group), every `snapshot_interval` steps only.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from kvledger.producer.capture import PlanCapture, SnapshotCapture
-from kvledger.producer.staging import Staged, StagingFull
+from kvledger.producer.frames import as_array
+from kvledger.producer.staging import PlanGather, Staged, StagingFull
 from kvledger.producer.vllm_v1 import AttachPoint, V1RunnerProbe
 from kvledger.schemas.kinds import CONTENT_DIGESTS, Declaration, Runner, StepKind
 
@@ -37,6 +41,15 @@ class MRV2RunnerProbe(V1RunnerProbe):
     # Its plan's copies are still landing when it is captured (device rows): the frame would be held
     # over the forward pass anyway, so it is offered at the step's end as before.
     frame_at_plan = False
+    # The plan and snapshots gathered by one kernel into one staging buffer (`PlanGather`); False:
+    # each tensor sliced and staged on its own (`StagingPool.stage_all`, a few host calls per group).
+    plan_gather = True
+
+    def _gatherer(self) -> PlanGather:
+        gather = self.__dict__.get("_plan_gatherer")
+        if gather is None or gather.pool is not self.staging:
+            gather = self._plan_gatherer = PlanGather(self.staging)
+        return gather
 
     def attach_points(self) -> list[tuple[AttachPoint, Any]]:
         return [
@@ -79,20 +92,34 @@ class MRV2RunnerProbe(V1RunnerProbe):
         num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
         padded = input_batch.num_tokens_after_padding
         gids = list(range(len(block_tables)))
+        gather = self.plan_gather and len(block_tables) == len(slot_mappings)
         if self._dummy_kind is not None:  # made-up requests reading zeroed rows
+            if gather:
+                staged = self._gatherer().plan(slot_mappings, padded, None, 0, [], 0, []).slots
+                self._plan = PlanCapture.of_dummy_run(gids, PlanCapture.dummy_parts(staged))
+                return
             slots = [slot_mappings[gid, :padded] for gid in gids]
             self._plan = PlanCapture.of_dummy_run(gids, self._copy(PlanCapture.dummy_parts(slots)))
             return
         # The host mirror of the device's row lengths, by request state.
         lens_by_group = self.runner.block_tables.num_blocks.np[:, input_batch.idx_mapping_np[:num_reqs]]
+        qsl = (input_batch.query_start_loc_np, num_reqs + 1)
+        ids = self._batch_ids(list(input_batch.req_ids[:num_reqs]))
+        if gather:  # one kernel, one transfer, one event, whatever the groups and requests
+            widths = lens_by_group.max(axis=1).tolist() if num_reqs else [0] * len(gids)
+            got = self._gatherer().plan(
+                slot_mappings, padded, input_batch.positions, num_tokens, block_tables, num_reqs, widths
+            )
+            groups = list(zip(got.slots, got.rows, lens_by_group, strict=True))  # lens: a copy already
+            arrays = PlanCapture.plan_parts(np.array(as_array(qsl)), got.positions, groups)
+            self._plan = PlanCapture(ids, num_tokens, gids, arrays)
+            return
         groups = []
         for gid, table in enumerate(block_tables):
             lens = lens_by_group[gid]
             width = int(lens.max()) if num_reqs else 0
             groups.append((slot_mappings[gid, :padded], table[:num_reqs, :width], lens))
-        qsl = (input_batch.query_start_loc_np, num_reqs + 1)
         parts = PlanCapture.plan_parts(qsl, input_batch.positions[:num_tokens], groups)
-        ids = self._batch_ids(list(input_batch.req_ids[:num_reqs]))
         self._plan = PlanCapture(ids, num_tokens, gids, self._copy(parts))
 
     def _snapshot(self) -> SnapshotCapture | None:
@@ -118,6 +145,9 @@ class MRV2RunnerProbe(V1RunnerProbe):
 
     def _stage_rows(self, block_tables, slots: np.ndarray, lens: np.ndarray) -> list[Staged]:
         """Each group's rows of these request states, `[requests, longest row]`, staged to the host."""
+        if self.plan_gather:  # one kernel for every group
+            widths = lens.max(axis=1).tolist() if slots.size else [0] * len(block_tables)
+            return self._gatherer().rows([t.gpu for t in block_tables], slots, widths)
         import torch
 
         index = torch.from_numpy(slots)
