@@ -379,6 +379,8 @@ class RankTables:
                         g.group_id,
                     )
                 )
+        if len(self.groups) > 1 and (real & ~writes).any():
+            self._check_aliases(step, g, flat[real & ~writes], owner[real & ~writes], out)
         if not g.kind.addresses_slots:  # state groups: what their blocks hold is not written through slots
             return
         chains = self.chains_at(g.group_id, owner, cols)
@@ -412,6 +414,31 @@ class RankTables:
                 )
             )
         self.pending_reads.append((g, blocks, readers, at))
+
+    def _check_aliases(self, step, g: GroupTable, blocks, readers, out) -> None:
+        """A block handed out to be read in one group while another group holds it: block ids name one
+        pool, and vLLM's allocator gives a block to one group at a time (a written grant is checked
+        with its holders in every group already; a read one only had its own group's)."""
+        others = [h for h in self.groups if h is not g]
+        alias = np.zeros(blocks.size, bool)
+        for h in others:
+            inside = h.in_pool(blocks)
+            alias[inside] |= h.hold_count[blocks[inside]] > 0
+        for row in np.unique(readers[alias]).tolist():
+            mine = np.flatnonzero(alias & (readers == row))
+            b = int(blocks[mine[0]])
+            groups = [h.group_id for h in others if h.in_pool(np.array([b]))[0] and h.hold_count[b] > 0]
+            out.append(
+                self._violation(
+                    ViolationKind.FOREIGN_BLOCK_WRITE,
+                    step,
+                    f"scheduler handed block {b} to be read in group {g.group_id}, but group(s) {groups} hold it "
+                    f"(one pool: a block is one group's at a time)"
+                    + (f" ({mine.size} such blocks)" if mine.size > 1 else ""),
+                    self._req_of_row(row),
+                    g.group_id,
+                )
+            )
 
     def settle_reads(self, step: int, facts: list[GroupFacts], out: list[Violation], cov: Coverage) -> None:
         """After a step's plan: its correct writes mark their blocks, then the blocks its grants handed

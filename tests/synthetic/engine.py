@@ -38,11 +38,13 @@ FAULTS = (
     "sequence_gap",  # one rank's event is lost: sequence_gap
     "duplicate_event",  # one rank's event is appended twice: duplicate_event
     "zero_shared",  # the scheduler zeroes a block several live requests read: foreign_block_write
+    "wrong_prefix_hit",  # a hit on a cached block of another prefix (a hash collision): prefix_hit_mismatch
+    "unwritten_hit",  # a hit on a block its writer is still filling (cached early): unwritten_read
 )
 
 # Faults whose target is a block several live requests share: they need prefix caching, which
 # this model turns off beside a sliding-window group.
-SHARING_FAULTS = ("zero_shared",)
+SHARING_FAULTS = ("zero_shared", "wrong_prefix_hit", "unwritten_hit")
 
 # Violation kinds each fault may produce; the first is the one it must produce.
 FAULT_KINDS = {
@@ -71,6 +73,9 @@ FAULT_KINDS = {
     "sequence_gap": ("sequence_gap",),
     "duplicate_event": ("duplicate_event",),
     "zero_shared": ("foreign_block_write",),
+    "wrong_prefix_hit": ("prefix_hit_mismatch",),
+    # The writer's prompt is another: the chains differ where they are known.
+    "unwritten_hit": ("unwritten_read", "prefix_hit_mismatch"),
 }
 
 
@@ -441,7 +446,7 @@ class SyntheticEngine:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             req.blocks = [[] for _ in self.cfg.groups]
-            self._prefix_hits(req)
+            self._prefix_hits(req, step, scheduled)
             n_new = min(req.num_tokens - req.computed, budget)
             appended = self._allocate(req, req.computed + n_new, step)
             if appended is None:
@@ -457,7 +462,7 @@ class SyntheticEngine:
             budget -= n_new
         return scheduled
 
-    def _prefix_hits(self, req: _Request) -> None:
+    def _prefix_hits(self, req: _Request, step: int, scheduled: list) -> None:
         req.computed = 0
         if not self.prefix_caching:
             return 0
@@ -470,6 +475,46 @@ class SyntheticEngine:
             req.blocks[0].append(block)
             self.stats["prefix_hit_blocks"] += 1
         req.computed = len(req.blocks[0]) * self.bs
+        self._maybe_corrupt_hit(req, step, scheduled, max_blocks)
+
+    def _maybe_corrupt_hit(self, req: _Request, step: int, scheduled: list, max_blocks: int) -> None:
+        for fault in self._faults_due(step):
+            if fault.group != 0 or fault.kind not in ("wrong_prefix_hit", "unwritten_hit"):
+                continue
+            row = req.blocks[0]
+            if fault.kind == "wrong_prefix_hit":
+                # The next block of the request's prefix found under a hash that is not its own: a
+                # cached block nobody holds (no live holder at another position), of another prefix.
+                col = len(row)
+                if col >= max_blocks:
+                    continue
+                own = self._block_hashes(req, col + 1)[col]
+                found = [b for h, b in self.pool.block_of.items() if h != own and self.pool.ref[b] == 0]
+                if not found:
+                    continue
+                self.pool.share(found[0])
+                row.append(found[0])
+            else:
+                # A running request's block it is still filling (this step included), read as full
+                # with the blocks before it, at the same positions: cached before it was computed.
+                if row:
+                    continue
+                n_new = {id(r): n for r, n, _, _ in scheduled}
+                for other in self.running:
+                    c = other.computed // self.bs
+                    filled = other.computed + n_new.get(id(other), 0) - c * self.bs
+                    partial = other.computed % self.bs and 0 < filled < self.bs
+                    if partial and (c + 1) * self.bs < req.num_tokens and 0 not in other.blocks[0][: c + 1]:
+                        break
+                else:
+                    continue
+                for b in other.blocks[0][: c + 1]:
+                    self.pool.share(b)
+                    row.append(b)
+            req.computed = len(row) * self.bs
+            kind = FAULT_KINDS[fault.kind][0]
+            self._expect_on_all_ranks(fault, kind, step, req.req_id, 0)
+            return
 
     def _after_execute(self, scheduled) -> None:
         for req, n_new, _, _ in scheduled:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvledger.schemas.events import event_of, events_of
 from kvledger.stream_app.core import Ledger, batch
-from tests.synthetic.engine import FAULTS, FaultSpec, SimConfig, simulate
+from tests.synthetic.engine import FAULTS, SHARING_FAULTS, FaultSpec, SimConfig, simulate
 
 from .test_detectors import MULTI_RANK_FAULTS, configs
 
@@ -87,7 +87,7 @@ def test_fast_path_carries_clean_decode(fast_runs, tp):
 @pytest.mark.parametrize("fault", FAULTS)
 def test_fast_path_hands_faulty_runs_to_the_reference(fast_runs, fault):
     tp = 1 if fault in MULTI_RANK_FAULTS else 0
-    shared = {"prefix_caching": True, "shared_prefix_prob": 0.9} if fault == "zero_shared" else {}  # shared blocks
+    shared = {"prefix_caching": True, "shared_prefix_prob": 0.9} if fault in SHARING_FAULTS else {}  # shared blocks
     config = dataclasses.replace(DECODE_HEAVY, tp_size=2, faults=(FaultSpec(fault, 250, tp_rank=tp),), **shared)
     sim = simulate(config)
     assert not sim.unplaced_faults

@@ -19,6 +19,7 @@ from kvledger.stream_app.core import Ledger, Violation
 from tests.synthetic.engine import (
     FAULT_KINDS,
     FAULTS,
+    SHARING_FAULTS,
     Expected,
     FaultSpec,
     GroupSpec,
@@ -145,7 +146,7 @@ def test_clean_streams_exercise_what_breaks_monitors(config):
 @pytest.mark.parametrize("fault", FAULTS)
 def test_fault_kind_and_place(fault):
     tp = 1 if fault in MULTI_RANK_FAULTS else 0
-    base = PREFIX_HEAVY if fault == "zero_shared" else REALISTIC  # shared blocks need prefix caching
+    base = PREFIX_HEAVY if fault in SHARING_FAULTS else REALISTIC  # shared blocks need prefix caching
     config = dataclasses.replace(base, faults=(FaultSpec(fault, 120, tp_rank=tp),))
     sim = simulate(config)
     assert not sim.unplaced_faults

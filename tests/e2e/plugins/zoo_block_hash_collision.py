@@ -8,7 +8,8 @@ tokens and extra keys. Before PR 12621 the hash was Python's built-in `hash()`, 
 (`hash(None)`) became a predictable constant in Python 3.12: a prompt could be crafted to collide
 with another tenant's, and read KV computed from their tokens (GHSA-rm76-4mrf-v9r8; vLLM moved to
 SHA-256). Megatron-LM's block hash (PR 4158) was a polynomial rolling hash with multiplier 31, in
-which `token[j] += 31, token[j+1] -= 1` leaves the hash unchanged: a collision by arithmetic.
+which two neighbouring tokens moved by +31 and -1 leave the hash unchanged: a collision by
+arithmetic (folded as here, `h = 31 h + token`, the pair is +1 and -31).
 
 Here vLLM 0.32's `hash_block_tokens` (`v1/core/kv_cache_utils.py`, where the block hash has lived
 since) is given that polynomial pre-image: the block's tokens folded as `h = 31 h + token`
