@@ -415,3 +415,69 @@ def test_abort_freeing_blocks_under_an_in_flight_transfer_is_caught_at_the_victi
         f"{events['RECV_DONE']['step']} granted to {victim['req']} at step {granted_at}: "
         f"{result.violations[0].kind} at step {result.violations[0].step}; victim {run.victim} vs {run.baseline}"
     )
+
+
+# -- the prefill engine sends before the forward that computes the KV (SGLang 33970) ----------------
+EARLY_PROMPT = list(range(120, 216))  # three full blocks
+STALE_PROMPT = list(range(300, 396))  # what the prefill engine served before: its blocks keep its KV
+
+
+def test_send_before_the_forward_is_caught_as_a_content_mismatch(tmp_path):
+    """SGLang 33970 on vLLM's Mooncake pair: the prefill side sets the send's `ready` when it
+    binds the step that schedules the prefill (plugins/zoo_early_send.py), so the decode engine's
+    pull, already waiting, is served before the forward wrote those blocks: decode receives what
+    they held before (nothing: fresh blocks). With transfer digests on, the prefill digest (taken
+    when the send is reported done, after the forward) and the decode digest (the bytes received)
+    differ: transfer_content_mismatch on the decode engine, at its receive's completion."""
+    from tests.e2e.test_pd_pair import _pair_ready
+    from tests.e2e.zoo_pair import EARLY_TRANSFER, run_zoo_pair
+
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    spec = {
+        "mode": "early_send",
+        "victim": EARLY_PROMPT,
+        "stale": STALE_PROMPT,
+        "max_tokens": 8,
+        "ledger_root": str(tmp_path / "ledger"),
+        "markers": str(markers),
+    }
+    run = run_zoo_pair(_pair_ready(), spec, {"ZOO_EARLY_SEND": "1", "ZOO_WEIGHT_SCALE": "100"})
+    # Fired: the pull waited on the prefill side; `ready` was set when the prefill step bound its
+    # metadata and the send landed before that step's forward, reading what the blocks held then
+    # (the stale prompt's KV); the forward then changed every value it had sent.
+    records = [_record(line) for line in re.findall(r"^ZOO (.*)$", run.log, re.M)]
+    assert [r["what"] for r in records] == ["pull", "early", "computed"], records
+    early, computed = records[1], records[2]
+    assert early["transfer"] == computed["transfer"] == EARLY_TRANSFER and early["sent"] == "1"
+    assert int(early["nonzero"]) > 0 and int(computed["changed"]) > 0, records
+    sent_blocks = [int(b) for b in early["blocks"].split(",")]
+    prefill, decode = tmp_path / "ledger" / "prefill", tmp_path / "ledger" / "decode"
+    computed_at, request = scheduled(prefill, early["req"])
+    assert blocks_of(request) == sent_blocks and request["num_scheduled_tokens"] == len(EARLY_PROMPT)
+    sends = {e["kind"]: e for e in connector_events(prefill) if e["transfer_id"] == EARLY_TRANSFER}
+    recvs = {e["kind"]: e for e in connector_events(decode) if e["transfer_id"] == EARLY_TRANSFER}
+    # vLLM's bookkeeping is untouched: the send is announced and reported done after the step that
+    # computed the KV, and the prefill digest is taken then (the computed KV, not what was sent).
+    assert computed_at < sends["SEND_INTENT"]["step"] <= sends["SEND_DONE"]["step"], sends
+    assert sends["SEND_DONE"]["digest"] is not None and recvs["RECV_DONE"]["digest"] is not None
+    recv_blocks = unpack_i32(recvs["RECV_INTENT"]["block_ids"][0]).tolist()
+    # The decode engine's answer over the received KV is not its own answer to the same prompt.
+    assert run.victim != run.baseline, (run.victim, run.baseline)
+    # Caught: one transfer_content_mismatch on the decode engine's rank, at the step its receive
+    # completed, for its request; every block differs, the first named with its group.
+    result = replay(tmp_path / "ledger")
+    found = [(v.kind, v.req_id, v.step, v.group, rank_of(v)) for v in result.violations]
+    done_at = recvs["RECV_DONE"]["step"]
+    assert found == [("transfer_content_mismatch", recvs["RECV_DONE"]["req_id"], done_at, None, RANK)], found
+    violation = result.violations[0]
+    assert violation.engine_id == next(s.engine_id for s in discover(decode))
+    assert violation.detail.startswith(f"transfer {EARLY_TRANSFER}: {len(sent_blocks)} of {len(sent_blocks)} received")
+    assert f"first: decode block {recv_blocks[0]} (group 0) vs prefill block {sent_blocks[0]}" in violation.detail
+    assert result.ledger.coverage.checks["transfer_content"] == 1
+    print(
+        f"zoo 33970: blocks {sent_blocks} sent at the bind of prefill step {computed_at}, before its forward "
+        f"({early['nonzero']} nonzero values then, {computed['changed']} changed by the forward); "
+        f"{violation.kind} at decode step {violation.step}: {violation.detail}; "
+        f"decode {run.victim} vs {run.baseline}"
+    )

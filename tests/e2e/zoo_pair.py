@@ -17,6 +17,20 @@ victim's prefill ran, and the victim's next step until the write landed.
 
 Spec: {"doomed": [token ids], "victim": [token ids], "max_tokens": 8, "ledger_root": "/abs" | null,
 "markers": "/abs"}. Prints `ZOO_PAIR {"baseline": [...], "victim": [...]}`.
+
+With "mode": "early_send" (SGLang 33970, plugins/zoo_early_send.py), instead:
+
+1. the decode engine serves the prompt ("victim") alone (its reference answer), the prefill
+   engine another prompt of the same length ("stale"), whose KV its freed blocks keep;
+2. the decode engine gets the request (`do_remote_prefill`) first: its pull waits on the
+   prefill side (the plugin's `pull` marker) for a request the prefill engine has not seen;
+3. the prefill engine prefills it for the transfer (`do_remote_decode`); the plugin sets the
+   send's `ready` at bind time, so the waiting pull is served before the forward;
+4. the decode engine runs until the request is done; the prefill engine serves one more plain
+   prompt, so its worker reports the finished send.
+
+Spec: {"mode": "early_send", "victim": [token ids], "stale": [token ids], "max_tokens": 8, "ledger_root": "/abs" | null,
+"markers": "/abs"}; "victim" in the output is the decode engine's answer.
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ except ImportError:  # the harness, imported by the tests
 
 DOOMED, VICTIM = "zoo-doomed", "zoo-victim"
 TRANSFER = "xfer-doomed"
+EARLY, EARLY_TRANSFER = "zoo-early", "xfer-early"  # early_send: the decode request and its transfer
 
 
 # -- harness (the tests' interpreter) ------------------------------------------------------------
@@ -48,7 +63,8 @@ def run_zoo_pair(python: str, spec: dict, env: dict[str, str], timeout: float = 
     """Run the driver once in a loopback-only namespace; fail with the log's tail if it breaks."""
     import pytest
 
-    env = {"ZOO_ABORT_MARKERS": spec["markers"], **env}
+    markers = "ZOO_EARLY_MARKERS" if spec.get("mode") == "early_send" else "ZOO_ABORT_MARKERS"
+    env = {markers: spec["markers"], **env}
     returncode, stdout, log = launch_pair(python, "zoo_pair.py", spec, env, timeout, "zoo pair")
     found = [line for line in stdout.splitlines() if line.startswith("ZOO_PAIR ")]
     if returncode != 0 or not found:
@@ -99,8 +115,51 @@ def _drive(spec: dict) -> dict:
     return {"baseline": baseline, "victim": victim}
 
 
+def _drive_early_send(spec: dict) -> dict:
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_run import TINY_LLAMA
+
+    model = tempfile.mkdtemp(prefix="tiny-llama-")
+    Path(model, "config.json").write_text(json.dumps(TINY_LLAMA))
+    settings = {"ledger_root": spec.get("ledger_root"), "transfer_digests": 1.0}
+    prefill = _engine(model, "prefill", PREFILL_ENGINE_ID, settings)
+    decode = _engine(model, "decode", "decode-0", settings)
+    max_tokens, prompt = spec.get("max_tokens", 8), spec["victim"]
+
+    baseline = _tokens(decode.generate([{"prompt_token_ids": prompt}], _params(max_tokens, None), use_tqdm=False))[0]
+    prefill.generate([{"prompt_token_ids": spec["stale"]}], _params(1, None), use_tqdm=False)
+    engine = decode.llm_engine
+    pulled = {
+        "do_remote_prefill": True,
+        "transfer_id": EARLY_TRANSFER,
+        "remote_engine_id": PREFILL_ENGINE_ID,
+        "remote_bootstrap_addr": BOOTSTRAP_ADDR,
+    }
+    engine.add_request(EARLY, {"prompt_token_ids": prompt}, _params(max_tokens, pulled))
+    marker, deadline = Path(spec["markers"]) / "pull", time.monotonic() + 120
+    while not marker.exists():  # the decode engine core runs on its own; the pull is its worker's
+        if time.monotonic() > deadline:
+            raise TimeoutError("the decode engine's pull never reached the prefill side")
+        time.sleep(0.01)
+    prefill.generate(
+        [{"prompt_token_ids": prompt}],
+        _params(1, {"do_remote_decode": True, "transfer_id": EARLY_TRANSFER}),
+        use_tqdm=False,
+    )
+    received = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id.startswith(EARLY) and output.finished:
+                received = list(output.outputs[0].token_ids)
+    prefill.generate([{"prompt_token_ids": prompt[:8]}], _params(1, None), use_tqdm=False)  # steps that report the send
+    return {"baseline": baseline, "victim": received}
+
+
 def main() -> None:
-    result = _drive(json.loads(sys.argv[1]))
+    spec = json.loads(sys.argv[1])
+    result = _drive_early_send(spec) if spec.get("mode") == "early_send" else _drive(spec)
     print("ZOO_PAIR " + json.dumps(result), flush=True)
 
 
