@@ -481,3 +481,71 @@ def test_send_before_the_forward_is_caught_as_a_content_mismatch(tmp_path):
         f"{violation.kind} at decode step {violation.step}: {violation.detail}; "
         f"decode {run.victim} vs {run.baseline}"
     )
+
+
+# -- a recompute's rewind reaches MRV2's host mirror only (vllm 49250) --------------------------------
+MRV2_SCRIPT = Path(__file__).with_name("mrv2_adapter_run.py")
+REWIND = ("req-a", 4, 16)  # at ledger step 4 req-a (20-token prompt, 22 computed) goes back to 16
+
+
+def run_mrv2(ledger: Path, *args: str) -> dict:
+    proc = subprocess.run(
+        [vllm_python(), str(MRV2_SCRIPT), str(ledger), *args], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    found = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
+    assert proc.returncode == 0 and found, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads(found[1])
+
+
+@pytest.mark.parallel
+def test_recompute_with_a_stale_device_count_is_caught_at_the_rewind(tmp_path):
+    """vllm 49250 on Model Runner V2's real RequestState, BlockTables and `update_requests`
+    (mrv2_adapter_run.py: MRV2 needs Triton and a device): the scheduler rewinds a running
+    request for a recompute; vLLM 0.32's `update_requests` writes the rewind to the host mirror
+    only, the device count stays ahead, and the recompute's positions (and from the row's end on,
+    its slots) come from the wrong offset. Caught at the rewind as write_target_mismatch
+    (positions), then at every later step of the request; with PR 49252's fix, silent."""
+    req_id, at, tokens = REWIND
+    rewind = f"--recompute={req_id}@{at}:{tokens}"
+    faulty = run_mrv2(tmp_path / "faulty", rewind)
+    fixed = run_mrv2(tmp_path / "fixed", rewind, "--recompute-fixed")
+    # Fired: the scheduler's count went back to 16 (the truth both runs share); the faulty run's
+    # positions started from the device count, still 22, the fixed run's from 16.
+    assert faulty["truth"] == fixed["truth"] and faulty["truth"][str(at)][req_id]["computed"] == tokens
+    ahead = faulty["device_computed"][str(at)][req_id]
+    assert ahead == faulty["truth"][str(at - 1)][req_id]["computed"] + 1 == 22
+    assert fixed["device_computed"][str(at)][req_id] == tokens
+    scheduled = ahead - tokens + 1  # the rewound tokens and the next one
+    later = {int(s): c[req_id] for s, c in faulty["device_computed"].items() if int(s) > at}
+    assert all(c == faulty["truth"][str(s)][req_id]["computed"] + ahead - tokens for s, c in later.items()), later
+    # Caught at the rewind's step, the request named, on the rank's dp0/tp0/pp0 (positions: no group).
+    found = replay(tmp_path / "faulty").violations
+    first = found[0]
+    assert (first.kind, first.step, first.req_id, first.group, rank_of(first)) == (
+        "write_target_mismatch",
+        at,
+        req_id,
+        None,
+        RANK,
+    ), found
+    assert first.detail == (
+        f"plan writes {scheduled} token(s) from position {ahead}; "
+        f"scheduler handed {scheduled} token(s) from computed position {tokens}"
+    )
+    # Every later step of the request is off by as much; once the wrong positions pass the end of
+    # its two blocks (position 32, ledger step 8) each step also writes past its row: block 0.
+    assert {v.req_id for v in found} == {req_id}
+    positions = [v.step for v in found if v.group is None]
+    assert positions == list(range(at, 13)), positions
+    past_row = sorted({v.step for v in found if v.group is not None})
+    assert past_row == [s for s, c in later.items() if c >= 32] == list(range(8, 13)), past_row
+    assert all(
+        sorted(v.kind for v in found if v.step == s and v.group == 0)
+        == ["foreign_block_write", "write_target_mismatch"]
+        for s in past_row
+    )
+    assert replay(tmp_path / "fixed").violations == []
+    print(
+        f"zoo 49250: {req_id} rewound to {tokens} at ledger step {at}, device count {ahead}: {first.kind} at step "
+        f"{first.step} ({first.detail}); {len(found)} violations in steps {at}..12; fixed: none"
+    )
