@@ -417,69 +417,155 @@ def test_abort_freeing_blocks_under_an_in_flight_transfer_is_caught_at_the_victi
     )
 
 
-# -- the prefill engine sends before the forward that computes the KV (SGLang 33970) ----------------
+# -- a hybrid pair: a send before the forward (SGLang 33970); a KV group never sent (SGLang 24878) -----
+# A two-layer Llama whose second layer has a sliding window: two KV cache groups (full attention,
+# sliding window) of one page size in one pool, both transferred by vLLM's Mooncake connector.
+HYBRID_LLAMA = {**TINY_LLAMA, "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 32}
 EARLY_PROMPT = list(range(120, 216))  # three full blocks
 STALE_PROMPT = list(range(300, 396))  # what the prefill engine served before: its blocks keep its KV
+UNSENT_PROMPT = list(range(20, 116))
+UNSENT_GROUP = 1  # the sliding-window group
 
 
-def test_send_before_the_forward_is_caught_as_a_content_mismatch(tmp_path):
-    """SGLang 33970 on vLLM's Mooncake pair: the prefill side sets the send's `ready` when it
-    binds the step that schedules the prefill (plugins/zoo_early_send.py), so the decode engine's
-    pull, already waiting, is served before the forward wrote those blocks: decode receives what
-    they held before (nothing: fresh blocks). With transfer digests on, the prefill digest (taken
-    when the send is reported done, after the forward) and the decode digest (the bytes received)
-    differ: transfer_content_mismatch on the decode engine, at its receive's completion."""
+@dataclass
+class HybridPair:
+    run: object  # zoo_pair.ZooPairRun
+    records: list[dict]
+    ledger: Path
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory) -> HybridPair:
+    """One pair run for both entries: the first transfer made ready before its forward
+    (plugins/zoo_early_send.py), the second sent without its sliding-window group
+    (plugins/zoo_unsent_group.py); transfer digests on every transfer."""
     from tests.e2e.test_pd_pair import _pair_ready
-    from tests.e2e.zoo_pair import EARLY_TRANSFER, run_zoo_pair
+    from tests.e2e.zoo_pair import EARLY_TRANSFER, UNSENT_TRANSFER, run_zoo_pair
 
-    markers = tmp_path / "markers"
+    root = tmp_path_factory.mktemp("zoo-hybrid-pair")
+    markers = root / "markers"
     markers.mkdir()
     spec = {
         "mode": "early_send",
+        "model": HYBRID_LLAMA,
         "victim": EARLY_PROMPT,
         "stale": STALE_PROMPT,
+        "unsent": UNSENT_PROMPT,
         "max_tokens": 8,
-        "ledger_root": str(tmp_path / "ledger"),
+        "ledger_root": str(root / "ledger"),
         "markers": str(markers),
     }
-    run = run_zoo_pair(_pair_ready(), spec, {"ZOO_EARLY_SEND": "1", "ZOO_WEIGHT_SCALE": "100"})
+    env = {
+        "ZOO_EARLY_SEND": EARLY_TRANSFER,
+        "ZOO_UNSENT_GROUP": f"{UNSENT_TRANSFER}:{UNSENT_GROUP}",
+        "ZOO_WEIGHT_SCALE": "100",
+    }
+    run = run_zoo_pair(_pair_ready(), spec, env)
+    records = [_record(line) for line in re.findall(r"^ZOO (.*)$", run.log, re.M)]
+    return HybridPair(run, records, root / "ledger")
+
+
+def transfer_events(ledger: Path, transfer_id: str) -> dict[str, dict]:
+    return {e["kind"]: e for e in connector_events(ledger) if e["transfer_id"] == transfer_id}
+
+
+def groups_of(event: dict) -> list[list[int]]:
+    return [unpack_i32(group).tolist() for group in event["block_ids"]]
+
+
+def transfer_violations(result, transfer_id: str) -> list:
+    return [v for v in result.violations if v.detail.startswith(f"transfer {transfer_id}:")]
+
+
+def test_send_before_the_forward_is_caught_as_a_content_mismatch(hybrid_pair):
+    """SGLang 33970 on vLLM's Mooncake pair: the prefill side sets the send's `ready` when it
+    binds the step that schedules the prefill (plugins/zoo_early_send.py), so the decode engine's
+    pull, already waiting, is served before the forward wrote those blocks: decode receives what
+    they held before (the KV of the prompt the prefill engine served last). With transfer digests
+    on, the prefill digest (taken when the send is reported done, after the forward) and the
+    decode digest (the bytes received) differ: transfer_content_mismatch on the decode engine, at
+    its receive's completion."""
+    from tests.e2e.zoo_pair import EARLY_TRANSFER
+
+    run, ledger = hybrid_pair.run, hybrid_pair.ledger
     # Fired: the pull waited on the prefill side; `ready` was set when the prefill step bound its
     # metadata and the send landed before that step's forward, reading what the blocks held then
     # (the stale prompt's KV); the forward then changed every value it had sent.
-    records = [_record(line) for line in re.findall(r"^ZOO (.*)$", run.log, re.M)]
-    assert [r["what"] for r in records] == ["pull", "early", "computed"], records
+    records = [r for r in hybrid_pair.records if r.get("transfer") == EARLY_TRANSFER]
+    assert [r["what"] for r in records] == ["pull", "early", "computed"], hybrid_pair.records
     early, computed = records[1], records[2]
-    assert early["transfer"] == computed["transfer"] == EARLY_TRANSFER and early["sent"] == "1"
-    assert int(early["nonzero"]) > 0 and int(computed["changed"]) > 0, records
-    sent_blocks = [int(b) for b in early["blocks"].split(",")]
-    prefill, decode = tmp_path / "ledger" / "prefill", tmp_path / "ledger" / "decode"
+    assert early["sent"] == "1" and int(early["nonzero"]) > 0, early
+    assert int(computed["changed"]) == int(early["nonzero"]), records
+    sent_groups = [[int(b) for b in g.split(",")] for g in early["blocks"].split("/")]
+    prefill, decode = ledger / "prefill", ledger / "decode"
     computed_at, request = scheduled(prefill, early["req"])
-    assert blocks_of(request) == sent_blocks and request["num_scheduled_tokens"] == len(EARLY_PROMPT)
-    sends = {e["kind"]: e for e in connector_events(prefill) if e["transfer_id"] == EARLY_TRANSFER}
-    recvs = {e["kind"]: e for e in connector_events(decode) if e["transfer_id"] == EARLY_TRANSFER}
+    # Every block of group 0; of the sliding-window group, those within the window (vLLM's clip).
+    window = blocks_of(request, 1)[-len(sent_groups[1]) :]
+    assert sent_groups == [blocks_of(request, 0), window] and len(window) < len(blocks_of(request, 1))
+    assert request["num_scheduled_tokens"] == len(EARLY_PROMPT)
+    sends, recvs = transfer_events(prefill, EARLY_TRANSFER), transfer_events(decode, EARLY_TRANSFER)
     # vLLM's bookkeeping is untouched: the send is announced and reported done after the step that
     # computed the KV, and the prefill digest is taken then (the computed KV, not what was sent).
     assert computed_at < sends["SEND_INTENT"]["step"] <= sends["SEND_DONE"]["step"], sends
     assert sends["SEND_DONE"]["digest"] is not None and recvs["RECV_DONE"]["digest"] is not None
-    recv_blocks = unpack_i32(recvs["RECV_INTENT"]["block_ids"][0]).tolist()
     # The decode engine's answer over the received KV is not its own answer to the same prompt.
     assert run.victim != run.baseline, (run.victim, run.baseline)
     # Caught: one transfer_content_mismatch on the decode engine's rank, at the step its receive
-    # completed, for its request; every block differs, the first named with its group.
-    result = replay(tmp_path / "ledger")
-    found = [(v.kind, v.req_id, v.step, v.group, rank_of(v)) for v in result.violations]
-    done_at = recvs["RECV_DONE"]["step"]
-    assert found == [("transfer_content_mismatch", recvs["RECV_DONE"]["req_id"], done_at, None, RANK)], found
-    violation = result.violations[0]
+    # completed, for its request; every block of both groups differs, the first named with its group.
+    result = replay(ledger)
+    found = transfer_violations(result, EARLY_TRANSFER)
+    assert [(v.kind, v.req_id, v.step, v.group, rank_of(v)) for v in found] == [
+        ("transfer_content_mismatch", recvs["RECV_DONE"]["req_id"], recvs["RECV_DONE"]["step"], None, RANK)
+    ], result.violations
+    violation, received, sent = found[0], groups_of(recvs["RECV_INTENT"]), groups_of(sends["SEND_INTENT"])
     assert violation.engine_id == next(s.engine_id for s in discover(decode))
-    assert violation.detail.startswith(f"transfer {EARLY_TRANSFER}: {len(sent_blocks)} of {len(sent_blocks)} received")
-    assert f"first: decode block {recv_blocks[0]} (group 0) vs prefill block {sent_blocks[0]}" in violation.detail
-    assert result.ledger.coverage.checks["transfer_content"] == 1
+    n = sum(map(len, received))
+    assert violation.detail.startswith(f"transfer {EARLY_TRANSFER}: {n} of {n} received block(s) differ")
+    assert f"first: decode block {received[0][0]} (group 0) vs prefill block {sent[0][0]}" in violation.detail
     print(
-        f"zoo 33970: blocks {sent_blocks} sent at the bind of prefill step {computed_at}, before its forward "
-        f"({early['nonzero']} nonzero values then, {computed['changed']} changed by the forward); "
-        f"{violation.kind} at decode step {violation.step}: {violation.detail}; "
-        f"decode {run.victim} vs {run.baseline}"
+        f"zoo 33970: blocks {sent_groups} (groups 0/1) sent at the bind of prefill step {computed_at}, before "
+        f"its forward ({early['nonzero']} nonzero values then, {computed['changed']} changed by the forward); "
+        f"{violation.kind} at decode step {violation.step}: {violation.detail}; decode {run.victim} vs {run.baseline}"
+    )
+
+
+def test_a_kv_group_never_transferred_is_caught_with_its_group(hybrid_pair):
+    """SGLang 24878 on vLLM's Mooncake pair with a hybrid model: the prefill side builds the
+    transfer without the sliding-window group's regions (plugins/zoo_unsent_group.py); the pull
+    succeeds, the full-attention blocks land, the sliding-window block keeps what the decode
+    engine's block held. With transfer digests on: transfer_content_mismatch on the decode
+    engine, naming the one block that differs and its group."""
+    from tests.e2e.zoo_pair import UNSENT_TRANSFER
+
+    run, ledger = hybrid_pair.run, hybrid_pair.ledger
+    records = [r for r in hybrid_pair.records if r.get("transfer") == UNSENT_TRANSFER]
+    assert [r["what"] for r in records] == ["pull", "unsent"], hybrid_pair.records
+    assert (records[1]["group"], records[1]["regions"], records[1]["of"]) == (str(UNSENT_GROUP), "1", "2")
+    prefill, decode = ledger / "prefill", ledger / "decode"
+    sends, recvs = transfer_events(prefill, UNSENT_TRANSFER), transfer_events(decode, UNSENT_TRANSFER)
+    assert "SEND_DONE" in sends and "RECV_DONE" in recvs
+    assert "RECV_FAILED" not in recvs  # the transfer itself reported success
+    # The decode engine computed over a stale sliding-window block: the same greedy tokens here
+    # (the tiny model), but not the same log-probabilities as the prefill engine's own answer.
+    extra = run.extra
+    assert extra["unsent"] == extra["unsent_baseline"]
+    assert extra["unsent_logprobs"] != extra["unsent_baseline_logprobs"], extra
+    result = replay(ledger)
+    found = transfer_violations(result, UNSENT_TRANSFER)
+    assert [(v.kind, v.req_id, v.step, v.group, rank_of(v)) for v in found] == [
+        ("transfer_content_mismatch", recvs["RECV_DONE"]["req_id"], recvs["RECV_DONE"]["step"], None, RANK)
+    ], result.violations
+    received, sent = groups_of(recvs["RECV_INTENT"]), groups_of(sends["SEND_INTENT"])
+    n = sum(map(len, received))
+    assert found[0].detail.startswith(f"transfer {UNSENT_TRANSFER}: {len(received[UNSENT_GROUP])} of {n} received")
+    group, stale, sent_last = UNSENT_GROUP, received[UNSENT_GROUP][0], sent[UNSENT_GROUP][-1]
+    assert f"first: decode block {stale} (group {group}) vs prefill block {sent_last}" in found[0].detail, found[0]
+    # Nothing else in the run but the other entry's transfer.
+    assert len(result.violations) == 2 and result.ledger.coverage.checks["transfer_content"] == 2
+    print(
+        f"zoo 24878: group {UNSENT_GROUP}'s regions left out of transfer {UNSENT_TRANSFER}; {found[0].kind} at decode "
+        f"step {found[0].step}: {found[0].detail}; logprobs {extra['unsent_logprobs'][:3]} vs "
+        f"{extra['unsent_baseline_logprobs'][:3]}"
     )
 
 

@@ -26,11 +26,17 @@ With "mode": "early_send" (SGLang 33970, plugins/zoo_early_send.py), instead:
    prefill side (the plugin's `pull` marker) for a request the prefill engine has not seen;
 3. the prefill engine prefills it for the transfer (`do_remote_decode`); the plugin sets the
    send's `ready` at bind time, so the waiting pull is served before the forward;
-4. the decode engine runs until the request is done; the prefill engine serves one more plain
-   prompt, so its worker reports the finished send.
+4. the decode engine runs until the request is done;
+5. with "unsent" (SGLang 24878, plugins/zoo_unsent_group.py): the prefill engine serves that
+   prompt alone (its reference answer), then prefills it for a second transfer, which the
+   decode engine pulls and decodes as a pair does;
+6. the prefill engine serves one more plain prompt, so its worker reports the finished sends.
 
-Spec: {"mode": "early_send", "victim": [token ids], "stale": [token ids], "max_tokens": 8, "ledger_root": "/abs" | null,
-"markers": "/abs"}; "victim" in the output is the decode engine's answer.
+Spec: {"mode": "early_send", "victim": [token ids], "stale": [token ids], "unsent": [token ids] | null,
+"model": {config.json} | null (default: the tiny Llama), "max_tokens": 8, "ledger_root": "/abs" | null,
+"markers": "/abs"}; "victim" in the output is the decode engine's answer, "unsent" and
+"unsent_baseline" the second transfer's answer and its reference ("..._logprobs": each sampled
+token's log-probability).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 try:  # the driver, run as a script beside pd_pair.py
@@ -49,6 +55,7 @@ except ImportError:  # the harness, imported by the tests
 DOOMED, VICTIM = "zoo-doomed", "zoo-victim"
 TRANSFER = "xfer-doomed"
 EARLY, EARLY_TRANSFER = "zoo-early", "xfer-early"  # early_send: the decode request and its transfer
+UNSENT_TRANSFER = "xfer-unsent"  # early_send's second transfer, "unsent"
 
 
 # -- harness (the tests' interpreter) ------------------------------------------------------------
@@ -57,6 +64,7 @@ class ZooPairRun:
     baseline: list[int]
     victim: list[int]
     log: str
+    extra: dict = field(default_factory=dict)  # early_send's "unsent" and "unsent_baseline"
 
 
 def run_zoo_pair(python: str, spec: dict, env: dict[str, str], timeout: float = 600) -> ZooPairRun:
@@ -70,7 +78,8 @@ def run_zoo_pair(python: str, spec: dict, env: dict[str, str], timeout: float = 
     if returncode != 0 or not found:
         pytest.fail(f"zoo pair failed (exit {returncode}):\n{log[-4000:]}", pytrace=False)
     result = json.loads(found[0].removeprefix("ZOO_PAIR "))
-    return ZooPairRun(result["baseline"], result["victim"], log)
+    extra = {k: v for k, v in result.items() if k not in ("baseline", "victim")}
+    return ZooPairRun(result["baseline"], result["victim"], log, extra)
 
 
 # -- driver (the vLLM interpreter, inside the namespace) -----------------------------------------
@@ -115,6 +124,16 @@ def _drive(spec: dict) -> dict:
     return {"baseline": baseline, "victim": victim}
 
 
+def _logprobs(params):
+    params.logprobs = 0  # each sampled token's log-probability
+    return params
+
+
+def _sampled_logprobs(output) -> list[float]:
+    completion = output.outputs[0]
+    return [step[t].logprob for t, step in zip(completion.token_ids, completion.logprobs, strict=True)]
+
+
 def _drive_early_send(spec: dict) -> dict:
     import tempfile
 
@@ -122,7 +141,7 @@ def _drive_early_send(spec: dict) -> dict:
     from engine_run import TINY_LLAMA
 
     model = tempfile.mkdtemp(prefix="tiny-llama-")
-    Path(model, "config.json").write_text(json.dumps(TINY_LLAMA))
+    Path(model, "config.json").write_text(json.dumps(spec.get("model") or TINY_LLAMA))
     settings = {"ledger_root": spec.get("ledger_root"), "transfer_digests": 1.0}
     prefill = _engine(model, "prefill", PREFILL_ENGINE_ID, settings)
     decode = _engine(model, "decode", "decode-0", settings)
@@ -153,8 +172,19 @@ def _drive_early_send(spec: dict) -> dict:
         for output in engine.step():
             if output.request_id.startswith(EARLY) and output.finished:
                 received = list(output.outputs[0].token_ids)
-    prefill.generate([{"prompt_token_ids": prompt[:8]}], _params(1, None), use_tqdm=False)  # steps that report the send
-    return {"baseline": baseline, "victim": received}
+    result = {"baseline": baseline, "victim": received}
+    if spec.get("unsent"):
+        unsent = [{"prompt_token_ids": spec["unsent"]}]
+        reference = prefill.generate(unsent, _logprobs(_params(max_tokens, None)), use_tqdm=False)
+        prefill.generate(unsent, _params(1, {"do_remote_decode": True, "transfer_id": UNSENT_TRANSFER}), use_tqdm=False)
+        pulled = {**pulled, "transfer_id": UNSENT_TRANSFER}
+        answer = decode.generate(unsent, _logprobs(_params(max_tokens, pulled)), use_tqdm=False)
+        for key, outputs in (("unsent_baseline", reference), ("unsent", answer)):
+            result[key], result[f"{key}_logprobs"] = _tokens(outputs)[0], _sampled_logprobs(outputs[0])
+    prefill.generate(
+        [{"prompt_token_ids": prompt[:8]}], _params(1, None), use_tqdm=False
+    )  # steps that report the sends
+    return result
 
 
 def main() -> None:

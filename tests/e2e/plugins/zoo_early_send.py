@@ -17,7 +17,8 @@ forward; `MooncakeConnectorScheduler.update_state_after_alloc` registers the req
 without blocks), the worker gets the blocks just allocated and sets `ready` on the sender loop,
 so a pull already waiting sends what those blocks hold then.
 
-    ZOO_EARLY_SEND=1        prefill: set `ready` at bind time, with the blocks just allocated
+    ZOO_EARLY_SEND=T        prefill: set `ready` at bind time, with the blocks just allocated, for
+                            the request whose transfer id is T
     ZOO_EARLY_MARKERS=DIR   prefill: touch DIR/pull once the decode engine's pull is waiting
 
 What differs from the original, and why: the window. SGLang's overlap scheduler runs the
@@ -32,9 +33,10 @@ original code path reports it: the scheduler frees a prefill request's blocks on
 done), so only the bytes are wrong, not the bookkeeping.
 
 It prints, on stderr: `ZOO pull transfer=T` (the decode engine's pull is waiting);
-`ZOO early req=R transfer=T blocks=B,... sent=1 nonzero=N` (ready set at bind time, the send
-landed before the forward; N: nonzero KV values of those blocks then); `ZOO computed req=R
-transfer=T changed=C` (the forward's KV differs from the sent bytes in C values).
+`ZOO early req=R transfer=T blocks=B,.../B,... sent=1 nonzero=N` (the blocks per KV group; ready
+set at bind time and the send landed before the forward; N: nonzero KV values of those blocks
+then); `ZOO computed req=R transfer=T changed=C` (the forward's KV differs from the sent bytes
+in C values).
 """
 
 import asyncio
@@ -53,7 +55,8 @@ def _say(line: str) -> None:
 
 
 def register() -> None:
-    if os.environ.get("ZOO_EARLY_SEND") != "1":
+    target = os.environ.get("ZOO_EARLY_SEND")
+    if not target:
         return
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as mc
 
@@ -61,11 +64,11 @@ def register() -> None:
         return
     mc._zoo_early_send = True
     markers = os.environ.get("ZOO_EARLY_MARKERS")
-    _scheduler_side(mc.MooncakeConnectorScheduler)
+    _scheduler_side(mc.MooncakeConnectorScheduler, target)
     _worker_side(mc, Path(markers) if markers else None)
 
 
-def _scheduler_side(scheduler_cls) -> None:
+def _scheduler_side(scheduler_cls, target: str) -> None:
     """The blocks allocated to a request to send, passed with the metadata that registers it
     (beside `reqs_to_send`, which keeps vLLM's shape: no blocks until the prefill is done)."""
     update_state_after_alloc, build_connector_meta = (
@@ -76,7 +79,9 @@ def _scheduler_side(scheduler_cls) -> None:
     @functools.wraps(update_state_after_alloc)
     def noting_blocks(self, request, blocks, num_external_tokens):
         update_state_after_alloc(self, request, blocks, num_external_tokens)
-        if request.request_id in self._reqs_need_send and not self._reqs_need_send[request.request_id][1]:
+        params = request.kv_transfer_params or {}
+        registered = self._reqs_need_send.get(request.request_id)
+        if params.get("transfer_id") == target and registered is not None and not registered[1]:
             early = self.__dict__.setdefault("_zoo_early", {})
             early[request.request_id] = self.get_sw_clipped_blocks(blocks.get_block_ids())
 
@@ -96,7 +101,7 @@ def _worker_side(mc, markers: Path | None) -> None:
     record_send_reqs = worker_cls.record_send_reqs
     send_kv_to_decode, fetch_finished = worker_cls.send_kv_to_decode, worker_cls.fetch_finished_sending_reqs
     early: dict[str, object] = {}  # transfer id -> its SendBlockMeta, ready set at bind time
-    sent_bytes: dict[str, list] = {}  # transfer id -> the blocks' KV as the early send read them
+    sent_bytes: dict[str, tuple] = {}  # transfer id -> (its blocks, their KV as the early send read them)
 
     def kv_of(worker, groups):
         import torch
@@ -155,9 +160,10 @@ def _worker_side(mc, markers: Path | None) -> None:
             else:
                 send_meta.p_req_id = p_req_id
                 self.reqs_need_send.setdefault(transfer_id, send_meta)
-            before = sent_bytes.pop(transfer_id, None)
-            if before is not None:
-                after = kv_of(self, block_ids)
+            sent = sent_bytes.pop(transfer_id, None)
+            if sent is not None:
+                groups, before = sent
+                after = kv_of(self, groups)
                 changed = sum(int((a != b).sum()) for a, b in zip(after, before, strict=True))
                 _say(f"computed req={p_req_id} transfer={transfer_id} changed={changed}")
         if handled:
@@ -185,9 +191,9 @@ def _worker_side(mc, markers: Path | None) -> None:
                 time.sleep(0.005)
             else:
                 kv = kv_of(worker, blocks_now[p_req_id])
-                sent_bytes[transfer_id] = kv
+                sent_bytes[transfer_id] = (blocks_now[p_req_id], kv)
                 nonzero = sum(int((t != 0).sum()) for t in kv)
-                blocks = ",".join(str(b) for g in blocks_now[p_req_id] for b in g)
+                blocks = "/".join(",".join(str(b) for b in g) for g in blocks_now[p_req_id])
                 _say(f"early req={p_req_id} transfer={transfer_id} blocks={blocks} sent=1 nonzero={nonzero}")
 
     @functools.wraps(fetch_finished)
