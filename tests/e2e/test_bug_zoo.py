@@ -417,7 +417,8 @@ def test_abort_freeing_blocks_under_an_in_flight_transfer_is_caught_at_the_victi
     )
 
 
-# -- a hybrid pair: a send before the forward (SGLang 33970); a KV group never sent (SGLang 24878) -----
+# -- a hybrid pair: a send before the forward (SGLang 33970); a KV group never sent (SGLang 24878); -------
+# -- a region sending another group's blocks (vllm-ascend 13965) ------------------------------------------
 # A two-layer Llama whose second layer has a sliding window: two KV cache groups (full attention,
 # sliding window) of one page size in one pool, both transferred by vLLM's Mooncake connector.
 HYBRID_LLAMA = {**TINY_LLAMA, "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 32}
@@ -425,6 +426,7 @@ EARLY_PROMPT = list(range(120, 216))  # three full blocks
 STALE_PROMPT = list(range(300, 396))  # what the prefill engine served before: its blocks keep its KV
 UNSENT_PROMPT = list(range(20, 116))
 UNSENT_GROUP = 1  # the sliding-window group
+SHIFTED_PROMPT = list(range(230, 262))  # one block per group to send: decode pulls 31 tokens
 
 
 @dataclass
@@ -436,11 +438,12 @@ class HybridPair:
 
 @pytest.fixture(scope="module")
 def hybrid_pair(tmp_path_factory) -> HybridPair:
-    """One pair run for both entries: the first transfer made ready before its forward
+    """One pair run for three entries: the first transfer made ready before its forward
     (plugins/zoo_early_send.py), the second sent without its sliding-window group
-    (plugins/zoo_unsent_group.py); transfer digests on every transfer."""
+    (plugins/zoo_unsent_group.py), the third with each region's source blocks taken from the
+    other group (plugins/zoo_group_index.py); transfer digests on every transfer."""
     from tests.e2e.test_pd_pair import _pair_ready
-    from tests.e2e.zoo_pair import EARLY_TRANSFER, UNSENT_TRANSFER, run_zoo_pair
+    from tests.e2e.zoo_pair import EARLY_TRANSFER, SHIFTED_TRANSFER, UNSENT_TRANSFER, run_zoo_pair
 
     root = tmp_path_factory.mktemp("zoo-hybrid-pair")
     markers = root / "markers"
@@ -450,7 +453,7 @@ def hybrid_pair(tmp_path_factory) -> HybridPair:
         "model": HYBRID_LLAMA,
         "victim": EARLY_PROMPT,
         "stale": STALE_PROMPT,
-        "unsent": UNSENT_PROMPT,
+        "transfers": [[UNSENT_TRANSFER, UNSENT_PROMPT], [SHIFTED_TRANSFER, SHIFTED_PROMPT]],
         "max_tokens": 8,
         "ledger_root": str(root / "ledger"),
         "markers": str(markers),
@@ -458,6 +461,7 @@ def hybrid_pair(tmp_path_factory) -> HybridPair:
     env = {
         "ZOO_EARLY_SEND": EARLY_TRANSFER,
         "ZOO_UNSENT_GROUP": f"{UNSENT_TRANSFER}:{UNSENT_GROUP}",
+        "ZOO_GROUP_INDEX": SHIFTED_TRANSFER,
         "ZOO_WEIGHT_SCALE": "100",
     }
     run = run_zoo_pair(_pair_ready(), spec, env)
@@ -547,9 +551,9 @@ def test_a_kv_group_never_transferred_is_caught_with_its_group(hybrid_pair):
     assert "RECV_FAILED" not in recvs  # the transfer itself reported success
     # The decode engine computed over a stale sliding-window block: the same greedy tokens here
     # (the tiny model), but not the same log-probabilities as the prefill engine's own answer.
-    extra = run.extra
-    assert extra["unsent"] == extra["unsent_baseline"]
-    assert extra["unsent_logprobs"] != extra["unsent_baseline_logprobs"], extra
+    answer = run.extra["transfers"][UNSENT_TRANSFER]
+    assert answer["tokens"] == answer["baseline"]
+    assert answer["logprobs"] != answer["baseline_logprobs"], answer
     result = replay(ledger)
     found = transfer_violations(result, UNSENT_TRANSFER)
     assert [(v.kind, v.req_id, v.step, v.group, rank_of(v)) for v in found] == [
@@ -560,12 +564,48 @@ def test_a_kv_group_never_transferred_is_caught_with_its_group(hybrid_pair):
     assert found[0].detail.startswith(f"transfer {UNSENT_TRANSFER}: {len(received[UNSENT_GROUP])} of {n} received")
     group, stale, sent_last = UNSENT_GROUP, received[UNSENT_GROUP][0], sent[UNSENT_GROUP][-1]
     assert f"first: decode block {stale} (group {group}) vs prefill block {sent_last}" in found[0].detail, found[0]
-    # Nothing else in the run but the other entry's transfer.
-    assert len(result.violations) == 2 and result.ledger.coverage.checks["transfer_content"] == 2
+    # Nothing else in the run but the other entries' transfers.
+    assert len(result.violations) == 3 and result.ledger.coverage.checks["transfer_content"] == 3
     print(
         f"zoo 24878: group {UNSENT_GROUP}'s regions left out of transfer {UNSENT_TRANSFER}; {found[0].kind} at decode "
-        f"step {found[0].step}: {found[0].detail}; logprobs {extra['unsent_logprobs'][:3]} vs "
-        f"{extra['unsent_baseline_logprobs'][:3]}"
+        f"step {found[0].step}: {found[0].detail}; logprobs {answer['logprobs'][:3]} vs "
+        f"{answer['baseline_logprobs'][:3]}"
+    )
+
+
+def test_a_region_sending_another_groups_blocks_is_caught_in_both_groups(hybrid_pair):
+    """vllm-ascend 13965 on vLLM's Mooncake pair with a hybrid model: the source side of each
+    transfer region looks its block ids up by the wrong group index (plugins/zoo_group_index.py),
+    so the full-attention region sends the sliding-window group's block and the other way round;
+    the transfer succeeds. With transfer digests: transfer_content_mismatch on the decode engine,
+    both blocks differing, the first named with its group."""
+    from tests.e2e.zoo_pair import SHIFTED_TRANSFER
+
+    run, ledger = hybrid_pair.run, hybrid_pair.ledger
+    records = [r for r in hybrid_pair.records if r.get("transfer") == SHIFTED_TRANSFER and r["what"] == "shifted"]
+    prefill, decode = ledger / "prefill", ledger / "decode"
+    sends, recvs = transfer_events(prefill, SHIFTED_TRANSFER), transfer_events(decode, SHIFTED_TRANSFER)
+    sent, received = groups_of(sends["SEND_INTENT"]), groups_of(recvs["RECV_INTENT"])
+    assert [len(g) for g in sent] == [len(g) for g in received] == [1, 1], (sent, received)
+    # Fired: region 0 read group 1's block, region 1 group 0's.
+    assert [(r["region"], r["from"], r["blocks"]) for r in records] == [
+        ("0", "1", str(sent[1][0])),
+        ("1", "0", str(sent[0][0])),
+    ], records
+    assert "RECV_DONE" in recvs and "RECV_FAILED" not in recvs
+    answer = run.extra["transfers"][SHIFTED_TRANSFER]
+    assert answer["logprobs"] != answer["baseline_logprobs"], answer
+    result = replay(ledger)
+    found = transfer_violations(result, SHIFTED_TRANSFER)
+    assert [(v.kind, v.req_id, v.step, v.group, rank_of(v)) for v in found] == [
+        ("transfer_content_mismatch", recvs["RECV_DONE"]["req_id"], recvs["RECV_DONE"]["step"], None, RANK)
+    ], result.violations
+    assert found[0].detail.startswith(f"transfer {SHIFTED_TRANSFER}: 2 of 2 received block(s) differ")
+    assert f"first: decode block {received[0][0]} (group 0) vs prefill block {sent[0][0]}" in found[0].detail
+    print(
+        f"zoo 13965: regions 0/1 sent blocks {sent[1]}/{sent[0]} (groups swapped) for transfer {SHIFTED_TRANSFER}; "
+        f"{found[0].kind} at decode step {found[0].step}: {found[0].detail}; tokens {answer['tokens']} vs "
+        f"{answer['baseline']}, logprobs {answer['logprobs'][:2]} vs {answer['baseline_logprobs'][:2]}"
     )
 
 

@@ -27,16 +27,16 @@ With "mode": "early_send" (SGLang 33970, plugins/zoo_early_send.py), instead:
 3. the prefill engine prefills it for the transfer (`do_remote_decode`); the plugin sets the
    send's `ready` at bind time, so the waiting pull is served before the forward;
 4. the decode engine runs until the request is done;
-5. with "unsent" (SGLang 24878, plugins/zoo_unsent_group.py): the prefill engine serves that
-   prompt alone (its reference answer), then prefills it for a second transfer, which the
-   decode engine pulls and decodes as a pair does;
+5. per entry of "transfers" ([transfer id, prompt], e.g. SGLang 24878's, plugins/
+   zoo_unsent_group.py): the prefill engine serves the prompt alone (its reference answer),
+   then prefills it for that transfer, which the decode engine pulls and decodes as a pair does;
 6. the prefill engine serves one more plain prompt, so its worker reports the finished sends.
 
-Spec: {"mode": "early_send", "victim": [token ids], "stale": [token ids], "unsent": [token ids] | null,
+Spec: {"mode": "early_send", "victim": [token ids], "stale": [token ids], "transfers": [[id, [token ids]], ...],
 "model": {config.json} | null (default: the tiny Llama), "max_tokens": 8, "ledger_root": "/abs" | null,
-"markers": "/abs"}; "victim" in the output is the decode engine's answer, "unsent" and
-"unsent_baseline" the second transfer's answer and its reference ("..._logprobs": each sampled
-token's log-probability).
+"markers": "/abs"}; "victim" in the output is the decode engine's answer, "transfers" per
+transfer id its answer and reference: {"tokens", "logprobs", "baseline", "baseline_logprobs"}
+(logprobs: each sampled token's log-probability).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ except ImportError:  # the harness, imported by the tests
 DOOMED, VICTIM = "zoo-doomed", "zoo-victim"
 TRANSFER = "xfer-doomed"
 EARLY, EARLY_TRANSFER = "zoo-early", "xfer-early"  # early_send: the decode request and its transfer
-UNSENT_TRANSFER = "xfer-unsent"  # early_send's second transfer, "unsent"
+UNSENT_TRANSFER, SHIFTED_TRANSFER = "xfer-unsent", "xfer-shifted"  # early_send's "transfers" (the zoo's)
 
 
 # -- harness (the tests' interpreter) ------------------------------------------------------------
@@ -64,7 +64,7 @@ class ZooPairRun:
     baseline: list[int]
     victim: list[int]
     log: str
-    extra: dict = field(default_factory=dict)  # early_send's "unsent" and "unsent_baseline"
+    extra: dict = field(default_factory=dict)  # early_send's "transfers"
 
 
 def run_zoo_pair(python: str, spec: dict, env: dict[str, str], timeout: float = 600) -> ZooPairRun:
@@ -173,14 +173,19 @@ def _drive_early_send(spec: dict) -> dict:
             if output.request_id.startswith(EARLY) and output.finished:
                 received = list(output.outputs[0].token_ids)
     result = {"baseline": baseline, "victim": received}
-    if spec.get("unsent"):
-        unsent = [{"prompt_token_ids": spec["unsent"]}]
-        reference = prefill.generate(unsent, _logprobs(_params(max_tokens, None)), use_tqdm=False)
-        prefill.generate(unsent, _params(1, {"do_remote_decode": True, "transfer_id": UNSENT_TRANSFER}), use_tqdm=False)
-        pulled = {**pulled, "transfer_id": UNSENT_TRANSFER}
-        answer = decode.generate(unsent, _logprobs(_params(max_tokens, pulled)), use_tqdm=False)
-        for key, outputs in (("unsent_baseline", reference), ("unsent", answer)):
-            result[key], result[f"{key}_logprobs"] = _tokens(outputs)[0], _sampled_logprobs(outputs[0])
+    result["transfers"] = {}
+    for transfer_id, tokens in spec.get("transfers") or ():
+        one = [{"prompt_token_ids": tokens}]
+        reference = prefill.generate(one, _logprobs(_params(max_tokens, None)), use_tqdm=False)
+        prefill.generate(one, _params(1, {"do_remote_decode": True, "transfer_id": transfer_id}), use_tqdm=False)
+        pulled = {**pulled, "transfer_id": transfer_id}
+        answer = decode.generate(one, _logprobs(_params(max_tokens, pulled)), use_tqdm=False)
+        result["transfers"][transfer_id] = {
+            "tokens": _tokens(answer)[0],
+            "logprobs": _sampled_logprobs(answer[0]),
+            "baseline": _tokens(reference)[0],
+            "baseline_logprobs": _sampled_logprobs(reference[0]),
+        }
     prefill.generate(
         [{"prompt_token_ids": prompt[:8]}], _params(1, None), use_tqdm=False
     )  # steps that report the sends
