@@ -675,3 +675,40 @@ def test_recompute_with_a_stale_device_count_is_caught_at_the_rewind(tmp_path):
         f"zoo 49250: {req_id} rewound to {tokens} at ledger step {at}, device count {ahead}: {first.kind} at step "
         f"{first.step} ({first.detail}); {len(found)} violations in steps {at}..12; fixed: none"
     )
+
+
+# -- a block pool whose null block is not block 0 (kvcached 398) --------------------------------------
+NULL_PROMPTS = [list(range(3, 43)), list(range(100, 120))]  # two blocks and one
+
+
+@pytest.mark.parallel
+def test_null_block_other_than_block_0_is_caught_at_the_first_write_to_block_0(tmp_path):
+    """kvcached 398 modelled on vLLM's BlockPool (plugins/zoo_null_block.py): the pool's null block
+    is its last block and block 0 is handed out first, to the first request. kvledger, like vLLM,
+    knows block 0 as the null block: the request's write into it is a foreign_block_write at its
+    prefill step. The full-attention CPU kernels read and write block 0 like any other, so the
+    tokens are right here (the report's harm needs a kernel that skips block 0)."""
+    spec = {
+        "num_blocks": 16,
+        "max_model_len": 256,
+        "max_num_batched_tokens": 128,
+        "max_num_seqs": 4,
+        "rounds": [{"prompts": NULL_PROMPTS, "max_tokens": 4}],
+        "kv_trace": traced(tmp_path, "log"),
+    }
+    run = run_zoo(spec, env={"ZOO_NULL_BLOCK_LAST": "1"})
+    ledger = tmp_path / "ledger"
+    # Fired: the pool's null block is its last, 15 of 16, and the first request got block 0.
+    assert [(r["what"], r["block"], r["blocks"]) for r in run.records] == [("null", "15", "16")], run.records
+    first_at, first = admitted(ledger, 0)
+    _, second = admitted(ledger, 1)
+    assert blocks_of(first) == [0, 1] and blocks_of(second) == [2], (first, second)
+    assert all(len(tokens) == 4 for tokens in run.rounds[0])
+    # Caught: the prefill's write into block 0, at its step, with its request and group; nothing else
+    # (its later tokens fall in block 1).
+    found = replay(ledger).violations
+    assert [(v.kind, v.step, v.req_id, v.group, rank_of(v)) for v in found] == [
+        ("foreign_block_write", first_at, first["req_id"], 0, RANK)
+    ], found
+    assert found[0].detail == "writes position 0 into the null block (the ledger's row has block 0 there)"
+    print(f"zoo kvcached 398: null block 15, block 0 granted to {first['req_id']}: {found[0].kind} at step {first_at}")

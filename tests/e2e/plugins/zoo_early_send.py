@@ -47,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-WAIT_S = 15
+WAIT_S = 60
 
 
 def _say(line: str) -> None:
