@@ -415,3 +415,300 @@ def test_abort_freeing_blocks_under_an_in_flight_transfer_is_caught_at_the_victi
         f"{events['RECV_DONE']['step']} granted to {victim['req']} at step {granted_at}: "
         f"{result.violations[0].kind} at step {result.violations[0].step}; victim {run.victim} vs {run.baseline}"
     )
+
+
+# -- a hybrid pair: a send before the forward (SGLang 33970); a KV group never sent (SGLang 24878); -------
+# -- a region sending another group's blocks (vllm-ascend 13965) ------------------------------------------
+# A two-layer Llama whose second layer has a sliding window: two KV cache groups (full attention,
+# sliding window) of one page size in one pool, both transferred by vLLM's Mooncake connector.
+HYBRID_LLAMA = {**TINY_LLAMA, "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 32}
+EARLY_PROMPT = list(range(120, 216))  # three full blocks
+STALE_PROMPT = list(range(300, 396))  # what the prefill engine served before: its blocks keep its KV
+UNSENT_PROMPT = list(range(20, 116))
+UNSENT_GROUP = 1  # the sliding-window group
+SHIFTED_PROMPT = list(range(230, 262))  # one block per group to send: decode pulls 31 tokens
+
+
+@dataclass
+class HybridPair:
+    run: object  # zoo_pair.ZooPairRun
+    records: list[dict]
+    ledger: Path
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory) -> HybridPair:
+    """One pair run for three entries: the first transfer made ready before its forward
+    (plugins/zoo_early_send.py), the second sent without its sliding-window group
+    (plugins/zoo_unsent_group.py), the third with each region's source blocks taken from the
+    other group (plugins/zoo_group_index.py); transfer digests on every transfer."""
+    from tests.e2e.test_pd_pair import _pair_ready
+    from tests.e2e.zoo_pair import EARLY_TRANSFER, SHIFTED_TRANSFER, UNSENT_TRANSFER, run_zoo_pair
+
+    root = tmp_path_factory.mktemp("zoo-hybrid-pair")
+    markers = root / "markers"
+    markers.mkdir()
+    spec = {
+        "mode": "early_send",
+        "model": HYBRID_LLAMA,
+        "victim": EARLY_PROMPT,
+        "stale": STALE_PROMPT,
+        "transfers": [[UNSENT_TRANSFER, UNSENT_PROMPT], [SHIFTED_TRANSFER, SHIFTED_PROMPT]],
+        "max_tokens": 8,
+        "ledger_root": str(root / "ledger"),
+        "markers": str(markers),
+    }
+    env = {
+        "ZOO_EARLY_SEND": EARLY_TRANSFER,
+        "ZOO_UNSENT_GROUP": f"{UNSENT_TRANSFER}:{UNSENT_GROUP}",
+        "ZOO_GROUP_INDEX": SHIFTED_TRANSFER,
+        "ZOO_WEIGHT_SCALE": "100",
+    }
+    run = run_zoo_pair(_pair_ready(), spec, env)
+    records = [_record(line) for line in re.findall(r"^ZOO (.*)$", run.log, re.M)]
+    return HybridPair(run, records, root / "ledger")
+
+
+def transfer_events(ledger: Path, transfer_id: str) -> dict[str, dict]:
+    return {e["kind"]: e for e in connector_events(ledger) if e["transfer_id"] == transfer_id}
+
+
+def groups_of(event: dict) -> list[list[int]]:
+    return [unpack_i32(group).tolist() for group in event["block_ids"]]
+
+
+def transfer_violations(result, transfer_id: str) -> list:
+    return [v for v in result.violations if v.detail.startswith(f"transfer {transfer_id}:")]
+
+
+def test_send_before_the_forward_is_caught_as_a_content_mismatch(hybrid_pair):
+    """SGLang 33970 on vLLM's Mooncake pair: the prefill side sets the send's `ready` when it
+    binds the step that schedules the prefill (plugins/zoo_early_send.py), so the decode engine's
+    pull, already waiting, is served before the forward wrote those blocks: decode receives what
+    they held before (the KV of the prompt the prefill engine served last). With transfer digests
+    on, the prefill digest (taken when the send is reported done, after the forward) and the
+    decode digest (the bytes received) differ: transfer_content_mismatch on the decode engine, at
+    its receive's completion."""
+    from tests.e2e.zoo_pair import EARLY_TRANSFER
+
+    run, ledger = hybrid_pair.run, hybrid_pair.ledger
+    # Fired: the pull waited on the prefill side; `ready` was set when the prefill step bound its
+    # metadata and the send landed before that step's forward, reading what the blocks held then
+    # (the stale prompt's KV); the forward then changed every value it had sent.
+    records = [r for r in hybrid_pair.records if r.get("transfer") == EARLY_TRANSFER]
+    assert [r["what"] for r in records] == ["pull", "early", "computed"], hybrid_pair.records
+    early, computed = records[1], records[2]
+    assert early["sent"] == "1" and int(early["nonzero"]) > 0, early
+    assert int(computed["changed"]) == int(early["nonzero"]), records
+    sent_groups = [[int(b) for b in g.split(",")] for g in early["blocks"].split("/")]
+    prefill, decode = ledger / "prefill", ledger / "decode"
+    computed_at, request = scheduled(prefill, early["req"])
+    # Every block of group 0; of the sliding-window group, those within the window (vLLM's clip).
+    window = blocks_of(request, 1)[-len(sent_groups[1]) :]
+    assert sent_groups == [blocks_of(request, 0), window] and len(window) < len(blocks_of(request, 1))
+    assert request["num_scheduled_tokens"] == len(EARLY_PROMPT)
+    sends, recvs = transfer_events(prefill, EARLY_TRANSFER), transfer_events(decode, EARLY_TRANSFER)
+    # vLLM's bookkeeping is untouched: the send is announced and reported done after the step that
+    # computed the KV, and the prefill digest is taken then (the computed KV, not what was sent).
+    assert computed_at < sends["SEND_INTENT"]["step"] <= sends["SEND_DONE"]["step"], sends
+    assert sends["SEND_DONE"]["digest"] is not None and recvs["RECV_DONE"]["digest"] is not None
+    # The decode engine's answer over the received KV is not its own answer to the same prompt.
+    assert run.victim != run.baseline, (run.victim, run.baseline)
+    # Caught: one transfer_content_mismatch on the decode engine's rank, at the step its receive
+    # completed, for its request; every block of both groups differs, the first named with its group.
+    result = replay(ledger)
+    found = transfer_violations(result, EARLY_TRANSFER)
+    assert [(v.kind, v.req_id, v.step, v.group, rank_of(v)) for v in found] == [
+        ("transfer_content_mismatch", recvs["RECV_DONE"]["req_id"], recvs["RECV_DONE"]["step"], None, RANK)
+    ], result.violations
+    violation, received, sent = found[0], groups_of(recvs["RECV_INTENT"]), groups_of(sends["SEND_INTENT"])
+    assert violation.engine_id == next(s.engine_id for s in discover(decode))
+    n = sum(map(len, received))
+    assert violation.detail.startswith(f"transfer {EARLY_TRANSFER}: {n} of {n} received block(s) differ")
+    assert f"first: decode block {received[0][0]} (group 0) vs prefill block {sent[0][0]}" in violation.detail
+    print(
+        f"zoo 33970: blocks {sent_groups} (groups 0/1) sent at the bind of prefill step {computed_at}, before "
+        f"its forward ({early['nonzero']} nonzero values then, {computed['changed']} changed by the forward); "
+        f"{violation.kind} at decode step {violation.step}: {violation.detail}; decode {run.victim} vs {run.baseline}"
+    )
+
+
+def test_a_kv_group_never_transferred_is_caught_with_its_group(hybrid_pair):
+    """SGLang 24878 on vLLM's Mooncake pair with a hybrid model: the prefill side builds the
+    transfer without the sliding-window group's regions (plugins/zoo_unsent_group.py); the pull
+    succeeds, the full-attention blocks land, the sliding-window block keeps what the decode
+    engine's block held. With transfer digests on: transfer_content_mismatch on the decode
+    engine, naming the one block that differs and its group."""
+    from tests.e2e.zoo_pair import UNSENT_TRANSFER
+
+    run, ledger = hybrid_pair.run, hybrid_pair.ledger
+    records = [r for r in hybrid_pair.records if r.get("transfer") == UNSENT_TRANSFER]
+    assert [r["what"] for r in records] == ["pull", "unsent"], hybrid_pair.records
+    assert (records[1]["group"], records[1]["regions"], records[1]["of"]) == (str(UNSENT_GROUP), "1", "2")
+    prefill, decode = ledger / "prefill", ledger / "decode"
+    sends, recvs = transfer_events(prefill, UNSENT_TRANSFER), transfer_events(decode, UNSENT_TRANSFER)
+    assert "SEND_DONE" in sends and "RECV_DONE" in recvs
+    assert "RECV_FAILED" not in recvs  # the transfer itself reported success
+    # The decode engine computed over a stale sliding-window block: the same greedy tokens here
+    # (the tiny model), but not the same log-probabilities as the prefill engine's own answer.
+    answer = run.extra["transfers"][UNSENT_TRANSFER]
+    assert answer["tokens"] == answer["baseline"]
+    assert answer["logprobs"] != answer["baseline_logprobs"], answer
+    result = replay(ledger)
+    found = transfer_violations(result, UNSENT_TRANSFER)
+    assert [(v.kind, v.req_id, v.step, v.group, rank_of(v)) for v in found] == [
+        ("transfer_content_mismatch", recvs["RECV_DONE"]["req_id"], recvs["RECV_DONE"]["step"], None, RANK)
+    ], result.violations
+    received, sent = groups_of(recvs["RECV_INTENT"]), groups_of(sends["SEND_INTENT"])
+    n = sum(map(len, received))
+    assert found[0].detail.startswith(f"transfer {UNSENT_TRANSFER}: {len(received[UNSENT_GROUP])} of {n} received")
+    group, stale, sent_last = UNSENT_GROUP, received[UNSENT_GROUP][0], sent[UNSENT_GROUP][-1]
+    assert f"first: decode block {stale} (group {group}) vs prefill block {sent_last}" in found[0].detail, found[0]
+    # Nothing else in the run but the other entries' transfers.
+    assert len(result.violations) == 3 and result.ledger.coverage.checks["transfer_content"] == 3
+    print(
+        f"zoo 24878: group {UNSENT_GROUP}'s regions left out of transfer {UNSENT_TRANSFER}; {found[0].kind} at decode "
+        f"step {found[0].step}: {found[0].detail}; logprobs {answer['logprobs'][:3]} vs "
+        f"{answer['baseline_logprobs'][:3]}"
+    )
+
+
+def test_a_region_sending_another_groups_blocks_is_caught_in_both_groups(hybrid_pair):
+    """vllm-ascend 13965 on vLLM's Mooncake pair with a hybrid model: the source side of each
+    transfer region looks its block ids up by the wrong group index (plugins/zoo_group_index.py),
+    so the full-attention region sends the sliding-window group's block and the other way round;
+    the transfer succeeds. With transfer digests: transfer_content_mismatch on the decode engine,
+    both blocks differing, the first named with its group."""
+    from tests.e2e.zoo_pair import SHIFTED_TRANSFER
+
+    run, ledger = hybrid_pair.run, hybrid_pair.ledger
+    records = [r for r in hybrid_pair.records if r.get("transfer") == SHIFTED_TRANSFER and r["what"] == "shifted"]
+    prefill, decode = ledger / "prefill", ledger / "decode"
+    sends, recvs = transfer_events(prefill, SHIFTED_TRANSFER), transfer_events(decode, SHIFTED_TRANSFER)
+    sent, received = groups_of(sends["SEND_INTENT"]), groups_of(recvs["RECV_INTENT"])
+    assert [len(g) for g in sent] == [len(g) for g in received] == [1, 1], (sent, received)
+    # Fired: region 0 read group 1's block, region 1 group 0's.
+    assert [(r["region"], r["from"], r["blocks"]) for r in records] == [
+        ("0", "1", str(sent[1][0])),
+        ("1", "0", str(sent[0][0])),
+    ], records
+    assert "RECV_DONE" in recvs and "RECV_FAILED" not in recvs
+    answer = run.extra["transfers"][SHIFTED_TRANSFER]
+    assert answer["logprobs"] != answer["baseline_logprobs"], answer
+    result = replay(ledger)
+    found = transfer_violations(result, SHIFTED_TRANSFER)
+    assert [(v.kind, v.req_id, v.step, v.group, rank_of(v)) for v in found] == [
+        ("transfer_content_mismatch", recvs["RECV_DONE"]["req_id"], recvs["RECV_DONE"]["step"], None, RANK)
+    ], result.violations
+    assert found[0].detail.startswith(f"transfer {SHIFTED_TRANSFER}: 2 of 2 received block(s) differ")
+    assert f"first: decode block {received[0][0]} (group 0) vs prefill block {sent[0][0]}" in found[0].detail
+    print(
+        f"zoo 13965: regions 0/1 sent blocks {sent[1]}/{sent[0]} (groups swapped) for transfer {SHIFTED_TRANSFER}; "
+        f"{found[0].kind} at decode step {found[0].step}: {found[0].detail}; tokens {answer['tokens']} vs "
+        f"{answer['baseline']}, logprobs {answer['logprobs'][:2]} vs {answer['baseline_logprobs'][:2]}"
+    )
+
+
+# -- a recompute's rewind reaches MRV2's host mirror only (vllm 49250) --------------------------------
+MRV2_SCRIPT = Path(__file__).with_name("mrv2_adapter_run.py")
+REWIND = ("req-a", 4, 16)  # at ledger step 4 req-a (20-token prompt, 22 computed) goes back to 16
+
+
+def run_mrv2(ledger: Path, *args: str) -> dict:
+    proc = subprocess.run(
+        [vllm_python(), str(MRV2_SCRIPT), str(ledger), *args], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    found = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
+    assert proc.returncode == 0 and found, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads(found[1])
+
+
+@pytest.mark.parallel
+def test_recompute_with_a_stale_device_count_is_caught_at_the_rewind(tmp_path):
+    """vllm 49250 on Model Runner V2's real RequestState, BlockTables and `update_requests`
+    (mrv2_adapter_run.py: MRV2 needs Triton and a device): the scheduler rewinds a running
+    request for a recompute; vLLM 0.32's `update_requests` writes the rewind to the host mirror
+    only, the device count stays ahead, and the recompute's positions (and from the row's end on,
+    its slots) come from the wrong offset. Caught at the rewind as write_target_mismatch
+    (positions), then at every later step of the request; with PR 49252's fix, silent."""
+    req_id, at, tokens = REWIND
+    rewind = f"--recompute={req_id}@{at}:{tokens}"
+    faulty = run_mrv2(tmp_path / "faulty", rewind)
+    fixed = run_mrv2(tmp_path / "fixed", rewind, "--recompute-fixed")
+    # Fired: the scheduler's count went back to 16 (the truth both runs share); the faulty run's
+    # positions started from the device count, still 22, the fixed run's from 16.
+    assert faulty["truth"] == fixed["truth"] and faulty["truth"][str(at)][req_id]["computed"] == tokens
+    ahead = faulty["device_computed"][str(at)][req_id]
+    assert ahead == faulty["truth"][str(at - 1)][req_id]["computed"] + 1 == 22
+    assert fixed["device_computed"][str(at)][req_id] == tokens
+    scheduled = ahead - tokens + 1  # the rewound tokens and the next one
+    later = {int(s): c[req_id] for s, c in faulty["device_computed"].items() if int(s) > at}
+    assert all(c == faulty["truth"][str(s)][req_id]["computed"] + ahead - tokens for s, c in later.items()), later
+    # Caught at the rewind's step, the request named, on the rank's dp0/tp0/pp0 (positions: no group).
+    found = replay(tmp_path / "faulty").violations
+    first = found[0]
+    assert (first.kind, first.step, first.req_id, first.group, rank_of(first)) == (
+        "write_target_mismatch",
+        at,
+        req_id,
+        None,
+        RANK,
+    ), found
+    assert first.detail == (
+        f"plan writes {scheduled} token(s) from position {ahead}; "
+        f"scheduler handed {scheduled} token(s) from computed position {tokens}"
+    )
+    # Every later step of the request is off by as much; once the wrong positions pass the end of
+    # its two blocks (position 32, ledger step 8) each step also writes past its row: block 0.
+    assert {v.req_id for v in found} == {req_id}
+    positions = [v.step for v in found if v.group is None]
+    assert positions == list(range(at, 13)), positions
+    past_row = sorted({v.step for v in found if v.group is not None})
+    assert past_row == [s for s, c in later.items() if c >= 32] == list(range(8, 13)), past_row
+    assert all(
+        sorted(v.kind for v in found if v.step == s and v.group == 0)
+        == ["foreign_block_write", "write_target_mismatch"]
+        for s in past_row
+    )
+    assert replay(tmp_path / "fixed").violations == []
+    print(
+        f"zoo 49250: {req_id} rewound to {tokens} at ledger step {at}, device count {ahead}: {first.kind} at step "
+        f"{first.step} ({first.detail}); {len(found)} violations in steps {at}..12; fixed: none"
+    )
+
+
+# -- a block pool whose null block is not block 0 (kvcached 398) --------------------------------------
+NULL_PROMPTS = [list(range(3, 43)), list(range(100, 120))]  # two blocks and one
+
+
+@pytest.mark.parallel
+def test_null_block_other_than_block_0_is_caught_at_the_first_write_to_block_0(tmp_path):
+    """kvcached 398 modelled on vLLM's BlockPool (plugins/zoo_null_block.py): the pool's null block
+    is its last block and block 0 is handed out first, to the first request. kvledger, like vLLM,
+    knows block 0 as the null block: the request's write into it is a foreign_block_write at its
+    prefill step. The full-attention CPU kernels read and write block 0 like any other, so the
+    tokens are right here (the report's harm needs a kernel that skips block 0)."""
+    spec = {
+        "num_blocks": 16,
+        "max_model_len": 256,
+        "max_num_batched_tokens": 128,
+        "max_num_seqs": 4,
+        "rounds": [{"prompts": NULL_PROMPTS, "max_tokens": 4}],
+        "kv_trace": traced(tmp_path, "log"),
+    }
+    run = run_zoo(spec, env={"ZOO_NULL_BLOCK_LAST": "1"})
+    ledger = tmp_path / "ledger"
+    # Fired: the pool's null block is its last, 15 of 16, and the first request got block 0.
+    assert [(r["what"], r["block"], r["blocks"]) for r in run.records] == [("null", "15", "16")], run.records
+    first_at, first = admitted(ledger, 0)
+    _, second = admitted(ledger, 1)
+    assert blocks_of(first) == [0, 1] and blocks_of(second) == [2], (first, second)
+    assert all(len(tokens) == 4 for tokens in run.rounds[0])
+    # Caught: the prefill's write into block 0, at its step, with its request and group; nothing else
+    # (its later tokens fall in block 1).
+    found = replay(ledger).violations
+    assert [(v.kind, v.step, v.req_id, v.group, rank_of(v)) for v in found] == [
+        ("foreign_block_write", first_at, first["req_id"], 0, RANK)
+    ], found
+    assert found[0].detail == "writes position 0 into the null block (the ledger's row has block 0 there)"
+    print(f"zoo kvcached 398: null block 15, block 0 granted to {first['req_id']}: {found[0].kind} at step {first_at}")

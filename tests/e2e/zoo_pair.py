@@ -17,6 +17,26 @@ victim's prefill ran, and the victim's next step until the write landed.
 
 Spec: {"doomed": [token ids], "victim": [token ids], "max_tokens": 8, "ledger_root": "/abs" | null,
 "markers": "/abs"}. Prints `ZOO_PAIR {"baseline": [...], "victim": [...]}`.
+
+With "mode": "early_send" (SGLang 33970, plugins/zoo_early_send.py), instead:
+
+1. the decode engine serves the prompt ("victim") alone (its reference answer), the prefill
+   engine another prompt of the same length ("stale"), whose KV its freed blocks keep;
+2. the decode engine gets the request (`do_remote_prefill`) first: its pull waits on the
+   prefill side (the plugin's `pull` marker) for a request the prefill engine has not seen;
+3. the prefill engine prefills it for the transfer (`do_remote_decode`); the plugin sets the
+   send's `ready` at bind time, so the waiting pull is served before the forward;
+4. the decode engine runs until the request is done;
+5. per entry of "transfers" ([transfer id, prompt], e.g. SGLang 24878's, plugins/
+   zoo_unsent_group.py): the prefill engine serves the prompt alone (its reference answer),
+   then prefills it for that transfer, which the decode engine pulls and decodes as a pair does;
+6. the prefill engine serves one more plain prompt, so its worker reports the finished sends.
+
+Spec: {"mode": "early_send", "victim": [token ids], "stale": [token ids], "transfers": [[id, [token ids]], ...],
+"model": {config.json} | null (default: the tiny Llama), "max_tokens": 8, "ledger_root": "/abs" | null,
+"markers": "/abs"}; "victim" in the output is the decode engine's answer, "transfers" per
+transfer id its answer and reference: {"tokens", "logprobs", "baseline", "baseline_logprobs"}
+(logprobs: each sampled token's log-probability).
 """
 
 from __future__ import annotations
@@ -24,7 +44,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 try:  # the driver, run as a script beside pd_pair.py
@@ -34,6 +54,8 @@ except ImportError:  # the harness, imported by the tests
 
 DOOMED, VICTIM = "zoo-doomed", "zoo-victim"
 TRANSFER = "xfer-doomed"
+EARLY, EARLY_TRANSFER = "zoo-early", "xfer-early"  # early_send: the decode request and its transfer
+UNSENT_TRANSFER, SHIFTED_TRANSFER = "xfer-unsent", "xfer-shifted"  # early_send's "transfers" (the zoo's)
 
 
 # -- harness (the tests' interpreter) ------------------------------------------------------------
@@ -42,19 +64,22 @@ class ZooPairRun:
     baseline: list[int]
     victim: list[int]
     log: str
+    extra: dict = field(default_factory=dict)  # early_send's "transfers"
 
 
 def run_zoo_pair(python: str, spec: dict, env: dict[str, str], timeout: float = 600) -> ZooPairRun:
     """Run the driver once in a loopback-only namespace; fail with the log's tail if it breaks."""
     import pytest
 
-    env = {"ZOO_ABORT_MARKERS": spec["markers"], **env}
+    markers = "ZOO_EARLY_MARKERS" if spec.get("mode") == "early_send" else "ZOO_ABORT_MARKERS"
+    env = {markers: spec["markers"], **env}
     returncode, stdout, log = launch_pair(python, "zoo_pair.py", spec, env, timeout, "zoo pair")
     found = [line for line in stdout.splitlines() if line.startswith("ZOO_PAIR ")]
     if returncode != 0 or not found:
         pytest.fail(f"zoo pair failed (exit {returncode}):\n{log[-4000:]}", pytrace=False)
     result = json.loads(found[0].removeprefix("ZOO_PAIR "))
-    return ZooPairRun(result["baseline"], result["victim"], log)
+    extra = {k: v for k, v in result.items() if k not in ("baseline", "victim")}
+    return ZooPairRun(result["baseline"], result["victim"], log, extra)
 
 
 # -- driver (the vLLM interpreter, inside the namespace) -----------------------------------------
@@ -99,8 +124,77 @@ def _drive(spec: dict) -> dict:
     return {"baseline": baseline, "victim": victim}
 
 
+def _logprobs(params):
+    params.logprobs = 0  # each sampled token's log-probability
+    return params
+
+
+def _sampled_logprobs(output) -> list[float]:
+    completion = output.outputs[0]
+    return [step[t].logprob for t, step in zip(completion.token_ids, completion.logprobs, strict=True)]
+
+
+def _drive_early_send(spec: dict) -> dict:
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_run import TINY_LLAMA
+
+    model = tempfile.mkdtemp(prefix="tiny-llama-")
+    Path(model, "config.json").write_text(json.dumps(spec.get("model") or TINY_LLAMA))
+    settings = {"ledger_root": spec.get("ledger_root"), "transfer_digests": 1.0}
+    prefill = _engine(model, "prefill", PREFILL_ENGINE_ID, settings)
+    decode = _engine(model, "decode", "decode-0", settings)
+    max_tokens, prompt = spec.get("max_tokens", 8), spec["victim"]
+
+    baseline = _tokens(decode.generate([{"prompt_token_ids": prompt}], _params(max_tokens, None), use_tqdm=False))[0]
+    prefill.generate([{"prompt_token_ids": spec["stale"]}], _params(1, None), use_tqdm=False)
+    engine = decode.llm_engine
+    pulled = {
+        "do_remote_prefill": True,
+        "transfer_id": EARLY_TRANSFER,
+        "remote_engine_id": PREFILL_ENGINE_ID,
+        "remote_bootstrap_addr": BOOTSTRAP_ADDR,
+    }
+    engine.add_request(EARLY, {"prompt_token_ids": prompt}, _params(max_tokens, pulled))
+    marker, deadline = Path(spec["markers"]) / "pull", time.monotonic() + 120
+    while not marker.exists():  # the decode engine core runs on its own; the pull is its worker's
+        if time.monotonic() > deadline:
+            raise TimeoutError("the decode engine's pull never reached the prefill side")
+        time.sleep(0.01)
+    prefill.generate(
+        [{"prompt_token_ids": prompt}],
+        _params(1, {"do_remote_decode": True, "transfer_id": EARLY_TRANSFER}),
+        use_tqdm=False,
+    )
+    received = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id.startswith(EARLY) and output.finished:
+                received = list(output.outputs[0].token_ids)
+    result = {"baseline": baseline, "victim": received}
+    result["transfers"] = {}
+    for transfer_id, tokens in spec.get("transfers") or ():
+        one = [{"prompt_token_ids": tokens}]
+        reference = prefill.generate(one, _logprobs(_params(max_tokens, None)), use_tqdm=False)
+        prefill.generate(one, _params(1, {"do_remote_decode": True, "transfer_id": transfer_id}), use_tqdm=False)
+        pulled = {**pulled, "transfer_id": transfer_id}
+        answer = decode.generate(one, _logprobs(_params(max_tokens, pulled)), use_tqdm=False)
+        result["transfers"][transfer_id] = {
+            "tokens": _tokens(answer)[0],
+            "logprobs": _sampled_logprobs(answer[0]),
+            "baseline": _tokens(reference)[0],
+            "baseline_logprobs": _sampled_logprobs(reference[0]),
+        }
+    prefill.generate(
+        [{"prompt_token_ids": prompt[:8]}], _params(1, None), use_tqdm=False
+    )  # steps that report the sends
+    return result
+
+
 def main() -> None:
-    result = _drive(json.loads(sys.argv[1]))
+    spec = json.loads(sys.argv[1])
+    result = _drive_early_send(spec) if spec.get("mode") == "early_send" else _drive(spec)
     print("ZOO_PAIR " + json.dumps(result), flush=True)
 
 
