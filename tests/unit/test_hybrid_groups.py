@@ -134,3 +134,19 @@ def test_state_rows_are_read_checked_and_state_access_counted_unchecked():
     # Per state-group step: rows compared; what the state kernels index in them is not modelled.
     assert coverage.checks["state_rows"] == 2 and coverage.unchecked["mamba_group"] == 2
     assert coverage.checks["write"] == coverage.checks["read"] == 2  # the attention group only
+
+
+def test_a_prefix_hit_on_a_block_another_group_holds_is_caught():
+    # r1 reads block 5 as its first attention block, a prefix hit; but block 5 is r0's state block.
+    # A block is one group's at a time (one pool): a read of it in another group reads bytes
+    # that group writes. The same hit on r0's attention block is a plain shared prefix.
+    s = HybridStream()
+    s.step(0, new=[(0, 0, 8, [0, 5], [1, 2])])
+    s.step(1, new=[(1, 8, 2, [0, 5, 7], [5, 2, 3])])
+    violations, _ = s.check()
+    assert _found(violations) == [("foreign_block_write", 1, "r1", ATTN)], violations
+    assert "block 5 to be read in group 1, but group(s) [0] hold it" in violations[0].detail
+    clean = HybridStream()
+    clean.step(0, new=[(0, 0, 8, [0, 5], [1, 2])])
+    clean.step(1, new=[(1, 8, 2, [0, 5, 7], [1, 2, 3])])
+    assert clean.check()[0] == []
