@@ -118,6 +118,7 @@ BENCHMARKS = {
     "bench/probe_hot_path.py": "thousands of probe steps, side by side with another checkout",
     "bench/content_state.py": "a million-block content ledger",
     "bench/device_staging.py": "a device engine's staging (torch; a GPU for the figures)",
+    "bench/gpu_check.py": "the device check, for a GPU host (its --dry-run runs its stages on CPU: ~35 s)",
     "bench/replay_throughput.py": "replay throughput over thousands of synthetic steps, repeated",
     "bench/fleet_scale.py": "a production-sized engine's tables (262,144 blocks)",
     "bench/stream_throughput.py": "a worker against a broker, 20,000 step-events (tests/integration: its short form)",
@@ -376,7 +377,7 @@ def benchmark_problems(argv: list[str]) -> list[str]:
     options, choices = _declared_arguments(script)
     problems = []
     tokens = [t.strip("[]") for t in argv[1:]]
-    for token, following in zip(tokens, [*tokens[1:], ""], strict=True):
+    for token, following in zip(tokens, [*tokens[1:], ""][: len(tokens)], strict=True):
         if token.startswith("--") and token.split("=")[0] not in options:
             problems.append(f"{argv[0]} declares no {token}")
         if token in choices and following and not following.startswith("-") and following not in choices[token]:
