@@ -21,15 +21,17 @@ from tests.e2e.test_bug_zoo import BLOCK, RANK, ZooRun, admitted, blocks_of, ran
 pytestmark = pytest.mark.e2e
 
 # Token ids (the tiny model has 512). U: a block and a bit, alone. V: two full blocks and a tail.
-# A: V's two blocks with token 5 raised by 1 and token 6 lowered by 31, which the polynomial hash
-# h = 31 h + token cannot tell apart (1 * 31 - 31 = 0), and a tail of its own.
+# A: V's two blocks with every fourth token from position 1 raised by 1 and the next one lowered by
+# 31, pairs the polynomial hash h = 31 h + token cannot tell apart (1 * 31 - 31 = 0), so both of
+# A's blocks collide with V's; and a tail of its own.
 U = list(range(300, 340))
 V = [*range(100, 164), *range(480, 490)]
-A = [*V[:5], V[5] + 1, V[6] - 31, *V[7:64], *range(490, 500)]
+MOVED = {j: +1 for j in range(1, 64, 4)} | {j + 1: -31 for j in range(1, 64, 4)}
+A = [t + MOVED.get(j, 0) for j, t in enumerate(V[:64])] + list(range(490, 500))
 ROUNDS = [
     {"prompts": [U], "max_tokens": 1},
     {"prompts": [V], "max_tokens": 1},
-    {"prompts": [A], "max_tokens": 8},
+    {"prompts": [A], "max_tokens": 8, "logprobs": True},
 ]
 SPEC = {"num_blocks": 32, "max_model_len": 256, "max_num_batched_tokens": 256, "max_num_seqs": 4, "rounds": ROUNDS}
 ENV = {"ZOO_WEIGHT_SCALE": "100"}  # outputs that depend on the KV attended over
@@ -78,14 +80,16 @@ def test_colliding_block_hashes_read_another_prompts_kv_and_are_caught_at_the_hi
     at those blocks: prefix_hit_mismatch at A's grant, naming the first block."""
     faulty, clean = runs.faulty, runs.clean
     collisions = [r for r in faulty.records if r["what"] == "collision"]
-    assert collisions and all(r["first"] == "5" for r in collisions), collisions  # fired, where crafted
+    # Fired where crafted: each of A's two blocks collided with V's, first differing at offset 1.
+    assert [r["first"] for r in collisions] == ["1", "1"], collisions
     _, v = admitted(runs.faulty_ledger, 1)
     a_at, a = admitted(runs.faulty_ledger, 2)
     assert a["num_computed_tokens"] == 2 * BLOCK  # a prefix hit on both of V's blocks
     assert blocks_of(a)[:2] == blocks_of(v)[:2]
-    # A's tokens: computed from V's KV, not its own.
+    # A's answer: computed from V's KV, not its own (its log-probabilities differ from the clean run's,
+    # whether or not a greedy token flips).
     assert faulty.rounds[1] == clean.rounds[1]
-    assert faulty.rounds[2] != clean.rounds[2], (faulty.rounds[2], clean.rounds[2])
+    assert faulty.logprobs[2] != clean.logprobs[2], (faulty.logprobs[2], clean.logprobs[2])
     found = [x for x in replay(runs.faulty_ledger).violations if x.req_id == a["req_id"]]
     assert [(x.kind, x.step, x.group, rank_of(x)) for x in found] == [("prefix_hit_mismatch", a_at, 0, RANK)], found
     assert f"block {blocks_of(v)[0]} at row position 0" in found[0].detail and "(2 such blocks)" in found[0].detail
@@ -95,7 +99,8 @@ def test_colliding_block_hashes_read_another_prompts_kv_and_are_caught_at_the_hi
     assert replay(runs.clean_ledger).violations == []
     print(
         f"zoo block-hash collision: {a['req_id']} hit {v['req_id']}'s blocks {blocks_of(v)[:2]} at step {a_at}; "
-        f"tokens {faulty.rounds[2]} (clean {clean.rounds[2]}); reported at step {a_at} (0 steps)"
+        f"tokens {faulty.rounds[2]} (clean {clean.rounds[2]}), first log-probability {faulty.logprobs[2][0][0]:.5f} "
+        f"(clean {clean.logprobs[2][0][0]:.5f}); reported at step {a_at} (0 steps)"
     )
 
 

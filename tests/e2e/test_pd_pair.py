@@ -98,6 +98,17 @@ def bodies(ledger_root, kind: str) -> list[dict]:
     return [body for name, body in (e["body"] for e in ledger_events(ledger_root)) if name == kind]
 
 
+def read_blocks(ledger_root) -> int:
+    """Blocks the engine's new requests were handed only to read (below their computed tokens: prefix
+    hits, received KV), counted over the ledger (one group, block size 32)."""
+    return sum(
+        r["num_computed_tokens"] // 32
+        for step in bodies(ledger_root, STEP)
+        if step["input"]
+        for r in step["input"]["new_reqs"]
+    )
+
+
 def connector_events(ledger_root) -> list[dict]:
     return bodies(ledger_root, CONNECTOR_EVENT)
 
@@ -168,8 +179,17 @@ def test_both_ledgers_written_and_checked_clean(clean_pair, side):
     assert capabilities["transfer_digests"] == (True, None)
     summary = check(ledger)
     assert summary["violations"] == {}, summary
-    # Alone, a ledger cannot join its transfers: counted, not hidden.
-    assert summary["unchecked"] == {"transfer_peer_not_in_input": len(PROMPTS)}, summary
+    # Alone, a ledger cannot join its transfers: counted, not hidden. What a block a request reads
+    # holds is judged on the prefill engine, whose blocks only its own steps write (every hit's
+    # prefix identity checked); on decode, whose KV arrives through the connector, it is counted.
+    reads = read_blocks(ledger)
+    expected = {"transfer_peer_not_in_input": len(PROMPTS)}
+    if side == "prefill":
+        assert summary["checks"]["prefix_identity"] == summary["checks"]["read_written"] == reads > 0, summary
+    else:
+        expected["read_source_untraced"] = reads
+        assert reads > 0
+    assert summary["unchecked"] == expected, summary
     assert summary["checks"]["write"] > 0 and summary["checks"]["read"] > 0, summary
 
 
@@ -187,7 +207,8 @@ def check(*paths) -> dict:
 def test_both_ledgers_checked_together_join_every_transfer(clean_pair):
     root = clean_pair.prefill_ledger.parent  # holds both engines' ledgers
     summary = check(root)
-    assert summary["violations"] == {} and summary["unchecked"] == {}, summary
+    assert summary["violations"] == {}, summary
+    assert summary["unchecked"] == {"read_source_untraced": read_blocks(clean_pair.decode_ledger)}, summary
     assert summary["ranks"] == 2
     n = len(PROMPTS)
     assert summary["checks"]["transfer_join"] == summary["checks"]["transfer_blocks"] == n, summary
@@ -293,7 +314,9 @@ def test_each_fault_caught_with_its_kind_transfer_and_request(faulty_pair):
     # then its stream has a truncated tail, counted (within the loss bound of a busy worker killed).
     unchecked = dict(summary["unchecked"])
     truncated = unchecked.pop("truncated_file", 0)
-    assert unchecked == {"transfer_open_at_end": 1}, summary
+    assert unchecked == {"transfer_open_at_end": 1, "read_source_untraced": read_blocks(faulty_pair.decode_ledger)}, (
+        summary
+    )
     assert truncated == len(summary["problems"]) <= 1, summary
     assert all(p["reason"] == "truncated" and "/prefill/" in p["path"] for p in summary["problems"]), summary
     assert summary["checks"]["transfer_join"] == len(FAULT_PROMPTS), summary
