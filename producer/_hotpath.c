@@ -567,14 +567,46 @@ done:
     return out;
 }
 
-/* A new request as (req_id, block_ids, num_computed_tokens, prompt token ids, extra keys); `missing`
- * as in attr_or_missing. The prompt's list itself: the recorder computes its prefix chains. */
+/* Token ids (a sequence of ints) packed as little-endian int32: one pass in C, ~1 ns a token, and
+ * the recorder reads them with one frombuffer (no Python int per token on either side). */
+static PyObject *packed_tokens(PyObject *tokens) {
+    PyObject *seq = PySequence_Fast(tokens, "prompt_token_ids must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (out != NULL) {
+        unsigned char *at = (unsigned char *)PyBytes_AS_STRING(out);
+        PyObject **items = PySequence_Fast_ITEMS(seq);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long v = PyLong_AsLong(items[i]);
+            if (v == -1 && PyErr_Occurred()) {
+                Py_CLEAR(out);
+                break;
+            }
+            uint32_t u = (uint32_t)(int32_t)v;
+            at[4 * i] = u & 0xff;
+            at[4 * i + 1] = (u >> 8) & 0xff;
+            at[4 * i + 2] = (u >> 16) & 0xff;
+            at[4 * i + 3] = u >> 24;
+        }
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+/* A new request as (req_id, block_ids, num_computed_tokens, prompt token ids packed int32, extra
+ * keys); `missing` as in attr_or_missing. The recorder computes the prompt's prefix chains. */
 static PyObject *new_request(PyObject *r, PyObject *missing) {
     PyObject *prompt = attr_or_missing(r, s_prompt, "NewRequestData", missing);
     if (prompt == NULL)
         return NULL;
+    PyObject *packed = packed_tokens(prompt);
+    Py_DECREF(prompt);
+    if (packed == NULL)
+        return NULL;
     return Py_BuildValue("(NNNNN)", PyObject_GetAttr(r, s_req_id), PyObject_GetAttr(r, s_block_ids),
-                         PyObject_GetAttr(r, s_computed), prompt, extra_keys(r));
+                         PyObject_GetAttr(r, s_computed), packed, extra_keys(r));
 }
 
 /* The counts' values as a list when `counts` (a dict) names exactly `ids` (a list), in order;
@@ -611,7 +643,7 @@ PyDoc_STRVAR(scheduler_fields_doc,
              "scheduler_fields(scheduler_output, cached_ids=None, missing=None) -> tuple\n\n"
              "The SchedulerOutput fields a StepInput is built from, as MessagePack encodes them (the\n"
              "lists themselves, not copies), in this order: the new requests as (id, block ids,\n"
-             "computed tokens, prompt token ids, extra keys); the cached requests' ids (`cached_ids(ids)` when given:\n"
+             "computed tokens, prompt token ids packed int32, extra keys); the cached requests' ids (`cached_ids(ids)` when given:\n"
              "a RepeatedIds encodes them ahead); their resumed ids, new block ids and computed tokens;\n"
              "the tokens scheduled per request; the finished, the preempted, the blocks to zero; the\n"
              "block copies as (src, dst). The tokens per request go as a list aligned with the cached\n"

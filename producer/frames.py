@@ -31,7 +31,7 @@ import numpy as np
 
 from kvledger.producer import _hotpath, records
 from kvledger.producer.chains import PrefixChains
-from kvledger.schemas import pack_i32
+from kvledger.schemas import pack_i32, unpack_i32
 from kvledger.schemas.events import BODY_NAMES, Body, body_of
 
 
@@ -201,9 +201,9 @@ def step_input_record(payload, index, chains: PrefixChains | None = None) -> dic
             req_id,
             blocks,
             num_computed,
-            len(prompt),
+            len(prompt) >> 2,
             num_scheduled.get(req_id, 0),
-            chains(prompt, extras) if chains is not None and prompt else None,
+            chains(unpack_i32(prompt), extras) if chains is not None and prompt else None,
         )
         for req_id, blocks, num_computed, prompt, extras in new
     ]

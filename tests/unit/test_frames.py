@@ -23,6 +23,7 @@ from kvledger.producer.frames import (
 )
 from kvledger.producer.ring import Ring
 from kvledger.schemas.events import RankInfo
+from kvledger.schemas.packing import pack_i32
 
 
 def reference_step_input(so, index: RequestIndex) -> dict:
@@ -167,13 +168,12 @@ def test_scheduler_fields_an_older_or_renaming_vllm_lacks_are_reported_missing_n
     }
     # The frame still has its columns (the recorder reads ten); the caller declares them unavailable.
     assert fields[2] == fields[7] == fields[8] == fields[9] == ()
-    # A new request's prompt goes as its token ids (the recorder computes its prefix chains), with its
-    # extra keys: () for none (a vLLM without the fields reads as none).
+    # A new request's prompt goes as its token ids packed int32 (the recorder computes its prefix
+    # chains), with its extra keys: () for none (a vLLM without the fields reads as none).
     assert fields[0] == [
-        ("r2-0", so.scheduled_new_reqs[0].block_ids, 0, so.scheduled_new_reqs[0].prompt_token_ids, ()),
-        ("r2-1", so.scheduled_new_reqs[1].block_ids, 16, (), ()),
+        ("r2-0", so.scheduled_new_reqs[0].block_ids, 0, pack_i32(so.scheduled_new_reqs[0].prompt_token_ids), ()),
+        ("r2-1", so.scheduled_new_reqs[1].block_ids, 16, b"", ()),
     ]
-    assert fields[0][0][3] is so.scheduled_new_reqs[0].prompt_token_ids  # the list itself, no copy
     assert fields[0][0][1] is so.scheduled_new_reqs[0].block_ids  # the list itself, encoded by the step's end
     # Without a set to report them in, an optional field missing fails as a required one does.
     for cached_ids in ((), (None,)):
