@@ -21,7 +21,7 @@ import numpy as np
 from kvledger.schemas import checkpoint as ck
 from kvledger.schemas.events import RankInfo
 from kvledger.schemas.packing import pack_i32, unpack_i32
-from kvledger.stream_app.core.declarations import Declared
+from kvledger.stream_app.core.declarations import Declared, content_voided
 from kvledger.stream_app.core.ledger import Ledger, TrackedRank
 from kvledger.stream_app.core.rank_tables import RankTables
 from kvledger.stream_app.core.step_groups import LeadStep, StepGroup
@@ -144,6 +144,7 @@ def table_record(state: RankTables) -> ck.Table:
 
 def table_from_record(key: RankKey, info: RankInfo, rec: ck.Table) -> RankTables:
     state = RankTables(key, info)
+    state.content_voided = content_voided(info)
     if len(rec.groups) != len(state.groups):
         raise StateError(f"{key}: tables of {len(rec.groups)} groups for a rank of {len(state.groups)}")
     n = rec.num_rows

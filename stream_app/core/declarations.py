@@ -22,10 +22,11 @@ from kvledger.stream_app.core.violations import Coverage, Violation
 #   plan: the whole plan check (counted per request); writes / positions: those checks;
 #   behind: the position check of a request whose plan is behind the scheduler's computed
 #   tokens (async speculative decoding); steps: counted once per checked step (writes that are
-#   not in the plan); rank_plans: the cross-rank compare of plans (each rank's differs).
+#   not in the plan); rank_plans: the cross-rank compare of plans (each rank's differs); content:
+#   what blocks hold (prefix identity, writes to a block's end: a block spans its tokens over ranks).
 DECLARATIONS: dict[Declaration, tuple[str, ...]] = {
-    Declaration.DECODE_CONTEXT_PARALLEL: ("writes", "rank_plans"),
-    Declaration.PREFILL_CONTEXT_PARALLEL: ("plan", "rank_plans"),
+    Declaration.DECODE_CONTEXT_PARALLEL: ("writes", "rank_plans", "content"),
+    Declaration.PREFILL_CONTEXT_PARALLEL: ("plan", "rank_plans", "content"),
     Declaration.ASYNC_SPEC_DECODE: ("behind",),
     Declaration.ADAPTIVE_VERIFICATION: ("positions", "writes"),
     Declaration.DRAFTER_KV_WRITES: ("steps",),
@@ -47,6 +48,7 @@ class Declared:
     steps: str | None = None
     rank_plans: str | None = None
     input: str | None = None
+    content: str | None = None
 
     @classmethod
     def of(cls, info: RankInfo) -> Declared | None:
@@ -56,6 +58,12 @@ class Declared:
                 for effect in DECLARATIONS.get(cap.name, ()) or VOIDING_PROBES.get(cap.name, ()):
                     voids.setdefault(effect, cap.name)
         return cls(**voids) if voids else None
+
+
+def content_voided(info: RankInfo) -> str | None:
+    """The declaration that voids a rank's checks of what its blocks hold, if any."""
+    declared = Declared.of(info)
+    return declared.content if declared is not None else None
 
 
 def _is_position(v: Violation) -> bool:

@@ -31,7 +31,7 @@ from kvledger.schemas.kinds import (
 from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.core import batch
 from kvledger.stream_app.core.content import ContentLedger
-from kvledger.stream_app.core.declarations import Declared, check_declared_plan
+from kvledger.stream_app.core.declarations import Declared, check_declared_plan, content_voided
 from kvledger.stream_app.core.fingerprints import input_fingerprint, plan_fingerprint
 from kvledger.stream_app.core.rank_tables import RankTables
 from kvledger.stream_app.core.step_groups import LeadStep, StepGroup, rekeyed
@@ -346,6 +346,8 @@ class Ledger:
         if changed and any(c.name == CONTENT_DIGESTS and not c.available for c in info.capabilities):
             self.coverage.unchecked[Unchecked.CONTENT_DIGESTS] += 1  # asked for and not taken: said once per rank
         slot.info = info
+        if slot.state is not None:
+            slot.state.content_voided = content_voided(info)
         slot.declared = Declared.of(info)
 
     def follower(self, key: RankKey) -> bool:
@@ -381,6 +383,7 @@ class Ledger:
         if slot.desynced or slot.state is None:
             if slot.state is None:
                 slot.state = RankTables(key, slot.info)
+                slot.state.content_voided = content_voided(slot.info)
             slot.state.load_snapshot(snap)
             slot.desynced = False
             slot.last_step = snap.step

@@ -87,6 +87,9 @@ class RankTables:
         # Every block's KV comes from this rank's own steps (no KV connector loads into it: a prefill
         # engine only sends), so what it reads can be traced to what it wrote.
         self.reads_traced = info.pd_role in (PdRole.NONE, PdRole.PREFILL)
+        # A declaration under which what blocks hold is not modelled (context parallel: a block's
+        # tokens spread over ranks): its reads are counted under its name (set by the Ledger).
+        self.content_voided: str | None = None
 
     # -- rows ---------------------------------------------------------------------------
     def _rows(self, indices: np.ndarray) -> np.ndarray:
@@ -389,6 +392,9 @@ class RankTables:
             g.mark_fresh(flat[fresh], chains[fresh])
         reads = real & ~writes
         if not reads.any():
+            return
+        if self.content_voided is not None:
+            cov.unchecked[self.content_voided] += int(reads.sum())
             return
         if not self.reads_traced:
             cov.unchecked[Unchecked.READ_SOURCE_UNTRACED] += int(reads.sum())

@@ -157,6 +157,22 @@ def test_decode_context_parallel_voids_write_checks_only():
     assert check(s)[0] == [("unowned_write", 0, None)]
 
 
+def test_context_parallel_voids_what_blocks_hold():
+    """A DCP rank's block spans block_size x ranks tokens: the prefix a block was computed from and how
+    far it was written are not modelled there. A prefix hit, which elsewhere would be judged (here a
+    block r0 wrote 3 of 4 slots of: unwritten_read), is counted under the declaration instead."""
+    # r0 writes 3 tokens into block 1; r1 reads block 1 as a hit (4 computed tokens) in a step
+    # nobody writes it, writing its own token into block 2.
+    def hit(stream: Stream) -> Stream:
+        stream.step(0, new=[(0, [1, 3], 0, 3)], slots=(4, 5, 6), reqs=[(0, 3, 0)], rows=((1, 3),))
+        return stream.step(1, new=[(1, [1, 2], 4, 1)], slots=(8,), reqs=[(1, 1, 4)], rows=((1, 2),))
+
+    assert check(hit(Stream()))[0] == [("unwritten_read", 1, "r1")]
+    found, cov = check(hit(Stream("decode_context_parallel")))
+    assert found == [] and cov.checks["read_written"] == 0
+    assert cov.unchecked["decode_context_parallel"] == 2 + 1  # two plans' writes, one read block
+
+
 def test_decode_context_parallel_ranks_are_not_compared_on_plans():
     # Two TP ranks of one DCP group: each holds its own share of the tokens.
     other = (-1, -1, 4, 5, -1)
