@@ -161,6 +161,7 @@ def test_context_parallel_voids_what_blocks_hold():
     """A DCP rank's block spans block_size x ranks tokens: the prefix a block was computed from and how
     far it was written are not modelled there. A prefix hit, which elsewhere would be judged (here a
     block r0 wrote 3 of 4 slots of: unwritten_read), is counted under the declaration instead."""
+
     # r0 writes 3 tokens into block 1; r1 reads block 1 as a hit (4 computed tokens) in a step
     # nobody writes it, writing its own token into block 2.
     def hit(stream: Stream) -> Stream:
