@@ -130,8 +130,13 @@ class GroupTable:
         self.fill[blocks] = 0
 
     def mark_written(self, blocks: np.ndarray, offsets: np.ndarray) -> None:
-        """Executed writes at `offsets` of `blocks` (in position order: the last of a block is its
-        highest)."""
+        """Executed writes at `offsets` of `blocks` (in position order: the last write of a block is its
+        highest, so only the last of each run of one block is looked at)."""
+        if blocks.size > 1:
+            last = np.empty(blocks.size, bool)
+            np.not_equal(blocks[1:], blocks[:-1], out=last[:-1])
+            last[-1] = True
+            blocks, offsets = blocks[last], offsets[last]
         keep = self.fill[blocks] != UNKNOWN_FILL
         blocks, offsets = blocks[keep], offsets[keep]
         self.fill[blocks] = np.maximum(self.fill[blocks], offsets + 1)
