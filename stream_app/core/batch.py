@@ -48,6 +48,12 @@ from kvledger.stream_app.core.tables import NULL_BLOCK, positions_differ, writte
 _FAST_KINDS = (KvGroupKind.FULL_ATTENTION, KvGroupKind.MLA)
 
 
+def reads_blocks(step: Step) -> bool:
+    """The step hands a new request blocks only to read (a prefix hit, received KV): what they hold is
+    judged step by step, never in a run."""
+    return step.input is not None and any(r.num_computed_tokens for r in step.input.new_reqs)
+
+
 def eligible(state: RankTables) -> bool:
     # One group: a written block's holders are counted across groups step by step (one pool).
     return len(state.groups) == 1 and state.groups[0].kind in _FAST_KINDS
@@ -103,7 +109,6 @@ def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], 
     died: dict[int, int] = {}  # req_index -> step index it finished at
     new_in: list[tuple[int, int, int, int]] = []  # row, b, computed, scheduled
     new_chains: list[tuple[int, list[bytes] | None]] = []  # row, the new request's prefix chains
-    reads_from = min((g.block_size for g in state.groups), default=1)  # computed tokens that read a block
     new_grants: list[list[tuple[int, int, np.ndarray]]] = [[] for _ in range(ng)]  # row, b, blocks
     in_cols: list[tuple] = []  # per step, _INPUT_COLUMNS
     plan_cols: list[tuple] = []  # per step, _PLAN_COLUMNS
@@ -124,6 +129,8 @@ def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], 
                 return None
             if inp.block_ids_to_zero or inp.block_copies:  # overwrites: checked step by step
                 return None
+            if reads_blocks(step):  # what blocks read hold is judged step by step
+                return None
             for req_id in inp.finished_req_ids:
                 index = index_of.pop(req_id, None)
                 if index is not None:
@@ -133,8 +140,6 @@ def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], 
                 index, req_id = req.req_index, req.req_id
                 if req_id in index_of or len(req.block_ids) != ng:
                     return None  # re-added request: step by step
-                if req.num_computed_tokens >= reads_from:
-                    return None  # it reads blocks (a prefix hit): what they hold is judged step by step
                 if index >= row_of.size:
                     row_of = np.concatenate([row_of, np.full(max(index + 1, row_of.size), -1, np.int64)])
                 if row_of[index] >= 0:

@@ -137,7 +137,7 @@ class Ledger:
         out: list[Violation] = []
         run: list[LedgerEvent] = []
         for event in events:  # an iterator: an edge may type its records as they are read
-            if isinstance(event.body, Step) and not _reads_blocks(event.body):
+            if isinstance(event.body, Step) and not batch.reads_blocks(event.body):  # such a step goes alone
                 run.append(event)
                 if len(run) == self.batch_steps:
                     self._run(run, out)
@@ -619,13 +619,6 @@ _TRANSFER_BODIES = (Step, ConnectorEvent, RankInfo)
 
 def _nobody(block: int) -> list[str]:
     return []
-
-
-def _reads_blocks(step: Step) -> bool:
-    """A step hands a new request blocks only to read (a prefix hit, received KV): what they hold is
-    judged step by step (the fast path declines such a run), so the step goes alone and its
-    neighbours still go fast."""
-    return step.input is not None and any(r.num_computed_tokens for r in step.input.new_reqs)
 
 
 def _has_tokens(inp: StepInput) -> bool:

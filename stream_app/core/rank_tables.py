@@ -404,22 +404,27 @@ class RankTables:
         known = prefix_known(facts)
         _count(cov.checks, Check.PREFIX_IDENTITY, int(known.sum()))
         _count(cov.unchecked, Unchecked.PREFIX_UNKNOWN, int((~known).sum()))
-        bad = prefix_failures(facts)
+        self._per_reader(
+            step,
+            ViolationKind.PREFIX_HIT_MISMATCH,
+            g,
+            prefix_failures(facts),
+            readers,
+            lambda i: (
+                f"prefix hit on block {blocks[i]} at row position {at[i]}, computed from another prefix "
+                f"(its tokens, LoRA adapter or multimodal items differ from this request's there)"
+            ),
+            out,
+        )
+        self.pending_reads.append((g, blocks, readers, at))
+
+    def _per_reader(self, step, kind, g: GroupTable, bad, readers, detail, out) -> None:
+        """One violation per request of `readers` with a `bad` block: `detail(i)` of its first, and how
+        many it has."""
         for row in np.unique(readers[bad]).tolist():
             mine = np.flatnonzero(bad & (readers == row))
-            i = int(mine[0])
-            out.append(
-                self._violation(
-                    ViolationKind.PREFIX_HIT_MISMATCH,
-                    step,
-                    f"prefix hit on block {blocks[i]} at row position {at[i]}, computed from another prefix "
-                    f"(its tokens, LoRA adapter or multimodal items differ from this request's there)"
-                    + (f" ({mine.size} such blocks)" if mine.size > 1 else ""),
-                    self._req_of_row(row),
-                    g.group_id,
-                )
-            )
-        self.pending_reads.append((g, blocks, readers, at))
+            more = f" ({mine.size} such blocks)" if mine.size > 1 else ""
+            out.append(self._violation(kind, step, detail(int(mine[0])) + more, self._req_of_row(row), g.group_id))
 
     def _check_aliases(self, step, g: GroupTable, blocks, readers, out) -> None:
         """A block handed out to be read in one group while another group holds it: block ids name one
@@ -430,21 +435,16 @@ class RankTables:
         for h in others:
             inside = h.in_pool(blocks)
             alias[inside] |= h.hold_count[blocks[inside]] > 0
-        for row in np.unique(readers[alias]).tolist():
-            mine = np.flatnonzero(alias & (readers == row))
-            b = int(blocks[mine[0]])
-            groups = [h.group_id for h in others if h.in_pool(np.array([b]))[0] and h.hold_count[b] > 0]
-            out.append(
-                self._violation(
-                    ViolationKind.FOREIGN_BLOCK_WRITE,
-                    step,
-                    f"scheduler handed block {b} to be read in group {g.group_id}, but group(s) {groups} hold it "
-                    f"(one pool: a block is one group's at a time)"
-                    + (f" ({mine.size} such blocks)" if mine.size > 1 else ""),
-                    self._req_of_row(row),
-                    g.group_id,
-                )
+
+        def detail(i: int) -> str:
+            b = blocks[i]
+            groups = [h.group_id for h in others if b < h.num_blocks and h.hold_count[b] > 0]
+            return (
+                f"scheduler handed block {b} to be read in group {g.group_id}, but group(s) {groups} hold it "
+                f"(one pool: a block is one group's at a time)"
             )
+
+        self._per_reader(step, ViolationKind.FOREIGN_BLOCK_WRITE, g, alias, readers, detail, out)
 
     def settle_reads(self, step: int, facts: list[GroupFacts], out: list[Violation], cov: Coverage) -> None:
         """After a step's plan: its correct writes mark their blocks, then the blocks its grants handed
@@ -463,21 +463,19 @@ class RankTables:
             known = fill != UNKNOWN_FILL
             _count(cov.checks, Check.READ_WRITTEN, int(known.sum()))
             _count(cov.unchecked, Unchecked.FILL_UNKNOWN, int((~known).sum()))
-            bad = unwritten_failures(fill, g.block_size)
-            for row in np.unique(readers[bad]).tolist():
-                mine = np.flatnonzero(bad & (readers == row))
-                i = int(mine[0])
-                out.append(
-                    self._violation(
-                        ViolationKind.UNWRITTEN_READ,
-                        step,
-                        f"reads block {blocks[i]} at row position {at[i]} as computed (a prefix hit), but executed "
-                        f"steps wrote {g.fill[blocks[i]]} of its {g.block_size} slots since it was handed out"
-                        + (f" ({mine.size} such blocks)" if mine.size > 1 else ""),
-                        self._req_of_row(row),
-                        g.group_id,
-                    )
-                )
+            self._per_reader(
+                step,
+                ViolationKind.UNWRITTEN_READ,
+                g,
+                unwritten_failures(fill, g.block_size),
+                readers,
+                lambda i, blocks=blocks, at=at, fill=fill, g=g: (
+                    f"reads block {blocks[i]} at row position {at[i]} "
+                    f"as computed (a prefix hit), but executed steps wrote {fill[i]} of its {g.block_size} slots since "
+                    "it was handed out"
+                ),
+                out,
+            )
         self.pending_reads.clear()
 
     def _req_of_row(self, row: int) -> str:

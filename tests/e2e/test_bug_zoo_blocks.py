@@ -10,13 +10,10 @@ plugins/zoo_block_hash_collision.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
 
 from kvledger.stream_app.replay import replay
-from tests.e2e.test_bug_zoo import BLOCK, RANK, ZooRun, admitted, blocks_of, rank_of, run_zoo, traced
+from tests.e2e.test_bug_zoo import BLOCK, RANK, Pair, admitted, blocks_of, rank_of, run_zoo, traced
 
 pytestmark = pytest.mark.e2e
 
@@ -37,21 +34,13 @@ SPEC = {"num_blocks": 32, "max_model_len": 256, "max_num_batched_tokens": 256, "
 ENV = {"ZOO_WEIGHT_SCALE": "100"}  # outputs that depend on the KV attended over
 
 
-@dataclass
-class Runs:
-    faulty: ZooRun
-    clean: ZooRun
-    faulty_ledger: Path
-    clean_ledger: Path
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
+def runs(tmp_path_factory) -> Pair:
     faulty_root, clean_root = tmp_path_factory.mktemp("zoo-blocks-faulty"), tmp_path_factory.mktemp("zoo-blocks-clean")
     faults = {"ZOO_NULL_BLOCK_ELSEWHERE": "1", "ZOO_BLOCK_HASH_COLLISION": "1"}
     faulty = run_zoo({**SPEC, "kv_trace": traced(faulty_root, "log")}, env={**ENV, **faults})
     clean = run_zoo({**SPEC, "kv_trace": traced(clean_root, "raise")}, env=ENV)
-    return Runs(faulty, clean, faulty_root / "ledger", clean_root / "ledger")
+    return Pair(faulty, clean, faulty_root / "ledger", clean_root / "ledger")
 
 
 @pytest.mark.parallel

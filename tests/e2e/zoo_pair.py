@@ -102,18 +102,7 @@ def _drive(spec: dict) -> dict:
     )
 
     engine = decode.llm_engine
-    pulled = {
-        "do_remote_prefill": True,
-        "transfer_id": TRANSFER,
-        "remote_engine_id": PREFILL_ENGINE_ID,
-        "remote_bootstrap_addr": BOOTSTRAP_ADDR,
-    }
-    engine.add_request(DOOMED, {"prompt_token_ids": spec["doomed"]}, _params(max_tokens, pulled))
-    marker, deadline = Path(spec["markers"]) / "pull", time.monotonic() + 120
-    while not marker.exists():  # the engine core runs on its own; the pull is its worker's
-        if time.monotonic() > deadline:
-            raise TimeoutError("the decode engine never pulled the doomed request's KV")
-        time.sleep(0.01)
+    _pull(engine, DOOMED, spec["doomed"], TRANSFER, max_tokens, spec["markers"])
     engine.abort_request([DOOMED])
     engine.add_request(VICTIM, {"prompt_token_ids": spec["victim"]}, _params(max_tokens, None))
     victim = None
@@ -122,6 +111,24 @@ def _drive(spec: dict) -> dict:
             if output.request_id.startswith(VICTIM) and output.finished:
                 victim = list(output.outputs[0].token_ids)
     return {"baseline": baseline, "victim": victim}
+
+
+def _pull(engine, request_id: str, prompt: list[int], transfer_id: str, max_tokens: int, markers: str) -> dict:
+    """Add a request whose KV the decode engine pulls from the prefill engine, and wait until its pull
+    reached the prefill side (the plugin's marker); its transfer parameters."""
+    pulled = {
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "remote_engine_id": PREFILL_ENGINE_ID,
+        "remote_bootstrap_addr": BOOTSTRAP_ADDR,
+    }
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, _params(max_tokens, pulled))
+    marker, deadline = Path(markers) / "pull", time.monotonic() + 120
+    while not marker.exists():  # the engine core runs on its own; the pull is its worker's
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the decode engine's pull of {request_id} never reached the prefill side")
+        time.sleep(0.01)
+    return pulled
 
 
 def _logprobs(params):
@@ -150,18 +157,7 @@ def _drive_early_send(spec: dict) -> dict:
     baseline = _tokens(decode.generate([{"prompt_token_ids": prompt}], _params(max_tokens, None), use_tqdm=False))[0]
     prefill.generate([{"prompt_token_ids": spec["stale"]}], _params(1, None), use_tqdm=False)
     engine = decode.llm_engine
-    pulled = {
-        "do_remote_prefill": True,
-        "transfer_id": EARLY_TRANSFER,
-        "remote_engine_id": PREFILL_ENGINE_ID,
-        "remote_bootstrap_addr": BOOTSTRAP_ADDR,
-    }
-    engine.add_request(EARLY, {"prompt_token_ids": prompt}, _params(max_tokens, pulled))
-    marker, deadline = Path(spec["markers"]) / "pull", time.monotonic() + 120
-    while not marker.exists():  # the decode engine core runs on its own; the pull is its worker's
-        if time.monotonic() > deadline:
-            raise TimeoutError("the decode engine's pull never reached the prefill side")
-        time.sleep(0.01)
+    pulled = _pull(engine, EARLY, prompt, EARLY_TRANSFER, max_tokens, spec["markers"])
     prefill.generate(
         [{"prompt_token_ids": prompt}],
         _params(1, {"do_remote_decode": True, "transfer_id": EARLY_TRANSFER}),
