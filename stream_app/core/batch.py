@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from operator import attrgetter
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,22 +36,26 @@ from kvledger.schemas.packing import (
 from kvledger.stream_app.core.checks import (
     GrantFacts,
     GroupFacts,
+    ReadFacts,
     RequestFacts,
     grant_failures,
     null_grant_failures,
     plan_clean,
+    prefix_failures,
+    prefix_known,
     slot_targets,
     token_positions,
+    unwritten_failures,
 )
 from kvledger.stream_app.core.rank_tables import RankTables, shared_blocks
-from kvledger.stream_app.core.tables import NULL_BLOCK, positions_differ, written_from
+from kvledger.stream_app.core.tables import NULL_BLOCK, UNKNOWN_FILL, positions_differ, written_from
 
 _FAST_KINDS = (KvGroupKind.FULL_ATTENTION, KvGroupKind.MLA)
 
 
 def reads_blocks(step: Step) -> bool:
-    """The step hands a new request blocks only to read (a prefix hit, received KV): what they hold is
-    judged step by step, never in a run."""
+    """The step hands a new request blocks only to read (a prefix hit, received KV): when a run holding
+    such steps is declined, they go step by step alone and their neighbours again in runs."""
     return step.input is not None and any(r.num_computed_tokens for r in step.input.new_reqs)
 
 
@@ -77,7 +82,7 @@ class _Run:
     g_blocks: list[np.ndarray]
     rel_row: np.ndarray  # rows of requests finished in the run, and when
     rel_b: np.ndarray
-    new_chains: list[tuple[int, list[bytes] | None]]  # rows of requests new in the run, their prefix chains
+    new_chains: dict[int, list[np.ndarray] | None]  # rows of requests new in the run -> their prefix chains
     p_rows: np.ndarray  # plan: row, b, tokens, first position, per request
     p_b: np.ndarray
     p_ntok: np.ndarray
@@ -100,6 +105,8 @@ def _step_of(sizes: list[int]) -> np.ndarray:
 def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], Counter] | None:
     """Check `steps` (consecutive, all with a plan) of one rank; a commit and the checks run, or None."""
     ng = len(state.groups)
+    if state.pending_reads:  # a step path's reads wait for a plan the run does not have
+        return None
     row_of = state.row_of.copy()  # req_index -> row; indices finished in the run keep theirs until commit
     index_of = dict(state.index_of)
     req_id_of = dict(state.req_id_of)
@@ -108,7 +115,7 @@ def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], 
     born: dict[int, int] = {}  # req_index -> step index it arrived at
     died: dict[int, int] = {}  # req_index -> step index it finished at
     new_in: list[tuple[int, int, int, int]] = []  # row, b, computed, scheduled
-    new_chains: list[tuple[int, list[bytes] | None]] = []  # row, the new request's prefix chains
+    new_chains: dict[int, list[np.ndarray] | None] = {}  # row -> the new request's prefix chains
     new_grants: list[list[tuple[int, int, np.ndarray]]] = [[] for _ in range(ng)]  # row, b, blocks
     in_cols: list[tuple] = []  # per step, _INPUT_COLUMNS
     plan_cols: list[tuple] = []  # per step, _PLAN_COLUMNS
@@ -129,8 +136,6 @@ def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], 
                 return None
             if inp.block_ids_to_zero or inp.block_copies:  # overwrites: checked step by step
                 return None
-            if reads_blocks(step):  # what blocks read hold is judged step by step
-                return None
             for req_id in inp.finished_req_ids:
                 index = index_of.pop(req_id, None)
                 if index is not None:
@@ -148,7 +153,7 @@ def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], 
                 num_rows += row == num_rows
                 row_of[index], index_of[req_id], req_id_of[index], born[index] = row, index, req_id, b
                 new_in.append((row, b, req.num_computed_tokens, req.num_scheduled_tokens))
-                new_chains.append((row, req.prefix_chains))
+                new_chains[row] = state.unpack_chains(req.prefix_chains)
                 for gid, data in enumerate(req.block_ids):
                     new_grants[gid].append((row, b, unpack_i32(data)))
             in_cols.append(_input_columns(inp))
@@ -307,12 +312,12 @@ def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num
         return None
 
     def commit() -> None:
-        for row, chains in run.new_chains:
-            state.keep_chains(row, chains)
+        for row, chains in run.new_chains.items():
+            state.set_chains(row, chains)
         for apply in commits:
             apply()
         for row in run.rel_row.tolist():
-            state.chains.pop(row, None)
+            state.set_chains(row, None)
         # Each row's last input wins: the latest step of every row that had one.
         touched = np.flatnonzero(last_in[:, -1] >= 0)
         state.computed[touched] = comp_m[touched, last_in[touched, -1]]
@@ -372,8 +377,9 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
         plan_digests=run.p_digests[gid],
         ledger_lens=g.lens[p_rows] + appended[p_rows, p_b],
         ledger_digests=digest_at,
-        # As the blocks stood before the run: one shared then is held by others throughout it (the
-        # run hands out no block to be read), and none is handed out to be written while held.
+        # As the blocks stood before the run: one shared then is held by others throughout it, none is
+        # handed out to be written while held, and one handed out to be read in the run and written
+        # after goes step by step (_reads_clean).
         shared=shared_blocks(g, block),
     )
 
@@ -391,36 +397,129 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
     if real_block.any() and grant_failures(_grant_facts(g, ev_block, ev_col, ev_time, ev_sign, ev_written)).any():
         return None
 
-    touched = np.unique(rows_e)
+    # -- what blocks hold: fresh grants take their request's prefix; reads are judged at their step ----------
     grant_b = np.repeat(b_e, cnt)
+    fresh = real_block & written
+    # The run's writes, the last (highest) of each run of one block in one row and step: how far it filled it.
+    wrote = np.flatnonzero(in_row & (block > NULL_BLOCK) & (block < g.num_blocks))  # as settle_reads marks
+    w_block, w_b, w_row = block[wrote], tok_b[wrote], tok_rows[wrote]
+    last = np.ones(wrote.size, bool)
+    last[:-1] = (w_block[1:] != w_block[:-1]) | (w_b[1:] != w_b[:-1]) | (w_row[1:] != w_row[:-1])
+    content = _Content(
+        fresh_blocks=blocks[fresh],
+        fresh_b=grant_b[fresh],
+        fresh_chains=state.chains_at(gid, blk_rows[fresh], cols[fresh], run.new_chains),
+        w_block=w_block[last],
+        w_b=w_b[last],
+        w_offset=tok_pos[wrote[last]] % bs,
+    )
+    reads = real_block & ~written
+    if reads.any():
+        chains = state.chains_at(gid, blk_rows[reads], cols[reads], run.new_chains)
+        if not _reads_clean(state, g, run.steps, content, _ReadRun(blocks[reads], grant_b[reads], chains), checks):
+            return None
+
+    touched = np.unique(rows_e)
 
     def commit() -> None:
         g.hold(rel_blocks, rel_cols, -1)
         g.hold(blocks, cols, +1)
         g.extend(touched, appended[touched, -1], digest_inc[touched, -1])
-        _commit_content(state, g, gid, blocks, blk_rows, cols, grant_b, block, tok_pos, tok_b, in_row)
+        _commit_content(g, content)
         if run.rel_row.size:
             g.reset(run.rel_row)
 
     return facts, commit
 
 
-def _commit_content(state, g, gid, blocks, blk_rows, cols, grant_b, tok_block, tok_pos, tok_b, in_row) -> None:
-    """What the run's blocks hold, as the step path leaves it: every grant writes (the run reads none),
-    in step order; then the writes of the run, each after its block's last grant."""
-    order = np.argsort(grant_b, kind="stable")
-    fresh = order[blocks[order] > NULL_BLOCK]
+class _Content(NamedTuple):
+    """What a run does to what blocks hold, in one group."""
+
+    fresh_blocks: np.ndarray  # blocks handed out to be computed anew, in grant order
+    fresh_b: np.ndarray  # the step index of each
+    fresh_chains: np.ndarray  # the prefix each is computed from (0: unknown)
+    w_block: np.ndarray  # writes into real blocks: the last of each run of one block in one row and step
+    w_b: np.ndarray  # the step index of each
+    w_offset: np.ndarray  # its offset in the block (the highest of its run)
+
+
+class _ReadRun(NamedTuple):
+    """Blocks handed out in a run only to be read (below their request's computed tokens)."""
+
+    blocks: np.ndarray
+    b: np.ndarray  # the step index of each
+    reader_chains: np.ndarray  # the reader's own prefix chain there (0: unknown)
+
+
+def _epochs(content: _Content, blocks: np.ndarray, b: np.ndarray, steps: int) -> np.ndarray:
+    """For each (block, step index): the index into the fresh grants of the block's last one at or before
+    that step, or -1: the block holds what it held before the run."""
+    if content.fresh_blocks.size == 0 or blocks.size == 0:
+        return np.full(blocks.size, -1, np.int64)
+    key = content.fresh_blocks * (steps + 1) + content.fresh_b
+    order = np.argsort(key, kind="stable")
+    at = np.searchsorted(key[order], blocks * (steps + 1) + b, side="right") - 1
+    hit = at >= 0
+    hit[hit] = content.fresh_blocks[order[at[hit]]] == blocks[hit]
+    return np.where(hit, order[np.maximum(at, 0)], -1)
+
+
+def _reads_clean(state, g, steps: int, content: _Content, read: _ReadRun, checks) -> bool:
+    """The run's reads, judged as the step path judges each at its step (RankTables._grant_content,
+    settle_reads): the prefix the block was handed out to compute, and how far the steps since, up to
+    the reader's own, wrote it. False where the step path would report or count something unknown."""
+    if state.content_voided is not None or not state.reads_traced:
+        return False
+    # Only writes into blocks read in the run matter here. One at or after a step that handed its block
+    # out to be read: whether the block was shared and full then is judged step by step.
+    read_blocks, of = np.unique(read.blocks, return_inverse=True)
+    first_read = np.full(read_blocks.size, steps, np.int64)
+    np.minimum.at(first_read, of, read.b)
+    at = np.minimum(np.searchsorted(read_blocks, content.w_block), read_blocks.size - 1)
+    into = read_blocks[at] == content.w_block
+    if (content.w_b[into] >= first_read[at[into]]).any():
+        return False
+    epoch = _epochs(content, read.blocks, read.b, steps)
+    fresh = epoch >= 0
+    facts = ReadFacts(np.where(fresh, content.fresh_chains[epoch], g.chain[read.blocks]), read.reader_chains)
+    if not prefix_known(facts).all() or prefix_failures(facts).any():
+        return False
+    fill = np.where(fresh, 0, g.fill[read.blocks])
+    if (fill == UNKNOWN_FILL).any():
+        return False
+    # The highest offset written in each (block, epoch): every such write precedes the block's first read.
+    wb, w_epoch = content.w_block[into], _epochs(content, content.w_block[into], content.w_b[into], steps)
+    span = content.fresh_blocks.size + 1
+    seg = wb * span + (w_epoch + 1)
+    segs, of = np.unique(seg, return_inverse=True)
+    highest = np.zeros(segs.size, np.int64)
+    np.maximum.at(highest, of, content.w_offset[into] + 1)
+    read_seg = read.blocks * span + (epoch + 1)
+    at = np.minimum(np.searchsorted(segs, read_seg), max(segs.size - 1, 0))
+    wrote = (segs[at] == read_seg) if segs.size else np.zeros(read_seg.size, bool)
+    fill = np.maximum(fill, np.where(wrote, highest[at] if segs.size else 0, 0))
+    if unwritten_failures(fill, g.block_size).any():
+        return False
+    checks[Check.PREFIX_IDENTITY] += int(read.blocks.size)
+    checks[Check.READ_WRITTEN] += int(read.blocks.size)
+    return True
+
+
+def _commit_content(g, content: _Content) -> None:
+    """What the run's blocks hold, as the step path leaves it: the fresh grants in step order, then the
+    writes of the run, each after its block's last fresh grant."""
+    order = np.argsort(content.fresh_b, kind="stable")
+    fresh = content.fresh_blocks[order]
+    keep = np.ones(content.w_block.size, bool)
     if fresh.size:
-        g.mark_fresh(blocks[fresh], state.chains_at(gid, blk_rows[fresh], cols[fresh]))
-    wrote = in_row & (tok_block > NULL_BLOCK)
-    if fresh.size:
-        granted, of = np.unique(blocks[fresh], return_inverse=True)
+        g.mark_fresh(fresh, content.fresh_chains[order])
+        granted, of = np.unique(fresh, return_inverse=True)
         last = np.full(granted.size, -1, np.int64)
-        np.maximum.at(last, of, grant_b[fresh])
-        at = np.minimum(np.searchsorted(granted, tok_block), granted.size - 1)
-        wrote &= (granted[at] != tok_block) | (tok_b >= last[at])
-    if wrote.any():
-        g.mark_written(tok_block[wrote], tok_pos[wrote] % g.block_size)
+        np.maximum.at(last, of, content.fresh_b[order])
+        at = np.minimum(np.searchsorted(granted, content.w_block), granted.size - 1)
+        keep = (granted[at] != content.w_block) | (content.w_b >= last[at])
+    if keep.any():
+        g.mark_written(content.w_block[keep], content.w_offset[keep])
 
 
 def _grant_facts(g, ev_block, ev_col, ev_time, ev_sign, ev_written) -> GrantFacts:

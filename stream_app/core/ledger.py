@@ -137,7 +137,7 @@ class Ledger:
         out: list[Violation] = []
         run: list[LedgerEvent] = []
         for event in events:  # an iterator: an edge may type its records as they are read
-            if isinstance(event.body, Step) and not batch.reads_blocks(event.body):  # such a step goes alone
+            if isinstance(event.body, Step):
                 run.append(event)
                 if len(run) == self.batch_steps:
                     self._run(run, out)
@@ -152,9 +152,21 @@ class Ledger:
         return out
 
     def _run(self, run: list[LedgerEvent], out: list[Violation]) -> None:
-        if len(run) < 2 or not self._fast_run(run, out):
+        if len(run) >= 2 and self._fast_run(run, out):
+            return
+        if not any(batch.reads_blocks(e.body) for e in run):
             for event in run:
                 out += self.apply(event)
+            return
+        # A step that hands blocks out only to be read goes alone, its neighbours again in runs: what
+        # was read may be what the fast path declined.
+        start = 0
+        for i, event in enumerate(run):
+            if batch.reads_blocks(event.body):
+                self._run(run[start:i], out)
+                out += self.apply(event)
+                start = i + 1
+        self._run(run[start:], out)
 
     def _fast_run(self, events: list[LedgerEvent], out: list[Violation]) -> bool:
         per_rank: dict[RankKey, list[Step]] = {}

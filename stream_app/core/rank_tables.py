@@ -83,6 +83,7 @@ class RankTables:
         # prompt blocks), and the blocks this step's grants hand out only to be read, judged once the
         # step's writes are known (group, blocks, their readers' rows and positions).
         self.chains: dict[int, list[np.ndarray]] = {}
+        self.chain_len = np.zeros(8, np.int64)  # per row: its longest chain (positions past it are unknown)
         self.pending_reads: list[tuple[GroupTable, np.ndarray, np.ndarray, np.ndarray]] = []
         # Every block's KV comes from this rank's own steps (no KV connector loads into it: a prefill
         # engine only sends), so what it reads can be traced to what it wrote.
@@ -103,6 +104,7 @@ class RankTables:
         while n > self.computed.size:
             self.computed = np.concatenate([self.computed, np.zeros_like(self.computed)])
             self.scheduled = np.concatenate([self.scheduled, np.zeros_like(self.scheduled)])
+            self.chain_len = np.concatenate([self.chain_len, np.zeros_like(self.chain_len)])
         for g in self.groups:
             g.ensure_rows(n)
 
@@ -130,7 +132,7 @@ class RankTables:
         row = int(self.row_of[index])
         self.row_of[index] = -1
         self._clear_row(row)
-        self.chains.pop(row, None)
+        self.set_chains(row, None)
         self.free_rows.append(row)
 
     def _clear_row(self, row: int) -> None:
@@ -256,23 +258,44 @@ class RankTables:
 
     def keep_chains(self, row: int, chains: list[bytes] | None) -> None:
         """A new request's prefix chains, per group (none recorded: its hits go unjudged)."""
-        if chains is not None and len(chains) >= len(self.groups):
-            self.chains[row] = [unpack_u64(c) for c in chains[: len(self.groups)]]
-        else:
-            self.chains.pop(row, None)
+        self.set_chains(row, self.unpack_chains(chains))
 
-    def chains_at(self, gid: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        """The prefix chain of each (row, position) in group `gid`; 0 where not known."""
+    def set_chains(self, row: int, chains: list[np.ndarray] | None) -> None:
+        """The row's prefix chains, unpacked (None: none known, or the row is free)."""
+        if chains is None:
+            self.chains.pop(row, None)
+            self.chain_len[row] = 0
+        else:
+            self.chains[row] = chains
+            self.chain_len[row] = max(c.size for c in chains)
+
+    def unpack_chains(self, chains: list[bytes] | None) -> list[np.ndarray] | None:
+        """A request's recorded prefix chains, one array per group of these tables; None: not recorded."""
+        if chains is None or len(chains) < len(self.groups):
+            return None
+        return [unpack_u64(c) for c in chains[: len(self.groups)]]
+
+    def chains_at(self, gid: int, rows: np.ndarray, cols: np.ndarray, pending: dict | None = None) -> np.ndarray:
+        """The prefix chain of each (row, position) in group `gid`; 0 where not known. `pending`: rows whose
+        chains (unpacked, or None) are not kept yet (requests new in a run of the fast path)."""
         out = np.zeros(cols.size, np.uint64)
-        if not self.chains:
+        if (not self.chains and not pending) or rows.size == 0:
             return out
-        for row in np.unique(rows).tolist():
-            chain = self.chains.get(row)
+        if not pending:  # most grants lie past their request's prompt (decode): no chain there
+            inside = np.flatnonzero(cols < self.chain_len[rows])
+            if inside.size < rows.size:
+                out[inside] = self.chains_at(gid, rows[inside], cols[inside], {})
+                return out
+        order = np.argsort(rows, kind="stable")
+        present, starts = np.unique(rows[order], return_index=True)
+        ends = np.append(starts[1:], rows.size)
+        for row, start, end in zip(present.tolist(), starts.tolist(), ends.tolist(), strict=True):
+            chain = pending[row] if pending and row in pending else self.chains.get(row)
             if chain is None or chain[gid].size == 0:
                 continue
-            mine = rows == row
-            at = cols[mine]
-            out[mine] = np.where(at < chain[gid].size, chain[gid][np.minimum(at, chain[gid].size - 1)], 0)
+            mine = order[start:end]
+            at, known = cols[mine], chain[gid]
+            out[mine] = np.where(at < known.size, known[np.minimum(at, known.size - 1)], 0)
         return out
 
     def _appends(self, inp: StepInput, grants: list[list | None], cov: Coverage) -> None:

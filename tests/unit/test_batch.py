@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvledger.schemas.events import event_of, events_of
+from kvledger.schemas.events import Step, event_of, events_of
+from kvledger.schemas.kinds import Check
 from kvledger.stream_app.core import Ledger, batch
 from tests.synthetic.engine import FAULTS, SHARING_FAULTS, FaultSpec, SimConfig, simulate
 
@@ -82,6 +83,20 @@ def test_fast_path_carries_clean_decode(fast_runs, tp):
     assert assert_same(events) == []
     # Nearly every step went the fast way: the lead's replayed, the other ranks' matched with it.
     assert sum(fast_runs) > 0.8 * len(events) / tp
+
+
+def test_fast_path_judges_prefix_hits(fast_runs):
+    """Steps that hand blocks out to be read (prefix hits) stay in runs: each read judged as at its step."""
+    config = dataclasses.replace(DECODE_HEAVY, prefix_caching=True, shared_prefix_prob=0.6, output_len=(20, 60))
+    events = simulate(config).events
+    steps = [e.body for e in events_of(events) if isinstance(e.body, Step)]
+    assert sum(map(batch.reads_blocks, steps)) > 50
+    (stepwise, one), (batched, many) = both(events)
+    assert batched == stepwise == []
+    assert (many.coverage.checks, many.coverage.unchecked) == (one.coverage.checks, one.coverage.unchecked)
+    assert many.coverage.checks[Check.PREFIX_IDENTITY] > 100
+    assert many.coverage.checks[Check.READ_WRITTEN] == many.coverage.checks[Check.PREFIX_IDENTITY]
+    assert sum(fast_runs) > 0.9 * len(steps)
 
 
 @pytest.mark.parametrize("fault", FAULTS)
