@@ -53,6 +53,7 @@ def layouts(ledger) -> list[tuple[int, list[dict]]]:
     raise AssertionError("no RankInfo")
 
 
+@pytest.mark.parallel
 def test_groups_of_different_block_sizes_overlaying_one_allocation_are_caught(runs):
     """The fault fired where it lived (the layout check reverted): the sliding-window group strides
     the allocation by two pages, the full-attention group by one, both from byte 0; the probe recorded
@@ -86,14 +87,21 @@ def test_groups_of_different_block_sizes_overlaying_one_allocation_are_caught(ru
     assert faulty.logprobs[0] != clean.logprobs[0], (faulty.logprobs[0], clean.logprobs[0])
     assert replay(runs.clean_ledger).violations == []
     assert layouts(runs.clean_ledger) == [(32, recorded[0][1]), (32, recorded[0][1])]
+    parted = [
+        next((k, round(f, 5), round(c, 5)) for k, (f, c) in enumerate(zip(fs, cs, strict=True)) if f != c)
+        if fs != cs
+        else None
+        for fs, cs in zip(faulty.logprobs[0], clean.logprobs[0], strict=True)
+    ]
     print(
         f"zoo vllm-ascend 16490: block {b} (group 0) of {second['req_id']} is block {other} (group 1) of "
-        f"{first['req_id']}; tokens {faulty.rounds[0]} (clean {clean.rounds[0]}); first log-probabilities "
-        f"{[round(p[0], 5) for p in faulty.logprobs[0]]} (clean {[round(p[0], 5) for p in clean.logprobs[0]]}); "
+        f"{first['req_id']}; tokens {faulty.rounds[0]} (clean {clean.rounds[0]}); first differing "
+        f"log-probability per request (token, faulty, clean): {parted}; "
         f"reported at step {second_at} (0 steps): {found[1].detail}"
     )
 
 
+@pytest.mark.parallel
 def test_a_clean_hybrid_layout_is_judged_once_and_checks_nothing_per_grant(runs):
     """vLLM's own layout of the same model: both groups stride by one page from byte 0, block b of one
     is block b of the other; the layout is known (nothing unchecked) and no grant is checked against it."""
