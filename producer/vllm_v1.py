@@ -95,7 +95,7 @@ def kv_layouts(kv_config: Any) -> list[list | None]:
     groups = kv_config.kv_cache_groups
     layouts: list[list | None] = [[] for _ in groups]
     group_of = {name: gid for gid, group in enumerate(groups) for name in group.layer_names}
-    for tensor in kv_config.kv_cache_tensors:
+    for tensor in getattr(kv_config, "kv_cache_tensors", None) or ():
         layers = getattr(tensor, "layers", None)
         gid = group_of.get(layers[0]) if layers else None
         if gid is None or not hasattr(tensor, "block_stride"):

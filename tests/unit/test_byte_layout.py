@@ -179,3 +179,44 @@ def test_a_meeting_is_judged_per_pair_of_groups():
     layout = layout_of(groups)
     assert layout.known and sorted(layout.meetings) == [0, 1]
     assert layout_of(groups[:1]).meetings == {} and layout_of(groups[:1]).known
+
+
+# -- what the probe reads ----------------------------------------------------------------------------
+def _config(tensors, specs):
+    from types import SimpleNamespace
+
+    groups = [SimpleNamespace(layer_names=names, kv_cache_spec=spec) for names, spec in specs]
+    return SimpleNamespace(kv_cache_groups=groups, kv_cache_tensors=tensors)
+
+
+def test_the_probe_reads_each_groups_placements_from_the_kv_cache_config():
+    """vLLM 0.32's `KVCacheTensor`s: a run of layers each, in the group of its first layer; an older
+    config (`shared_by`) or a group whose layers have no views (state groups) is not read."""
+    from types import SimpleNamespace
+
+    from kvledger.producer.vllm_v1 import kv_layouts
+
+    spec = SimpleNamespace(page_size_bytes=256, has_layer_views=True)
+
+    def tensor(layers, offset, stride, host=False):
+        return SimpleNamespace(
+            layers=layers, offset=offset, layer_stride=stride * 8, block_stride=stride, host_resident=host
+        )
+
+    config = _config(
+        [tensor(["a0", "a1"], 0, 256), tensor(["s0"], 0, 512), tensor(["h0"], 0, 256, host=True)],
+        [(["a0", "a1"], spec), (["s0"], spec), (["h0"], spec)],
+    )
+    got = kv_layouts(config)
+    assert [[(p.tensor, p.offset, p.layer_stride, p.block_stride, p.layers, p.page_bytes) for p in g] for g in got] == [
+        [(0, 0, 2048, 256, 2, 256)],
+        [(0, 0, 4096, 512, 1, 256)],
+        [(1, 0, 2048, 256, 1, 256)],
+    ]
+    state = SimpleNamespace(page_size_bytes=256, has_layer_views=False)
+    assert (
+        kv_layouts(_config([tensor(["a0"], 0, 256), tensor(["m0"], 0, 256)], [(["a0"], spec), (["m0"], state)]))[1]
+        is None
+    )
+    older = _config([SimpleNamespace(size=1024, shared_by=["a0", "s0"])], [(["a0"], spec), (["s0"], spec)])
+    assert kv_layouts(older) == [None, None]
