@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvledger.schemas.events import KvGroup
+from kvledger.schemas.events import KvGroup, KvPlacement
+
+MAX_LAYERS = 1 << 12  # layers of one placement a reader expands; more: a malformed record, judged unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,11 +91,16 @@ def meeting_pairs(a: Pages, a_blocks: int, b: Pages, b_blocks: int) -> tuple[np.
     return i[keep], j[keep]
 
 
+def _sound(p: KvPlacement) -> bool:
+    """A placement a reader can judge: positive strides and page, a plausible number of layers."""
+    return p.block_stride > 0 and p.page_bytes > 0 and p.layer_stride >= 0 and 0 < p.layers <= MAX_LAYERS
+
+
 def layout_of(groups: list[KvGroup]) -> Layout:
     """A rank's layout, judged once: unknown where a group of several did not say; else where groups meet."""
     if len(groups) < 2:
         return Layout(True, {})
-    if any(g.layout is None for g in groups):
+    if any(g.layout is None or not all(_sound(p) for p in g.layout) for g in groups):
         return Layout(False, {})
     pages = [pages_of(g) for g in groups]
     meetings: dict[int, list[Meeting]] = {}

@@ -147,6 +147,8 @@ def test_a_layout_not_recorded_is_counted_once_never_reported():
     s._add(s.info)
     violations, ledger = s.check()
     assert violations == [] and ledger.coverage.unchecked == {"layout_unknown": 1}
+    broken = Stream(layouts=[placement(4), [records.kv_placement(0, 0, 0, 0, 1, 256)]])
+    assert broken.check()[1].coverage.unchecked == {"layout_unknown": 1}  # a stride of 0: not judged
     alone = Ledger()
     group = records.kv_group(0, "FULL_ATTENTION", 4, NUM_BLOCKS)
     info = records.rank_info(dp_size=1, tp_size=1, pp_size=1, vllm_version="t", runner="t", kv_groups=[group])
