@@ -23,6 +23,7 @@ from kvledger.schemas.events import (
     GroupPlan,
     Health,
     KvGroup,
+    KvPlacement,
     LedgerEvent,
     NewRequest,
     RankInfo,
@@ -59,8 +60,19 @@ def event(rank: RankIdentity, seq: int, emitted_at_us: int, body: Body) -> Ledge
     return LedgerEvent(key, rank.incarnation, seq, emitted_at_us, body)
 
 
-def kv_group(group_id: int, kind: str, block_size: int, num_blocks: int, sliding_window: int | None = None) -> KvGroup:
-    return KvGroup(group_id, KvGroupKind(kind), block_size, num_blocks, sliding_window)
+def kv_group(
+    group_id: int,
+    kind: str,
+    block_size: int,
+    num_blocks: int,
+    sliding_window: int | None = None,
+    layout: list[KvPlacement] | None = None,
+) -> KvGroup:
+    return KvGroup(group_id, KvGroupKind(kind), block_size, num_blocks, sliding_window, layout)
+
+
+def kv_placement(tensor: int, offset: int, layer_stride: int, block_stride: int, layers: int, page_bytes: int):
+    return KvPlacement(tensor, offset, layer_stride, block_stride, layers, page_bytes)
 
 
 def rank_info(

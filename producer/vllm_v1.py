@@ -82,6 +82,38 @@ def kv_group_kind(spec: Any) -> tuple[str, int | None]:
     return "OTHER", None
 
 
+def kv_layouts(kv_config: Any) -> list[list | None]:
+    """Per KV cache group, where its layers keep their blocks (`KvPlacement`s), from the config the runner
+    allocated by; None for a group whose placement cannot be read.
+
+    vLLM's `KVCacheTensor` (0.32) places a run of layers in the rank's backing allocation: layer l's page
+    of block b at `offset + l * layer_stride + b * block_stride`, the runner's per-layer views built from
+    exactly these numbers (`allocate_kv_cache`). Older configs (`shared_by`: one raw tensor per layer
+    position, reshaped by each layer) and layers without views (state groups addressing the allocation
+    themselves) are not read: their groups' layouts stay unknown.
+    """
+    groups = kv_config.kv_cache_groups
+    layouts: list[list | None] = [[] for _ in groups]
+    group_of = {name: gid for gid, group in enumerate(groups) for name in group.layer_names}
+    for tensor in getattr(kv_config, "kv_cache_tensors", None) or ():
+        layers = getattr(tensor, "layers", None)
+        gid = group_of.get(layers[0]) if layers else None
+        if gid is None or not hasattr(tensor, "block_stride"):
+            return [None] * len(groups)
+        spec = groups[gid].kv_cache_spec
+        spec = getattr(spec, "kv_cache_specs", {}).get(layers[0], spec)  # one spec of a uniform-type group
+        if layouts[gid] is None or not getattr(spec, "has_layer_views", True):
+            layouts[gid] = None
+            continue
+        where = 1 if getattr(tensor, "host_resident", False) else 0  # a host pool is an allocation of its own
+        layouts[gid].append(
+            records.kv_placement(
+                where, tensor.offset, tensor.layer_stride, tensor.block_stride, len(layers), spec.page_size_bytes
+            )
+        )
+    return [layout or None for layout in layouts]
+
+
 class KVTraceViolation(RuntimeError):
     """`action: raise`: this step's KV addressing disagrees with the ledger."""
 
@@ -316,9 +348,11 @@ class V1RunnerProbe:
         parallel = vllm_config.parallel_config
         kv_config = self.runner.kv_cache_config
         groups = []
+        layouts = kv_layouts(kv_config)
         for gid, group in enumerate(kv_config.kv_cache_groups):
             kind, window = kv_group_kind(group.kv_cache_spec)
-            groups.append(records.kv_group(gid, kind, group.kv_cache_spec.block_size, kv_config.num_blocks, window))
+            block_size, num_blocks = group.kv_cache_spec.block_size, kv_config.num_blocks
+            groups.append(records.kv_group(gid, kind, block_size, num_blocks, window, layouts[gid]))
         kv_transfer = vllm_config.kv_transfer_config
         role = {"kv_producer": "PREFILL", "kv_consumer": "DECODE", "kv_both": "BOTH"}.get(
             getattr(kv_transfer, "kv_role", None), "NONE"

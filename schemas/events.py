@@ -54,6 +54,18 @@ class RankKey(NamedTuple):
 
 
 # -- RankInfo -------------------------------------------------------------------------------------
+class KvPlacement(Typed):
+    """Where a run of a group's layers keeps its blocks in a raw KV allocation, as the kernels address them:
+    layer l's page of block b starts at `offset + l * layer_stride + b * block_stride` bytes into `tensor`."""
+
+    tensor: int  # which raw allocation of the rank (0, 1, ...: allocations of one rank, never across ranks)
+    offset: int  # bytes from the allocation's start to the first layer's page of block 0
+    layer_stride: int  # bytes between the pages of consecutive layers of one block
+    block_stride: int  # bytes between the pages of consecutive blocks of one layer
+    layers: int  # how many layers the run holds
+    page_bytes: int  # bytes of one layer's page of one block
+
+
 class KvGroup(Typed):
     """One KV cache group: layers sharing one block table."""
 
@@ -62,6 +74,10 @@ class KvGroup(Typed):
     block_size: int  # tokens per block
     num_blocks: int  # pool size: valid ids are 0 .. num_blocks-1, 0 the null block
     sliding_window: int | None = None  # window in tokens of a SLIDING_WINDOW group
+    # Where the group's layers keep their blocks (None: not recorded, an older writer or a runner whose
+    # allocation the probe cannot read): groups overlaying one allocation must map a block id to the
+    # same bytes, or blocks of one group overwrite another's.
+    layout: list[KvPlacement] | None = None
 
 
 class Capability(Typed):

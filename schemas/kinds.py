@@ -223,6 +223,8 @@ class ViolationKind(Open):
     PREFIX_HIT_MISMATCH = "prefix_hit_mismatch"
     UNWRITTEN_READ = "unwritten_read"
     SHARED_BLOCK_WRITE = "shared_block_write"
+    # Where blocks live in the KV allocation (core/layout.py).
+    LAYOUT_ALIAS = "layout_alias"
     OTHER = "other"  # a kind newer than this reader (read from a topic or a file)
 
 
@@ -253,6 +255,7 @@ class Check(StrEnum):
     NULL_GRANT = "null_grant"  # a full-attention grant holds no null block
     PREFIX_IDENTITY = "prefix_identity"  # a prefix hit reads a block computed from its own prefix
     READ_WRITTEN = "read_written"  # a prefix hit reads a block executed steps wrote to its end
+    BYTE_LAYOUT = "byte_layout"  # a granted block's bytes meet no live block of another group
 
 
 class Unchecked(StrEnum):
@@ -302,6 +305,8 @@ class Unchecked(StrEnum):
     READ_SOURCE_UNTRACED = "read_source_untraced"  # a rank with a KV connector: hits may be its loads
     READ_NOT_SETTLED = "read_not_settled"  # a hit in a step whose plan was not checked
     FILL_UNKNOWN = "fill_unknown"  # a hit block whose writes the ledger did not see (before a resync)
+    # Where blocks live.
+    LAYOUT_UNKNOWN = "layout_unknown"  # a rank of several groups that did not say where their blocks live
 
 
 def group_unchecked(kind: KvGroupKind) -> Unchecked:

@@ -225,3 +225,23 @@ def unwritten_failures(fill: np.ndarray, block_size: int) -> np.ndarray:
     """A block read as computed that executed steps did not write to its end since it was handed out
     to be computed (its writes in the reader's own step count: a layer writes before it attends)."""
     return (fill != UNKNOWN_FILL) & (fill < block_size)
+
+
+def overlapping_blocks(blocks: np.ndarray, mine, theirs, their_blocks: int):
+    """The blocks of another group whose bytes meet those of `blocks`, page pair by page pair (`mine`,
+    `theirs`: core/layout.Pages, entry i of each a pair on one allocation): (index into `blocks`, index
+    of the page pair, the other group's block), one entry per meeting, the other group's pool only."""
+    lo = mine.start[None, :] + blocks[:, None] * mine.stride[None, :]  # [blocks, page pairs]
+    hi = lo + mine.size[None, :]
+    first = np.maximum((lo - theirs.size - theirs.start) // theirs.stride + 1, 0)
+    last = np.minimum(-((theirs.start - hi) // theirs.stride) - 1, their_blocks - 1)
+    span = np.maximum(last - first + 1, 0).ravel()
+    which = np.repeat(np.arange(span.size), span)
+    steps = np.arange(which.size) - np.repeat(np.cumsum(span) - span, span)
+    return which // mine.start.size, which % mine.start.size, first.ravel()[which] + steps
+
+
+def layout_alias_failures(blocks: np.ndarray, others: np.ndarray, live: np.ndarray) -> np.ndarray:
+    """A block handed out shares bytes with another block id, live in another group: a write to either
+    overwrites the other's KV (block ids are one group's at a time; these bytes are two ids')."""
+    return (others != blocks) & (others != NULL_BLOCK) & live

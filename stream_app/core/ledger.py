@@ -33,6 +33,7 @@ from kvledger.stream_app.core import batch
 from kvledger.stream_app.core.content import ContentLedger
 from kvledger.stream_app.core.declarations import Declared, check_declared_plan, content_voided
 from kvledger.stream_app.core.fingerprints import input_fingerprint, plan_fingerprint
+from kvledger.stream_app.core.layout import describe, layout_of
 from kvledger.stream_app.core.rank_tables import RankTables
 from kvledger.stream_app.core.step_groups import LeadStep, StepGroup, rekeyed
 from kvledger.stream_app.core.transfers import DEFAULT_DEADLINE_STEPS, TransferJoin, TransferUse
@@ -105,7 +106,7 @@ class Ledger:
         if isinstance(body, Step):
             self._step(key, slot, body, out)
         elif isinstance(body, RankInfo):
-            self._rank_info(key, slot, body)
+            self._rank_info(key, slot, body, out)
         elif isinstance(body, Snapshot):
             self._snapshot(key, slot, body)
         elif isinstance(body, ConnectorEvent):
@@ -342,7 +343,9 @@ class Ledger:
         return slot
 
     # -- bodies ------------------------------------------------------------------------------
-    def _rank_info(self, key: RankKey, slot: TrackedRank, info: RankInfo) -> None:
+    def _rank_info(self, key: RankKey, slot: TrackedRank, info: RankInfo, out: list[Violation]) -> None:
+        if slot.info is None or slot.info.kv_groups != info.kv_groups:
+            self._layout(key, info, out)
         gkey = (key.engine_id, key.dp)
         expected = frozenset((t, p) for t in range(info.tp_size) for p in range(info.pp_size))
         group = self.step_groups.get(gkey)
@@ -361,6 +364,17 @@ class Ledger:
         if slot.state is not None:
             slot.state.content_voided = content_voided(info)
         slot.declared = Declared.of(info)
+
+    def _layout(self, key: RankKey, info: RankInfo, out: list[Violation]) -> None:
+        """A rank's layout, once per layout: groups whose blocks share bytes at other block ids are
+        reported at once (no step: every grant may collide); one that did not say is counted."""
+        layout = layout_of(info.kv_groups)
+        if not layout.known:
+            self.coverage.unchecked[Unchecked.LAYOUT_UNKNOWN] += 1
+        for gid, meetings in sorted(layout.meetings.items()):
+            for meeting in meetings:
+                if meeting.group < meeting.other:
+                    out.append(Violation.at(ViolationKind.LAYOUT_ALIAS, key, None, describe(meeting), group=gid))
 
     def follower(self, key: RankKey) -> bool:
         """A rank compared with its group's lead rather than replayed (not the lowest TP/PP rank)."""

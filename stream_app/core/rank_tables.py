@@ -41,7 +41,9 @@ from kvledger.stream_app.core.checks import (
     RequestFacts,
     draft_position_failures,
     grant_failures,
+    layout_alias_failures,
     null_grant_failures,
+    overlapping_blocks,
     plan_failures,
     prefix_failures,
     prefix_known,
@@ -49,6 +51,7 @@ from kvledger.stream_app.core.checks import (
     token_positions,
     unwritten_failures,
 )
+from kvledger.stream_app.core.layout import Meeting, layout_of
 from kvledger.stream_app.core.tables import NULL_BLOCK, UNKNOWN_FILL, GroupTable, written_from
 from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
 
@@ -70,6 +73,9 @@ class RankTables:
         self.groups = [
             GroupTable(g.group_id, g.kind, g.block_size, g.num_blocks, g.sliding_window) for g in info.kv_groups
         ]
+        # Where the groups' blocks live, judged once: where groups meet at other block ids, every block
+        # handed out is checked against them (nothing to do on the layouts vLLM builds).
+        self.layout = layout_of(info.kv_groups)
         self.row_of = np.full(64, -1, np.int64)  # req_index -> row, -1 when not live
         self.index_of: dict[str, int] = {}  # req_id -> req_index
         self.req_id_of: dict[int, str] = {}
@@ -334,6 +340,8 @@ class RankTables:
         # are no reuse.
         writes = cols >= written_from(self.computed[owner], g.block_size)
         self._grant_content(step, g, flat, owner, cols, real, writes, out, cov)
+        for meeting in self.layout.meetings.get(g.group_id, ()):
+            self._check_layout(step, meeting, flat[real], owner[real], out, cov)
         mine = flat[real]
         written = writes[real]
         _, of, granted_now = np.unique(mine, return_inverse=True, return_counts=True)
@@ -385,6 +393,34 @@ class RankTables:
                         g.group_id,
                     )
                 )
+
+    def _check_layout(self, step, meeting: Meeting, blocks, owner, out, cov) -> None:
+        """Blocks handed out in one group must share no byte with another block id live in another group
+        (the groups' pages meet at other block ids where they stride the allocation differently)."""
+        _count(cov.checks, Check.BYTE_LAYOUT, int(blocks.size))
+        h = self.groups[meeting.other]
+        at, pair, others = overlapping_blocks(blocks, meeting.mine, meeting.theirs, h.num_blocks)
+        bad = layout_alias_failures(blocks[at], others, h.hold_count[others] > 0)
+        if not bad.any():
+            return
+        at, pair, others = at[bad], pair[bad], others[bad]
+        for row in np.unique(owner[at]).tolist():
+            mine = np.flatnonzero(owner[at] == row)
+            i, p, other = int(at[mine[0]]), int(pair[mine[0]]), int(others[mine[0]])
+            n = np.unique(at[mine]).size
+            detail = (
+                f"scheduler handed block {blocks[i]} in group {meeting.group}, whose "
+                f"{_byte_span(meeting.mine, p, int(blocks[i]))} meet block {other} of group {meeting.other} "
+                f"({_byte_span(meeting.theirs, p, other)}), held by {self._holders_in(h, other)}: the groups stride "
+                f"the allocation by {int(meeting.mine.stride[p])} and {int(meeting.theirs.stride[p])} bytes per "
+                "block" + (f" ({n} such blocks)" if n > 1 else "")
+            )
+            out.append(self._violation(ViolationKind.LAYOUT_ALIAS, step, detail, self._req_of_row(row), meeting.group))
+
+    def _holders_in(self, g: GroupTable, block: int) -> list[str]:
+        """The live requests holding `block` in group `g` (for a report: a scan of the group's live cells)."""
+        rows = [r for r in range(self.num_rows) if block in g.table[r, g.released[r] : g.lens[r]]]
+        return sorted(self._req_of_row(r) for r in rows)
 
     def _grant_content(self, step, g: GroupTable, flat, owner, cols, real, writes, out, cov) -> None:
         """What granted blocks hold: none is the null block where the group's manager never places it;
@@ -862,3 +898,9 @@ def _first_token_per_request(tokens: np.ndarray, tok_req) -> list[int]:
         return tokens.tolist()
     _, first = np.unique(tok_req[tokens], return_index=True)
     return tokens[first].tolist()
+
+
+def _byte_span(pages, pair: int, block: int) -> str:
+    """Where a block's page of one page pair lies: `first..last` bytes of its allocation."""
+    start = int(pages.start[pair] + block * pages.stride[pair])
+    return f"bytes {start}..{start + int(pages.size[pair]) - 1} of allocation {int(pages.tensor[pair])}"

@@ -125,6 +125,10 @@ class SimConfig:
     faults: tuple[FaultSpec, ...] = ()
     incarnation: int = 1
     close_at_end: bool = False  # each rank's last event says it shut down (Health.closing)
+    # Where the groups' blocks live: every group overlays one allocation with the same bytes per block
+    # (vLLM's layouts); with `byte_alias` every group past the first strides it by twice the bytes,
+    # so its block b shares bytes with blocks 2b and 2b+1 of group 0 (vllm-ascend 16490).
+    byte_alias: bool = False
 
 
 @dataclass(frozen=True)
@@ -269,7 +273,10 @@ class SyntheticEngine:
 
     def _rank_info(self) -> tuple[str, dict]:
         c = self.cfg
-        groups = [records.kv_group(i, g.kind, self.bs, c.num_blocks, g.sliding_window) for i, g in enumerate(c.groups)]
+        groups = [
+            records.kv_group(i, g.kind, self.bs, c.num_blocks, g.sliding_window, self._layout(i))
+            for i, g in enumerate(c.groups)
+        ]
         return records.rank_info(
             dp_size=1,
             tp_size=c.tp_size,
@@ -281,6 +288,11 @@ class SyntheticEngine:
             full_rows=c.full_rows,
             snapshot_interval=c.snapshot_interval,
         )
+
+    def _layout(self, group: int) -> list:
+        """One layer of the group in allocation 0 from byte 0, a page of 64 bytes per token."""
+        page = self.bs * 64 * (2 if self.cfg.byte_alias and group > 0 else 1)
+        return [records.kv_placement(0, 0, page * self.cfg.num_blocks, page, 1, page)]
 
     def _snapshot(self, step: int) -> tuple[str, dict]:
         reqs = []

@@ -69,8 +69,10 @@ def fast_runs(monkeypatch):
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
-@given(configs(), st.sampled_from((None, *FAULTS)), st.integers(5, 35), st.sampled_from([2, 7, 64]))
-def test_batched_equals_stepwise(config, fault, step, batch_steps):
+@given(configs(), st.sampled_from((None, *FAULTS)), st.integers(5, 35), st.sampled_from([2, 7, 64]), st.booleans())
+def test_batched_equals_stepwise(config, fault, step, batch_steps, byte_alias):
+    # byte_alias: groups whose blocks share bytes at other block ids (layout_alias), where there are two
+    config = dataclasses.replace(config, byte_alias=byte_alias)
     if fault is not None:
         tp = 1 if fault in MULTI_RANK_FAULTS and config.tp_size > 1 else 0
         config = dataclasses.replace(config, faults=(FaultSpec(fault, step, tp_rank=tp),))
