@@ -367,7 +367,8 @@ class V1RunnerProbe:
         parallel = vllm_config.parallel_config
         kv_config = self.runner.kv_cache_config
         groups = []
-        layouts = kv_layouts(kv_config, getattr(self.runner.compilation_config, "static_forward_context", {}))
+        bound = getattr(getattr(self.runner, "compilation_config", None), "static_forward_context", None)
+        layouts = kv_layouts(kv_config, bound)
         for gid, group in enumerate(kv_config.kv_cache_groups):
             kind, window = kv_group_kind(group.kv_cache_spec)
             block_size, num_blocks = group.kv_cache_spec.block_size, kv_config.num_blocks
