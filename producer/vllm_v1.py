@@ -82,7 +82,7 @@ def kv_group_kind(spec: Any) -> tuple[str, int | None]:
     return "OTHER", None
 
 
-def kv_layouts(kv_config: Any) -> list[list | None]:
+def kv_layouts(kv_config: Any, bound: dict | None = None) -> list[list | None]:
     """Per KV cache group, where its layers keep their blocks (`KvPlacement`s), from the config the runner
     allocated by; None for a group whose placement cannot be read.
 
@@ -90,28 +90,47 @@ def kv_layouts(kv_config: Any) -> list[list | None]:
     of block b at `offset + l * layer_stride + b * block_stride`, the runner's per-layer views built from
     exactly these numbers (`allocate_kv_cache`). Older configs (`shared_by`: one raw tensor per layer
     position, reshaped by each layer) and layers without views (state groups addressing the allocation
-    themselves) are not read: their groups' layouts stay unknown.
+    themselves) are not read: their groups' layouts stay unknown. Where the runner bound views to its
+    layers (`bound`: the forward context's layers, their `kv_cache`), the first layer of each run must
+    start where the placement says and stride blocks alike, else the group's layout is unknown: a
+    platform that allocates otherwise than the config says is counted, never misjudged.
     """
     groups = kv_config.kv_cache_groups
     layouts: list[list | None] = [[] for _ in groups]
     group_of = {name: gid for gid, group in enumerate(groups) for name in group.layer_names}
     for tensor in getattr(kv_config, "kv_cache_tensors", None) or ():
-        layers = getattr(tensor, "layers", None)
-        gid = group_of.get(layers[0]) if layers else None
+        names = getattr(tensor, "layers", None)
+        gid = group_of.get(names[0]) if names else None
         if gid is None or not hasattr(tensor, "block_stride"):
             return [None] * len(groups)
         spec = groups[gid].kv_cache_spec
-        spec = getattr(spec, "kv_cache_specs", {}).get(layers[0], spec)  # one spec of a uniform-type group
+        spec = getattr(spec, "kv_cache_specs", {}).get(names[0], spec)  # one spec of a uniform-type group
         if layouts[gid] is None or not getattr(spec, "has_layer_views", True):
+            layouts[gid] = None
+            continue
+        if not _view_agrees((bound or {}).get(names[0]), tensor, kv_config.num_blocks):
             layouts[gid] = None
             continue
         where = 1 if getattr(tensor, "host_resident", False) else 0  # a host pool is an allocation of its own
         layouts[gid].append(
             records.kv_placement(
-                where, tensor.offset, tensor.layer_stride, tensor.block_stride, len(layers), spec.page_size_bytes
+                where, tensor.offset, tensor.layer_stride, tensor.block_stride, len(names), spec.page_size_bytes
             )
         )
     return [layout or None for layout in layouts]
+
+
+def _view_agrees(layer: Any, tensor: Any, num_blocks: int) -> bool:
+    """The view a layer was bound (if any can be read) starts at the placement's offset and strides
+    manager blocks by its block stride (a view of kernel blocks: `ratio` of them per manager block)."""
+    view = getattr(layer, "kv_cache", None)
+    if isinstance(view, (list, tuple)):
+        view = view[0] if view else None
+    if view is None or not hasattr(view, "untyped_storage") or view.dim() == 0:
+        return True  # nothing bound to compare with: the config is what vLLM's allocator builds views from
+    offset = view.data_ptr() - view.untyped_storage().data_ptr()
+    ratio = max(view.shape[0] // num_blocks, 1)
+    return offset == tensor.offset and view.stride(0) * view.element_size() * ratio == tensor.block_stride
 
 
 class KVTraceViolation(RuntimeError):
@@ -348,7 +367,8 @@ class V1RunnerProbe:
         parallel = vllm_config.parallel_config
         kv_config = self.runner.kv_cache_config
         groups = []
-        layouts = kv_layouts(kv_config)
+        bound = getattr(getattr(self.runner, "compilation_config", None), "static_forward_context", None)
+        layouts = kv_layouts(kv_config, bound)
         for gid, group in enumerate(kv_config.kv_cache_groups):
             kind, window = kv_group_kind(group.kv_cache_spec)
             block_size, num_blocks = group.kv_cache_spec.block_size, kv_config.num_blocks

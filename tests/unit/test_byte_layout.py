@@ -188,7 +188,7 @@ def _config(tensors, specs):
     from types import SimpleNamespace
 
     groups = [SimpleNamespace(layer_names=names, kv_cache_spec=spec) for names, spec in specs]
-    return SimpleNamespace(kv_cache_groups=groups, kv_cache_tensors=tensors)
+    return SimpleNamespace(kv_cache_groups=groups, kv_cache_tensors=tensors, num_blocks=8)
 
 
 def test_the_probe_reads_each_groups_placements_from_the_kv_cache_config():
@@ -222,3 +222,49 @@ def test_the_probe_reads_each_groups_placements_from_the_kv_cache_config():
     )
     older = _config([SimpleNamespace(size=1024, shared_by=["a0", "s0"])], [(["a0"], spec), (["s0"], spec)])
     assert kv_layouts(older) == [None, None]
+
+
+class _View:
+    """A bound per-layer view as the probe reads it (a torch tensor's few attributes)."""
+
+    def __init__(self, offset: int, shape0: int, stride0: int, element_size: int = 4):
+        self.offset, self.shape, self.stride0, self.size = offset, (shape0, 4, 32, 128), stride0, element_size
+
+    def data_ptr(self) -> int:
+        return 4096 + self.offset
+
+    def untyped_storage(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(data_ptr=lambda: 4096)
+
+    def dim(self) -> int:
+        return 4
+
+    def stride(self, dim: int) -> int:
+        return self.stride0
+
+    def element_size(self) -> int:
+        return self.size
+
+
+def test_a_runner_whose_views_disagree_with_the_config_leaves_the_layout_unknown():
+    """The views bound to the layers start and stride as the placements say (kernel blocks: a manager
+    block's share of them); a platform that allocated otherwise leaves its group unknown."""
+    from types import SimpleNamespace
+
+    from kvledger.producer.vllm_v1 import kv_layouts
+
+    spec = SimpleNamespace(page_size_bytes=65536, has_layer_views=True)
+    tensors = [
+        SimpleNamespace(layers=["a0"], offset=0, layer_stride=65536 * 8, block_stride=65536, host_resident=False),
+        SimpleNamespace(layers=["s0"], offset=0, layer_stride=65536 * 8, block_stride=65536, host_resident=False),
+    ]
+    config = _config(tensors, [(["a0"], spec), (["s0"], spec)])
+    layer = SimpleNamespace
+    agree = {"a0": layer(kv_cache=_View(0, 8, 16384)), "s0": layer(kv_cache=[_View(0, 16, 8192)])}  # kernel blocks
+    assert all(kv_layouts(config, agree))
+    moved = {**agree, "s0": layer(kv_cache=_View(65536 * 4, 8, 16384))}  # starts elsewhere
+    assert kv_layouts(config, moved)[1] is None and kv_layouts(config, moved)[0] is not None
+    strided = {**agree, "s0": layer(kv_cache=_View(0, 8, 32768))}  # strides blocks by two pages
+    assert kv_layouts(config, strided)[1] is None
