@@ -223,6 +223,8 @@ class ViolationKind(Open):
     PREFIX_HIT_MISMATCH = "prefix_hit_mismatch"
     UNWRITTEN_READ = "unwritten_read"
     SHARED_BLOCK_WRITE = "shared_block_write"
+    # Async scheduling's window (core/rank_tables.py: a load into blocks a dispatched step still uses).
+    IN_FLIGHT_REUSE = "in_flight_reuse"
     OTHER = "other"  # a kind newer than this reader (read from a topic or a file)
 
 
@@ -253,6 +255,7 @@ class Check(StrEnum):
     NULL_GRANT = "null_grant"  # a full-attention grant holds no null block
     PREFIX_IDENTITY = "prefix_identity"  # a prefix hit reads a block computed from its own prefix
     READ_WRITTEN = "read_written"  # a prefix hit reads a block executed steps wrote to its end
+    IN_FLIGHT_LOAD = "in_flight_load"  # a connector load's destinations, against the steps still in flight
 
 
 class Unchecked(StrEnum):
@@ -302,6 +305,9 @@ class Unchecked(StrEnum):
     READ_SOURCE_UNTRACED = "read_source_untraced"  # a rank with a KV connector: hits may be its loads
     READ_NOT_SETTLED = "read_not_settled"  # a hit in a step whose plan was not checked
     FILL_UNKNOWN = "fill_unknown"  # a hit block whose writes the ledger did not see (before a resync)
+    # Async scheduling's window.
+    IN_FLIGHT_UNMODELLED = "in_flight_unmodelled"  # a load while a step in flight used a group of a kind not modelled
+    IN_FLIGHT_UNKNOWN = "in_flight_unknown"  # a load while steps were in flight whose requests the tables no longer hold
 
 
 def group_unchecked(kind: KvGroupKind) -> Unchecked:

@@ -225,3 +225,19 @@ def unwritten_failures(fill: np.ndarray, block_size: int) -> np.ndarray:
     """A block read as computed that executed steps did not write to its end since it was handed out
     to be computed (its writes in the reader's own step count: a layer writes before it attends)."""
     return (fill != UNKNOWN_FILL) & (fill < block_size)
+
+
+# -- async scheduling's window ---------------------------------------------------------------------
+def in_flight_span(first: int, end: int, block_size: int, window: int | None) -> tuple[int, int]:
+    """The row positions [lo, hi) of the blocks a dispatched step uses for one request whose query
+    positions are [first, end): it writes from `first`'s block on and reads every block before (a
+    sliding window: only those holding keys within `window` of its first query)."""
+    lo = 0 if window is None else max(first - window + 1, 0) // block_size
+    return lo, -(-end // block_size)
+
+
+def in_flight_reuse_failures(loads: np.ndarray, used: np.ndarray) -> np.ndarray:
+    """Per block a connector load writes at step T: whether a step still in flight at T uses it (for
+    a request other than the load's). The load is not ordered with that step's kernels, as the
+    step's own grants, zeroing and copies are (they run on the step's stream, after it)."""
+    return np.isin(loads, used[used != NULL_BLOCK])
