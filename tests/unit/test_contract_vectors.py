@@ -250,6 +250,7 @@ def test_the_rule_cases_cover_every_per_rank_violation_kind():
         "prefix_hit_mismatch",
         "unwritten_read",
         "shared_block_write",
+        "in_flight_reuse",
     }
 
 
