@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvledger.schemas.events import ConnectorEvent
 from kvledger.producer import records
 from kvledger.producer.chains import PrefixChains
 from kvledger.producer.records import RankIdentity
@@ -40,6 +41,7 @@ FAULTS = (
     "zero_shared",  # the scheduler zeroes a block several live requests read: foreign_block_write
     "wrong_prefix_hit",  # a hit on a cached block of another prefix (a hash collision): prefix_hit_mismatch
     "unwritten_hit",  # a hit on a block its writer is still filling (cached early): unwritten_read
+    "in_flight_load",  # async scheduling: a KV load into a block the step in flight writes: in_flight_reuse
 )
 
 # Faults whose target is a block several live requests share: they need prefix caching, which
@@ -76,6 +78,7 @@ FAULT_KINDS = {
     "wrong_prefix_hit": ("prefix_hit_mismatch",),
     # The writer's prompt is another: the chains differ where they are known.
     "unwritten_hit": ("unwritten_read", "prefix_hit_mismatch"),
+    "in_flight_load": ("in_flight_reuse",),
 }
 
 
@@ -122,6 +125,10 @@ class SimConfig:
     # Newly allocated blocks listed to be zeroed (vLLM's new_block_ids_to_zero, sent when the
     # cache needs zeroing: Mamba layers, mixed precisions).
     zero_new_blocks: bool = False
+    # Async scheduling: every step is scheduled with the one before in flight (StepInput.in_flight_steps),
+    # and every `load_every` steps a KV connector load lands in a block no step in flight uses.
+    in_flight: bool = False
+    load_every: int = 9
     faults: tuple[FaultSpec, ...] = ()
     incarnation: int = 1
     close_at_end: bool = False  # each rank's last event says it shut down (Health.closing)
@@ -237,6 +244,9 @@ class SyntheticEngine:
         self.stats = Counter()
         self._pending_faults = sorted(c.faults, key=lambda f: f.step)
         self.clock_us = 1_700_000_000_000_000
+        # Async scheduling's window: asked for, or needed by a fault that loads into it.
+        self.in_flight = c.in_flight or any(f.kind == "in_flight_load" for f in c.faults)
+        self._in_flight_blocks: dict[str, list[int]] = {}  # the last step's requests: group 0 blocks it used
 
     # -- public --------------------------------------------------------------------------------
     def events(self) -> Iterator[dict]:
@@ -539,8 +549,15 @@ class SyntheticEngine:
         preempted = self.preempted_ids[preempted_before:]
         self.preempted_ids = []
         inp = self._step_input(scheduled, finished, preempted, self._blocks_to_zero(step, scheduled))
+        if self.in_flight:
+            inp.in_flight_steps = int(step > 0)
+        load = self._load(step) if self.in_flight and step > 0 else None
+        if self.in_flight:
+            self._in_flight_blocks = self._used(scheduled)
         base_plan = self._plan(scheduled)
         self._after_execute(scheduled)
+        if load is not None:
+            yield from self._emit_all(load)
         for rank in self.ranks:
             body = records.step(step, "REAL", inp, self._faulty_plan(step, rank, base_plan))
             fault = self._take_event_fault(step, rank)
@@ -556,6 +573,49 @@ class SyntheticEngine:
                 self._expect(fault, "duplicate_event", None, rank=rank)
                 yield event
                 yield event
+        if load is not None:  # the load landed with the step: its blocks are free again
+            done = records.connector_event(
+                step, load.connector, "RECV_DONE", req_id=load.req_id, transfer_id=load.transfer_id
+            )
+            yield from self._emit_all(done)
+
+    # -- async scheduling's window --------------------------------------------------------------
+    def _used(self, scheduled) -> dict[str, list[int]]:
+        """Per request of this step: the group-0 blocks it writes or reads (up to its last query's)."""
+        return {
+            req.req_id: self.worker_rows[req.index][0][: -(-(req.computed + n) // self.bs)]
+            for req, n, _, _ in scheduled
+            if n
+        }
+
+    def _load(self, step: int) -> ConnectorEvent | None:
+        """A KV connector load announced for this step (and done at once): into a block no step in
+        flight uses, or, the fault, into one the last step still writes for its request."""
+        fault = next((f for f in self._faults_due(step) if f.kind == "in_flight_load"), None)
+        held = {b for r in self.running for row in r.blocks for b in row} | {
+            b for rows in self.worker_rows.values() for row in rows for b in row
+        }
+        if fault is not None:
+            victims = sorted((r, used) for r, used in self._in_flight_blocks.items() if used)
+            if not victims:
+                return None
+            holder, used = victims[0]
+            block = used[-1]
+            self._expect_on_all_ranks(fault, "in_flight_reuse", step, f"load-{step}", 0)
+        elif step % self.cfg.load_every == 0:
+            spare = [b for b in range(1, self.cfg.num_blocks) if b not in held]
+            used = {b for blocks in self._in_flight_blocks.values() for b in blocks}
+            free = [b for b in spare if b not in used]
+            if not free:
+                return None
+            block = free[0]
+        else:
+            return None
+        blocks = [[block]] + [[] for _ in self.cfg.groups[1:]]
+        self.stats["in_flight_loads"] += 1
+        return records.connector_event(
+            step, "SyntheticConnector", "RECV_INTENT", req_id=f"load-{step}", transfer_id=f"load-{step}", block_ids=blocks
+        )
 
     def _blocks_to_zero(self, step: int, scheduled) -> list[int]:
         zero = (
