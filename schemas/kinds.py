@@ -306,8 +306,8 @@ class Unchecked(StrEnum):
     READ_NOT_SETTLED = "read_not_settled"  # a hit in a step whose plan was not checked
     FILL_UNKNOWN = "fill_unknown"  # a hit block whose writes the ledger did not see (before a resync)
     # Async scheduling's window.
-    IN_FLIGHT_UNMODELLED = "in_flight_unmodelled"  # a load while a step in flight used a group of a kind not modelled
-    IN_FLIGHT_UNKNOWN = "in_flight_unknown"  # a load while steps were in flight whose requests the tables no longer hold
+    IN_FLIGHT_UNMODELLED = "in_flight_unmodelled"  # a load beside a step in flight, in a group of a kind not modelled
+    IN_FLIGHT_UNKNOWN = "in_flight_unknown"  # a load beside steps in flight the tables no longer know
 
 
 def group_unchecked(kind: KvGroupKind) -> Unchecked:

@@ -55,7 +55,6 @@ from kvledger.stream_app.core.checks import (
 from kvledger.stream_app.core.tables import NULL_BLOCK, UNKNOWN_FILL, GroupTable, written_from
 from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
 
-
 # Steps dispatched kept for async scheduling's window: vLLM's batch queue holds two on the V1 runner
 # (`max_concurrent_batches`), pipeline stages + 1 on Model Runner V2; a deeper window counts unchecked.
 IN_FLIGHT_KEPT = 4
@@ -216,12 +215,12 @@ class RankTables:
     # -- async scheduling's window ----------------------------------------------------------
     def note_dispatched(self, step: int, inp: StepInput) -> None:
         """A step scheduled with steps in flight: what its requests will use, until it is out of the window."""
-        counts = unpack_i32(inp.cached_num_scheduled_tokens)
-        first = unpack_i32(inp.cached_num_computed_tokens)
-        indices = unpack_i32(inp.cached_req_indices)
+        columns = (inp.cached_req_indices, inp.cached_num_computed_tokens, inp.cached_num_scheduled_tokens)
+        indices, first, counts = (unpack_i32(c) for c in columns)
         if inp.new_reqs:
-            new = np.array([(r.req_index, r.num_computed_tokens, r.num_scheduled_tokens) for r in inp.new_reqs])
-            indices, first, counts = (np.concatenate([a, b]) for a, b in zip((indices, first, counts), new.T))
+            new = np.array([(r.req_index, r.num_computed_tokens, r.num_scheduled_tokens) for r in inp.new_reqs]).T
+            indices, first, counts = (np.concatenate([indices, new[0]]), np.concatenate([first, new[1]]),
+                                      np.concatenate([counts, new[2]]))  # fmt: skip
         some = counts > 0
         self.dispatched.append(Dispatched(step, indices[some], first[some], first[some] + counts[some]))
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvledger.schemas.events import ConnectorEvent
 from kvledger.producer import records
 from kvledger.producer.chains import PrefixChains
 from kvledger.producer.records import RankIdentity
+from kvledger.schemas.events import ConnectorEvent
 from kvledger.schemas.kinds import KvGroupKind
 
 FAULTS = (
@@ -599,7 +599,7 @@ class SyntheticEngine:
             victims = sorted((r, used) for r, used in self._in_flight_blocks.items() if used)
             if not victims:
                 return None
-            holder, used = victims[0]
+            _, used = victims[0]
             block = used[-1]
             self._expect_on_all_ranks(fault, "in_flight_reuse", step, f"load-{step}", 0)
         elif step % self.cfg.load_every == 0:
@@ -613,8 +613,9 @@ class SyntheticEngine:
             return None
         blocks = [[block]] + [[] for _ in self.cfg.groups[1:]]
         self.stats["in_flight_loads"] += 1
+        name = f"load-{step}"
         return records.connector_event(
-            step, "SyntheticConnector", "RECV_INTENT", req_id=f"load-{step}", transfer_id=f"load-{step}", block_ids=blocks
+            step, "SyntheticConnector", "RECV_INTENT", req_id=name, transfer_id=name, block_ids=blocks
         )
 
     def _blocks_to_zero(self, step: int, scheduled) -> list[int]:

@@ -96,7 +96,8 @@ def _log_engine_core() -> None:
     def logged_step(self):
         if "first" not in seen:
             seen.add("first")
-            print(f"ASYNC scheduler={type(self.scheduler).__name__} batch_queue={self.batch_queue_size}", file=sys.stderr, flush=True)
+            name, size = type(self.scheduler).__name__, self.batch_queue_size
+            print(f"ASYNC scheduler={name} batch_queue={size}", file=sys.stderr, flush=True)
         if "overlap" not in seen and self.batch_queue and self.scheduler.has_requests():
             seen.add("overlap")
             print(f"ASYNC overlap in_flight={len(self.batch_queue)}", file=sys.stderr, flush=True)
