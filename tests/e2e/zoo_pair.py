@@ -213,7 +213,8 @@ def _drive_in_flight(spec: dict) -> dict:
 
     model = tempfile.mkdtemp(prefix="tiny-llama-")
     Path(model, "config.json").write_text(json.dumps(TINY_LLAMA))
-    settings = {"ledger_root": spec.get("ledger_root"), "num_blocks": {"decode": spec["num_blocks"]}, "max_model_len": 128}
+    settings = {"ledger_root": spec.get("ledger_root"), "max_model_len": 128}
+    settings["num_blocks"] = {"decode": spec["num_blocks"]}  # the decode pool: see the spec
     prefill = _engine(model, "prefill", PREFILL_ENGINE_ID, settings)
     decode = _engine(model, "decode", "decode-0", settings)
     max_tokens, running = spec.get("max_tokens", 8), spec["running"]

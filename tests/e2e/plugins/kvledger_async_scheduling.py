@@ -10,10 +10,9 @@ of two: `max_concurrent_batches`), the scheduler is the `AsyncScheduler`, and th
 returns `AsyncGPUModelRunnerOutput`, which records an event on a copy stream:
 `CPUModelRunner` installs its event/stream stand-ins only around its `__init__`, so this plugin
 installs the same stand-ins for the whole worker (a CPU-only torch has no CUDA streams; on CPU
-every copy is synchronous, so an event that never waits is exact). A pair's prefill engine stays
-synchronous under `consumer`: scheduled asynchronously, its finished request's send was never
-announced to its worker on this host (the decode engine's pull then timed out). Logged by the engine core:
-`ASYNC scheduler=CLASS batch_queue=N` at its first step, `ASYNC overlap in_flight=N` the first
+every copy is synchronous, so an event that never waits is exact). `consumer` leaves a pair's
+prefill engine synchronous: the window the zoo needs is the decode engine's. Logged by the engine core:
+`ASYNC engine scheduler=CLASS batch_queue=N` at its first step, `ASYNC overlap in_flight=N` the first
 time it schedules with a step still dispatched.
 """
 
@@ -103,7 +102,7 @@ def _log_engine_core() -> None:
         if "first" not in seen:
             seen.add("first")
             name, size = type(self.scheduler).__name__, self.batch_queue_size
-            print(f"ASYNC scheduler={name} batch_queue={size}", file=sys.stderr, flush=True)
+            print(f"ASYNC engine scheduler={name} batch_queue={size}", file=sys.stderr, flush=True)
         if "overlap" not in seen and self.batch_queue and self.scheduler.has_requests():
             seen.add("overlap")
             print(f"ASYNC overlap in_flight={len(self.batch_queue)}", file=sys.stderr, flush=True)
