@@ -261,21 +261,17 @@ class RankTables:
                 continue
             bad = in_flight_reuse_failures(dest, row[lo:hi])
             if bad.any():
-                first = int(d.first[k])
-                out.append(self._in_flight_violation(step, g, d.step, req_id, holder, first, row, dest[bad], freed))
+                block = int(dest[bad][0])
+                pos = lo + int(np.flatnonzero(row[lo:hi] == block)[0])  # its place in the holder's row
+                use = "writes" if (pos + 1) * g.block_size > int(d.first[k]) else "reads"
+                why = ", which the scheduler freed at this step" if holder in freed else ""
+                more = f" ({int(bad.sum())} such blocks)" if bad.sum() > 1 else ""
+                detail = (
+                    f"KV connector load into block {block} while step {d.step}, still in flight, {use} it for "
+                    f"{holder}{why} (row position {pos}){more}"
+                )
+                out.append(self._violation(ViolationKind.IN_FLIGHT_REUSE, step, detail, req_id, g.group_id))
         _count(cov.unchecked, Unchecked.IN_FLIGHT_UNKNOWN, int((rows < 0).sum()))
-
-    def _in_flight_violation(self, step, g: GroupTable, at, req_id, holder, first, row, bad, freed) -> Violation:
-        block = int(bad[0])
-        pos = int(np.flatnonzero(row == block)[0])
-        use = "writes" if (pos + 1) * g.block_size > first else "reads"
-        why = ", which the scheduler freed at this step" if holder in freed else ""
-        more = f" ({bad.size} such blocks)" if bad.size > 1 else ""
-        detail = (
-            f"KV connector load into block {block} while step {at}, still in flight, {use} it for "
-            f"{holder}{why} (row position {pos}){more}"
-        )
-        return self._violation(ViolationKind.IN_FLIGHT_REUSE, step, detail, req_id=req_id, group=g.group_id)
 
     @staticmethod
     def _copied(g: GroupTable, copies: np.ndarray) -> None:
