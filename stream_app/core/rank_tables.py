@@ -237,15 +237,18 @@ class RankTables:
             cov.unchecked[Unchecked.IN_FLIGHT_UNKNOWN] += len(loads) * (depth - len(window))
         freed = set(inp.finished_req_ids) | set(inp.preempted_req_ids)
         for _, req_id, blocks in loads:
-            for g, dest in zip(self.groups, blocks, strict=False):
-                dest = dest[g.in_pool(dest) & (dest != NULL_BLOCK)]
-                if dest.size:
-                    cov.checks[Check.IN_FLIGHT_LOAD] += 1
-                    for d in window:
+            # Block ids name one pool: a load into any group's block races a use in any group.
+            dest = np.concatenate(
+                [b[g.in_pool(b) & (b != NULL_BLOCK)] for g, b in zip(self.groups, blocks, strict=False)]
+            )
+            if dest.size:
+                cov.checks[Check.IN_FLIGHT_LOAD] += 1
+                for d in window:
+                    for g in self.groups:
                         self._in_flight_uses(step, g, d, req_id, dest, freed, out, cov)
 
     def _in_flight_uses(self, step, g: GroupTable, d: Dispatched, req_id, dest, freed, out, cov) -> None:
-        """One load's blocks in one group against one step in flight: its requests' blocks."""
+        """One load's blocks against one step in flight: its requests' blocks in group `g`."""
         if g.kind not in IN_FLIGHT_KINDS:
             cov.unchecked[Unchecked.IN_FLIGHT_UNMODELLED] += 1
             return

@@ -246,7 +246,7 @@ class SyntheticEngine:
         self.clock_us = 1_700_000_000_000_000
         # Async scheduling's window: asked for, or needed by a fault that loads into it.
         self.in_flight = c.in_flight or any(f.kind == "in_flight_load" for f in c.faults)
-        self._in_flight_blocks: dict[str, list[int]] = {}  # the last step's requests: group 0 blocks it used
+        self._in_flight_blocks: dict[str, list[list[int]]] = {}  # the last step's requests: per group, blocks used
 
     # -- public --------------------------------------------------------------------------------
     def events(self) -> Iterator[dict]:
@@ -580,10 +580,10 @@ class SyntheticEngine:
             yield from self._emit_all(done)
 
     # -- async scheduling's window --------------------------------------------------------------
-    def _used(self, scheduled) -> dict[str, list[int]]:
-        """Per request of this step: the group-0 blocks it writes or reads (up to its last query's)."""
+    def _used(self, scheduled) -> dict[str, list[list[int]]]:
+        """Per request of this step and group: the blocks it writes or reads (up to its last query's)."""
         return {
-            req.req_id: self.worker_rows[req.index][0][: -(-(req.computed + n) // self.bs)]
+            req.req_id: [row[: -(-(req.computed + n) // self.bs)] for row in self.worker_rows[req.index]]
             for req, n, _, _ in scheduled
             if n
         }
@@ -596,15 +596,15 @@ class SyntheticEngine:
             b for rows in self.worker_rows.values() for row in rows for b in row
         }
         if fault is not None:
-            victims = sorted((r, used) for r, used in self._in_flight_blocks.items() if used)
+            victims = sorted((r, used[0]) for r, used in self._in_flight_blocks.items() if used[0])
             if not victims:
                 return None
             _, used = victims[0]
-            block = used[-1]
+            block = used[-1]  # the group-0 block it writes
             self._expect_on_all_ranks(fault, "in_flight_reuse", step, f"load-{step}", 0)
         elif step % self.cfg.load_every == 0:
             spare = [b for b in range(1, self.cfg.num_blocks) if b not in held]
-            used = {b for blocks in self._in_flight_blocks.values() for b in blocks}
+            used = {b for rows in self._in_flight_blocks.values() for row in rows for b in row}
             free = [b for b in spare if b not in used]
             if not free:
                 return None
