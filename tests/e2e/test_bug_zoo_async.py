@@ -4,6 +4,10 @@
 KV connector load destination (vllm PR 45357, tpu-inference PR 3449, vllm PR 45096), re-created on
 a Mooncake pair whose decode engine schedules asynchronously (plugins/zoo_free_in_flight.py).
 
+Entry 13 (vllm-ascend 13501, vllm PR 47728): a sliding-window block freed on the optimistic
+computed count while the in-flight step still reads it, re-granted as a load destination, on the same
+pair with a hybrid Llama (plugins/zoo_window_in_flight.py).
+
 docs/bugs.md has the rows; contract R28 the rule (`in_flight_reuse`).
 """
 
@@ -19,6 +23,7 @@ import pytest
 from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.replay import replay
 from tests.e2e.conftest import assert_preempted_resumed_and_hit, step_inputs
+from tests.e2e.engine_run import TINY_LLAMA
 from tests.e2e.test_bug_zoo import (
     RANK,
     ZooRun,
@@ -85,26 +90,27 @@ class InFlightPair:
     clean_ledger: Path
 
 
-@pytest.fixture(scope="module")
-def in_flight_pair(tmp_path_factory) -> InFlightPair:
+def pair_runs(tmp_path_factory, name: str, spec: dict, fault: dict[str, str]) -> InFlightPair:
+    """zoo_pair.py's in_flight mode twice, the decode engine asynchronous: with the fault, then without."""
     from tests.e2e.test_pd_pair import _pair_ready
     from tests.e2e.zoo_pair import run_zoo_pair
 
     python, runs, ledgers = _pair_ready(), [], []
-    for name, env in (("faulty", {"ZOO_FREE_IN_FLIGHT": "1"}), ("clean", {})):
-        root = tmp_path_factory.mktemp(f"zoo-in-flight-{name}")
-        spec = {
-            "mode": "in_flight",
-            "running": RUNNING_PROMPT,
-            "waiting": WAITING_PROMPT,
-            "num_blocks": DECODE_BLOCKS,
-            "max_tokens": 8,
-            "ledger_root": str(root / "ledger"),
-            "markers": str(root),
-        }
-        runs.append(run_zoo_pair(python, spec, {"KVLEDGER_ASYNC_SCHEDULING": "consumer", **env}))
+    for run, env in (("faulty", fault), ("clean", {})):
+        root = tmp_path_factory.mktemp(f"zoo-{name}-{run}")
+        paths = {"ledger_root": str(root / "ledger"), "markers": str(root)}
+        runs.append(run_zoo_pair(python, {"mode": "in_flight", **spec, **paths}, {**ASYNC_DECODE, **env}))
         ledgers.append(root / "ledger")
     return InFlightPair(*runs, *ledgers)
+
+
+ASYNC_DECODE = {"KVLEDGER_ASYNC_SCHEDULING": "consumer"}
+
+
+@pytest.fixture(scope="module")
+def in_flight_pair(tmp_path_factory) -> InFlightPair:
+    spec = {"running": RUNNING_PROMPT, "waiting": WAITING_PROMPT, "num_blocks": DECODE_BLOCKS, "max_tokens": 8}
+    return pair_runs(tmp_path_factory, "free-in-flight", spec, {"ZOO_FREE_IN_FLIGHT": "1"})
 
 
 def zoo_records(log: str) -> list[dict]:
@@ -158,6 +164,62 @@ def test_the_fenced_free_of_the_same_run_is_silent(in_flight_pair):
     assert result.violations == []
     assert result.ledger.coverage.checks["in_flight_load"] == 1
     assert run.victim == in_flight_pair.faulty.victim and run.victim
+
+
+# -- entry 13: a sliding-window block freed on the optimistic count under the step still reading it ---------
+# A two-layer Llama, its second layer a sliding window of 16 tokens: two KV groups in one pool. The
+# running request (40 tokens) decodes to position 47; the step computing 46, in flight when 47 is
+# scheduled, reads keys 31..46, so its window still holds the group's block 0 (positions 0..31). The
+# optimistic count (47 computed) puts position 31 out of the window of 47 and frees that block a step
+# early. The waiting request (48 tokens) needs three blocks, one more than the pool has left.
+WINDOW_LLAMA = {**TINY_LLAMA, "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 16}
+WINDOW_SPEC = {
+    "model": WINDOW_LLAMA,
+    "running": list(range(3, 43)),
+    "waiting": list(range(100, 148)),
+    "num_blocks": 7,  # the null block, the running request's 2 + 2, and 2
+    "max_model_len": 64,
+    "max_tokens": 8,
+    "running_max_tokens": 9,  # its last step computes position 47
+    "stop_second": False,
+}
+SLIDING_GROUP = 1
+
+
+@pytest.fixture(scope="module")
+def window_pair(tmp_path_factory) -> InFlightPair:
+    return pair_runs(tmp_path_factory, "window-in-flight", WINDOW_SPEC, {"ZOO_WINDOW_IN_FLIGHT": "1"})
+
+
+def test_a_window_block_freed_early_and_loaded_into_is_caught_at_the_load(window_pair):
+    """vllm PR 47728's fix reverted (the settled count of `allocate_slots`): the running request's
+    oldest sliding-window block is freed while the step in flight still reads it and becomes a load
+    destination of the waiting request. Caught at that step: in_flight_reuse, the waiting request,
+    the sliding-window group, the decode rank; the detail says the step in flight reads it."""
+    run, ledger = window_pair.faulty, window_pair.faulty_ledger / "decode"
+    [freed] = [r for r in zoo_records(run.log) if r["what"] == "window_freed" and r["req"].startswith("zoo-running")]
+    block = int(freed["blocks"])
+    assert int(freed["group"]) == SLIDING_GROUP
+    [intent] = [e for e in connector_events(ledger) if e["kind"] == "RECV_INTENT"]
+    at = intent["step"]
+    assert block in [b for group in intent["block_ids"] for b in unpack_i32(group).tolist()]
+    by_step = steps(ledger)
+    assert by_step[at]["input"]["in_flight_steps"] == 1 and freed["req"] in scheduled_at(by_step, at - 1)
+    result = replay(window_pair.faulty_ledger)
+    found = [(v.kind, v.step, v.req_id, v.group, rank_of(v)) for v in result.violations]
+    assert found == [("in_flight_reuse", at, intent["req_id"], SLIDING_GROUP, RANK)], result.violations
+    assert (
+        f"block {block} while step {at - 1}, still in flight, reads it for {freed['req']}"
+        in result.violations[0].detail
+    )
+    print(f"zoo 13501/47728: {freed['req']}'s window block {block} freed early; {result.violations[0].detail}")
+
+
+def test_the_settled_window_free_is_silent(window_pair):
+    """vLLM 0.32 as it ships: the same requests, the window's blocks freed on the settled count; silent."""
+    assert not [r for r in zoo_records(window_pair.clean.log) if r["what"] == "window_freed"]
+    result = replay(window_pair.clean_ledger)
+    assert result.violations == [] and result.ledger.coverage.checks["in_flight_load"] == 1
 
 
 def scheduled_at(by_step: dict[int, dict], n: int) -> set[str]:

@@ -44,8 +44,11 @@ asynchronously, plugins/kvledger_async_scheduling.py), instead:
    their end.
 
 Spec: {"mode": "in_flight", "running": [token ids], "waiting": [token ids], "num_blocks": N, "max_tokens": 8,
-"ledger_root": "/abs" | null, "markers": "/abs"}; "baseline" in the output is the running prompt's
-reference answer, "victim" the waiting request's answer, "running" the running request's.
+"model": {config.json} | null (default: the tiny Llama), "max_model_len": 128, "running_max_tokens": max_tokens,
+"stop_second": true (false: the running request ends on its token budget, e.g. vllm-ascend 13501's run,
+plugins/zoo_window_in_flight.py), "ledger_root": "/abs" | null, "markers": "/abs"}; "baseline" in the
+output is the running prompt's reference answer, "victim" the waiting request's answer, "running" the
+running request's.
 
 Spec: {"mode": "early_send", "victim": [token ids], "stale": [token ids], "transfers": [[id, [token ids]], ...],
 "model": {config.json} | null (default: the tiny Llama), "max_tokens": 8, "ledger_root": "/abs" | null,
@@ -212,8 +215,8 @@ def _drive_in_flight(spec: dict) -> dict:
     from engine_run import TINY_LLAMA
 
     model = tempfile.mkdtemp(prefix="tiny-llama-")
-    Path(model, "config.json").write_text(json.dumps(TINY_LLAMA))
-    settings = {"ledger_root": spec.get("ledger_root"), "max_model_len": 128}
+    Path(model, "config.json").write_text(json.dumps(spec.get("model") or TINY_LLAMA))
+    settings = {"ledger_root": spec.get("ledger_root"), "max_model_len": spec.get("max_model_len", 128)}
     settings["num_blocks"] = {"decode": spec["num_blocks"]}  # the decode pool: see the spec
     prefill = _engine(model, "prefill", PREFILL_ENGINE_ID, settings)
     decode = _engine(model, "decode", "decode-0", settings)
@@ -225,8 +228,9 @@ def _drive_in_flight(spec: dict) -> dict:
         _params(1, {"do_remote_decode": True, "transfer_id": IN_FLIGHT_TRANSFER}),
         use_tqdm=False,
     )
-    stopping = _params(max_tokens, None)
-    stopping.stop_token_ids = [baseline[1]]  # its second token: known only once sampled
+    stopping = _params(spec.get("running_max_tokens", max_tokens), None)
+    if spec.get("stop_second", True):
+        stopping.stop_token_ids = [baseline[1]]  # its second token: known only once sampled
     pulled = {
         "do_remote_prefill": True,
         "transfer_id": IN_FLIGHT_TRANSFER,
