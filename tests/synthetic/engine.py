@@ -50,7 +50,14 @@ SHARING_FAULTS = ("zero_shared", "wrong_prefix_hit", "unwritten_hit")
 
 # Violation kinds each fault may produce; the first is the one it must produce.
 FAULT_KINDS = {
-    "slot_shift": ("write_target_mismatch", "foreign_block_write", "block_out_of_range", "rank_divergence"),
+    # A shifted write leaves its block's slot unwritten: a later prefix hit on it reads what no step wrote.
+    "slot_shift": (
+        "write_target_mismatch",
+        "foreign_block_write",
+        "block_out_of_range",
+        "rank_divergence",
+        "unwritten_read",
+    ),
     # A write through the row at an earlier position rewrites a block others may already read.
     "stale_position": (
         "write_target_mismatch",
@@ -246,6 +253,9 @@ class SyntheticEngine:
         self.clock_us = 1_700_000_000_000_000
         # Async scheduling's window: asked for, or needed by a fault that loads into it.
         self.in_flight = c.in_flight or any(f.kind == "in_flight_load" for f in c.faults)
+        # A receive whose completion a lost or repeated event hides keeps its blocks held in the ledger
+        # (a completion is not in snapshots): streams with such faults load nothing beside the window.
+        self._events_lost = any(f.kind in _EVENT_FAULTS for f in c.faults)
         self._in_flight_blocks: dict[str, list[list[int]]] = {}  # the last step's requests: per group, blocks used
 
     # -- public --------------------------------------------------------------------------------
@@ -456,12 +466,16 @@ class SyntheticEngine:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             req.blocks = [[] for _ in self.cfg.groups]
+            expected, pending = len(self.expected), list(self._pending_faults)
             self._prefix_hits(req, step, scheduled)
             n_new = min(req.num_tokens - req.computed, budget)
             appended = self._allocate(req, req.computed + n_new, step)
             if appended is None:
                 self._release(req)
                 req.computed = 0
+                # Not admitted: a hit fault placed on it did not happen; it waits for another request.
+                del self.expected[expected:]
+                self._pending_faults = pending
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -602,8 +616,9 @@ class SyntheticEngine:
             _, used = victims[0]
             block = used[-1]  # the group-0 block it writes
             self._expect_on_all_ranks(fault, "in_flight_reuse", step, f"load-{step}", 0)
-        elif step % self.cfg.load_every == 0:
-            spare = [b for b in range(1, self.cfg.num_blocks) if b not in held]
+        elif step % self.cfg.load_every == 0 and not self._events_lost:
+            cached = set(self.pool.block_of.values())  # a load lands in a block allocated for it, never a cached one
+            spare = [b for b in range(1, self.cfg.num_blocks) if b not in held and b not in cached]
             used = {b for rows in self._in_flight_blocks.values() for row in rows for b in row}
             free = [b for b in spare if b not in used]
             if not free:
