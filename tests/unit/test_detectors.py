@@ -76,7 +76,6 @@ def configs(draw, min_ranks: int = 1) -> SimConfig:
         full_rows=draw(st.booleans()),
         snapshot_interval=draw(st.sampled_from([0, 10, 50])),
         zero_new_blocks=draw(st.booleans()),
-        in_flight=draw(st.booleans()),
     )
 
 
