@@ -50,6 +50,7 @@ class StepHeader(msgspec.Struct, array_like=True):
     scheduler: msgspec.Raw
     plan: PlanHeader | None
     reasons: list[str] | None = None  # per content digest (ContentCapture.reasons)
+    in_flight: int = -1  # steps the engine core had in flight when it scheduled this one; -1: not said
 
 
 _read_step = msgspec.msgpack.Decoder(StepHeader).decode
@@ -244,11 +245,13 @@ class StepCapture:
     scheduler: tuple | msgspec.Raw | None
     plan: PlanCapture | None
     content: ContentCapture | None = None
+    in_flight: int = -1  # steps the engine core had in flight when it scheduled this one; -1: not said
 
     def record(self, index: RequestIndex, full_rows: bool, chains: PrefixChains | None = None) -> tuple[str, dict]:
         # The input first: it gives this step's new requests their indices, which the plan names.
         scheduler = pack(self.scheduler) if isinstance(self.scheduler, tuple) else self.scheduler
-        inp = step_input_record(scheduler, index, chains) if scheduler is not None else None
+        in_flight = self.in_flight if self.in_flight >= 0 else None
+        inp = step_input_record(scheduler, index, chains, in_flight) if scheduler is not None else None
         plan = self.plan.record(index, full_rows) if self.plan is not None else None
         content = self.content.record() if self.content is not None else None
         return records.step(self.step, self.kind, inp, plan, content)
@@ -263,7 +266,7 @@ class StepCapture:
         """The step's header, not encoded yet (`RingWriter.step_now` encodes it in place)."""
         plan = self.plan.header() if self.plan is not None else None
         reasons = self.content.reasons if self.content is not None else None
-        return StepHeader(self.step, self.kind, self.scheduler, plan, reasons)
+        return StepHeader(self.step, self.kind, self.scheduler, plan, reasons, self.in_flight)
 
     def header(self) -> bytes:
         """The frame's first part, encoded at once: the scheduler's fields go in with it, in one
@@ -292,7 +295,7 @@ class StepCapture:
             arrays, (groups, blocks, digests) = arrays[:-3], arrays[-3:]
             content = ContentCapture(groups, blocks, Staged.host(digests), h.reasons)
         plan = PlanCapture.from_parts(h.plan, arrays) if h.plan is not None else None
-        return cls(h.step, h.kind, None if h.scheduler == _NIL else h.scheduler, plan, content)
+        return cls(h.step, h.kind, None if h.scheduler == _NIL else h.scheduler, plan, content, h.in_flight)
 
 
 @dataclass

@@ -24,6 +24,9 @@ from kvledger.schemas.confluent import url_problem
 
 DEFAULT_TOPIC = "kvledger.events"
 DEFAULT_SEGMENT_BYTES = 64 << 20
+# The SchedulerOutput attribute the engine core's batch queue sets (`plugin.note_in_flight`): the
+# steps it had dispatched and not yet processed the output of when it scheduled this one.
+IN_FLIGHT_ATTR = "kvledger_in_flight_steps"
 DEFAULT_RING_BYTES = 16 << 20  # ~1,600 steps of 64 requests; ~80 of 8k-token prefills over 2 groups
 
 

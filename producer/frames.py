@@ -188,10 +188,11 @@ def _scheduled_column(req_ids: bytes, num_scheduled: bytes) -> bytes:
     return column
 
 
-def step_input_record(payload, index, chains: PrefixChains | None = None) -> dict:
+def step_input_record(payload, index, chains: PrefixChains | None = None, in_flight: int | None = None) -> dict:
     """The StepInput record of encoded `scheduler_fields` (the recorder's share); `index` gives the
     requests their dense indices, in the order the step names them; `chains`, the new requests'
-    prefix chains (None until the rank's groups are known: not recorded)."""
+    prefix chains (None until the rank's groups are known: not recorded); `in_flight`, the steps the
+    engine core had in flight when it scheduled this one (None: not said)."""
     new, ids, resumed_ids, new_block_ids, computed, counts, finished, preempted, zero, copies = _read_payload(payload)
     ids, counts = bytes(ids), bytes(counts)
     num_scheduled = unpack(counts) if new else {}
@@ -232,4 +233,5 @@ def step_input_record(payload, index, chains: PrefixChains | None = None) -> dic
         preempted=sorted(preempted),
         blocks_to_zero=zero,
         block_copies=copies,
+        in_flight_steps=in_flight,
     )

@@ -54,7 +54,7 @@ import threading
 import time
 from typing import Any
 
-from kvledger.producer.config import SinkSpec, TraceConfig
+from kvledger.producer.config import IN_FLIGHT_ATTR, SinkSpec, TraceConfig
 
 log = logging.getLogger("kvledger.producer")
 _probes: list = []
@@ -75,6 +75,7 @@ def register() -> None:
     log_through_vllm()
     check_options_first()
     mark_stops_before_shutdown()
+    note_in_flight()
     initialize_from_config = WorkerWrapperBase.initialize_from_config
     shutdown = getattr(WorkerWrapperBase, "shutdown", None)  # absent: the exit hooks still close
 
@@ -124,6 +125,42 @@ def check_options_first() -> None:
 
     check_options_then_create._kvledger_checks = True
     engine_args.create_engine_config = check_options_then_create
+
+
+def note_in_flight() -> None:
+    """Tell each traced worker which earlier steps were still in flight when a step was scheduled.
+
+    An engine core with a batch queue (async scheduling, pipeline parallel: `step_with_batch_queue`)
+    schedules step T while steps it dispatched before are unprocessed: their outputs have not reached
+    the scheduler, which may have freed their requests' blocks already. The queue's length when it
+    hands step T to the executor is that count; it travels to the workers on the SchedulerOutput
+    (`IN_FLIGHT_ATTR`, one int; the probe records it as StepInput.in_flight_steps). A synchronous
+    engine core (`step`) is untouched and its steps say nothing."""
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except Exception as exc:  # another vLLM: steps say nothing of the window
+        log.debug("kv_trace: no engine core to hook (%s)", exc)
+        return
+    step = getattr(EngineCore, "step_with_batch_queue", None)
+    if step is None or getattr(step, "_kvledger_in_flight", False):
+        return
+
+    def step_noting_in_flight(self):
+        if not hasattr(self, "_kvledger_traced"):  # once per engine core: only traced engines are told
+            self._kvledger_traced = TraceConfig.from_additional_config(self.vllm_config.additional_config).enabled
+            if self._kvledger_traced:
+                execute, queue = self.model_executor.execute_model, self.batch_queue
+
+                def execute_noting(scheduler_output, *args, **kwargs):
+                    # Before this step joins the queue: what it holds is dispatched and unprocessed.
+                    setattr(scheduler_output, IN_FLIGHT_ATTR, len(queue))
+                    return execute(scheduler_output, *args, **kwargs)
+
+                self.model_executor.execute_model = execute_noting
+        return step(self)
+
+    step_noting_in_flight._kvledger_in_flight = True
+    EngineCore.step_with_batch_queue = step_noting_in_flight
 
 
 def mark_stops_before_shutdown() -> None:

@@ -301,6 +301,7 @@ def step_input(
     preempted: Sequence[str] = (),
     blocks_to_zero: Sequence[int] = (),
     block_copies: Sequence[tuple[int, int]] = (),
+    in_flight_steps: int | None = None,
 ) -> StepInput:
     """A StepInput record.
 
@@ -329,6 +330,7 @@ def step_input(
         list(preempted),
         _i32(blocks_to_zero),
         _i32(np.asarray(block_copies, np.int64).reshape(-1)) if len(block_copies) else b"",
+        in_flight_steps,
     )
 
 

@@ -49,7 +49,7 @@ from kvledger.producer.capture import (
     StepHeader,
 )
 from kvledger.producer.chains import PrefixChains
-from kvledger.producer.config import TraceAction, TraceConfig, resolve_engine_id
+from kvledger.producer.config import IN_FLIGHT_ATTR, TraceAction, TraceConfig, resolve_engine_id
 from kvledger.producer.content import GroupRows, SealTracker, digest_blocks, group_pages
 from kvledger.producer.frames import RepeatedIds, as_array, pack_parts, prefix_max, scheduler_fields
 from kvledger.producer.records import RankIdentity
@@ -179,6 +179,7 @@ class V1RunnerProbe:
         self.step = -1
         self.recorder: RingWriter | None = None
         self._input: Any = None  # this step's SchedulerOutput, until its frame is written
+        self._in_flight = -1  # steps the engine core had in flight when it scheduled this one; -1: not said
         self._traced = False  # this step is recorded (tracing was not paused when it began)
         # The step's frame is written when its plan is captured, while what the probe reads is still
         # warm in the caches, not at the step's end after the forward pass (13-15 us less of a
@@ -407,6 +408,8 @@ class V1RunnerProbe:
         if self.content is not None:
             self.content.before_step(scheduler_output, self.runner.requests)
         self._input = scheduler_output  # its fields are encoded with the step's frame
+        # Set by the engine core's batch queue (`plugin.note_in_flight`); absent on a synchronous one.
+        self._in_flight = getattr(scheduler_output, IN_FLIGHT_ATTR, -1)
 
     def _record_input_step(self, written: tuple[PlanHeader, list] | None = None) -> None:
         """This step's frame: the scheduler's fields and the plan captured, if any; or, `written`,
@@ -419,7 +422,7 @@ class V1RunnerProbe:
             self._record_step(REAL, fields)
             return
         plan, parts = written
-        self.recorder.step_now(StepHeader(self.step, REAL, fields, plan), parts)
+        self.recorder.step_now(StepHeader(self.step, REAL, fields, plan, None, self._in_flight), parts)
 
     def _fields_missing(self) -> None:
         """This step's SchedulerOutput lacked fields the step input is read from (a vLLM without them,
@@ -471,7 +474,8 @@ class V1RunnerProbe:
         built here in raise mode."""
         plan, self._plan = self._plan, None
         content, self._content = self._content, None
-        capture = StepCapture(self.step, kind, scheduler, self._with_drafts(kind, plan), content)
+        in_flight = self._in_flight if scheduler is not None else -1
+        capture = StepCapture(self.step, kind, scheduler, self._with_drafts(kind, plan), content, in_flight)
         if self._checker is None:
             self.recorder.step(capture)
         else:

@@ -134,6 +134,10 @@ class StepInput(Typed):
     preempted_req_ids: list[str]
     block_ids_to_zero: bytes  # packed int32
     block_copies: bytes  # packed int32 (src, dst) pairs
+    # Earlier steps dispatched whose output the engine core had not processed when it scheduled this
+    # one (its batch queue: async scheduling or pipeline parallel); None: not said (a synchronous
+    # engine core, an older producer).
+    in_flight_steps: int | None = None
 
 
 class GroupPlan(Typed):

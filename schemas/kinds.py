@@ -225,6 +225,8 @@ class ViolationKind(Open):
     SHARED_BLOCK_WRITE = "shared_block_write"
     # Where blocks live in the KV allocation (core/layout.py).
     LAYOUT_ALIAS = "layout_alias"
+    # Async scheduling's window (core/rank_tables.py: a load into blocks a dispatched step still uses).
+    IN_FLIGHT_REUSE = "in_flight_reuse"
     OTHER = "other"  # a kind newer than this reader (read from a topic or a file)
 
 
@@ -256,6 +258,7 @@ class Check(StrEnum):
     PREFIX_IDENTITY = "prefix_identity"  # a prefix hit reads a block computed from its own prefix
     READ_WRITTEN = "read_written"  # a prefix hit reads a block executed steps wrote to its end
     BYTE_LAYOUT = "byte_layout"  # a granted block's bytes meet no live block of another group
+    IN_FLIGHT_LOAD = "in_flight_load"  # a connector load's destinations, against the steps still in flight
 
 
 class Unchecked(StrEnum):
@@ -307,6 +310,9 @@ class Unchecked(StrEnum):
     FILL_UNKNOWN = "fill_unknown"  # a hit block whose writes the ledger did not see (before a resync)
     # Where blocks live.
     LAYOUT_UNKNOWN = "layout_unknown"  # a rank of several groups that did not say where their blocks live
+    # Async scheduling's window.
+    IN_FLIGHT_UNMODELLED = "in_flight_unmodelled"  # a load beside a step in flight, in a group of a kind not modelled
+    IN_FLIGHT_UNKNOWN = "in_flight_unknown"  # a load beside steps in flight the tables no longer know
 
 
 def group_unchecked(kind: KvGroupKind) -> Unchecked:

@@ -47,7 +47,7 @@ from kvledger.stream_app.core.checks import (
     token_positions,
     unwritten_failures,
 )
-from kvledger.stream_app.core.rank_tables import RankTables, shared_blocks
+from kvledger.stream_app.core.rank_tables import IN_FLIGHT_KEPT, RankTables, shared_blocks
 from kvledger.stream_app.core.tables import NULL_BLOCK, UNKNOWN_FILL, positions_differ, written_from
 
 _FAST_KINDS = (KvGroupKind.FULL_ATTENTION, KvGroupKind.MLA)
@@ -60,8 +60,9 @@ def reads_blocks(step: Step) -> bool:
 
 
 def eligible(state: RankTables) -> bool:
-    # One group: a written block's holders are counted across groups step by step (one pool).
-    return len(state.groups) == 1 and state.groups[0].kind in _FAST_KINDS
+    # One group: a written block's holders are counted across groups step by step (one pool). A KV
+    # connector load announced on an async rank is judged against the steps in flight step by step.
+    return len(state.groups) == 1 and state.groups[0].kind in _FAST_KINDS and not state.loads
 
 
 # Per-run matrices are rows x steps: bound them (a long run over many rows goes in pieces).
@@ -83,6 +84,7 @@ class _Run:
     rel_row: np.ndarray  # rows of requests finished in the run, and when
     rel_b: np.ndarray
     new_chains: dict[int, list[np.ndarray] | None]  # rows of requests new in the run -> their prefix chains
+    dispatched: list[Step]  # its last steps scheduled with steps in flight (RankTables.note_dispatched)
     p_rows: np.ndarray  # plan: row, b, tokens, first position, per request
     p_b: np.ndarray
     p_ntok: np.ndarray
@@ -186,6 +188,7 @@ def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], 
         return rows
 
     run = _Run()
+    run.dispatched = [s for s in steps[-IN_FLIGHT_KEPT:] if s.input is not None and s.input.in_flight_steps is not None]
     # Inputs of cached requests, then of new ones.
     cached = _join(cols["cached_req_indices"])
     c_b = _step_of([len(x) >> 2 for x in cols["cached_req_indices"]]) if cached.size else cached
@@ -325,6 +328,8 @@ def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num
         state.row_of, state.index_of, state.req_id_of = row_of, index_of, req_id_of
         state.free_rows = free + run.rel_row.tolist()  # rows of finished requests: free after the run
         state.num_rows = num_rows
+        for step in run.dispatched:  # async scheduling's window: the run's last steps, as the step path keeps them
+            state.note_dispatched(step.step, step.input)
 
     return commit, checks
 

@@ -245,3 +245,19 @@ def layout_alias_failures(blocks: np.ndarray, others: np.ndarray, live: np.ndarr
     """A block handed out shares bytes with another block id, live in another group: a write to either
     overwrites the other's KV (block ids are one group's at a time; these bytes are two ids')."""
     return (others != blocks) & (others != NULL_BLOCK) & live
+
+
+# -- async scheduling's window ---------------------------------------------------------------------
+def in_flight_span(first: int, end: int, block_size: int, window: int | None) -> tuple[int, int]:
+    """The row positions [lo, hi) of the blocks a dispatched step uses for one request whose query
+    positions are [first, end): it writes from `first`'s block on and reads every block before (a
+    sliding window: only those holding keys within `window` of its first query)."""
+    lo = 0 if window is None else max(first - window + 1, 0) // block_size
+    return lo, -(-end // block_size)
+
+
+def in_flight_reuse_failures(loads: np.ndarray, used: np.ndarray) -> np.ndarray:
+    """Per block a connector load writes at step T: whether a step still in flight at T uses it (for
+    a request other than the load's). The load is not ordered with that step's kernels, as the
+    step's own grants, zeroing and copies are (they run on the step's stream, after it)."""
+    return np.isin(loads, used[used != NULL_BLOCK])

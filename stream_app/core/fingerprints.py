@@ -38,6 +38,8 @@ def input_fingerprint(inp: StepInput | None) -> bytes:
     if inp is None:
         return b""
     parts = [*_packed_input(inp), inp.finished_req_ids, inp.preempted_req_ids]
+    if inp.in_flight_steps is not None:  # absent from older records: their fingerprints stay
+        parts.append(inp.in_flight_steps)
     for r in inp.new_reqs:
         parts += [
             r.req_index,

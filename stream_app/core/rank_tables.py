@@ -8,6 +8,7 @@ scheduler changed (new, finished, preempted requests) and over violations.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -41,6 +42,8 @@ from kvledger.stream_app.core.checks import (
     RequestFacts,
     draft_position_failures,
     grant_failures,
+    in_flight_reuse_failures,
+    in_flight_span,
     layout_alias_failures,
     null_grant_failures,
     overlapping_blocks,
@@ -54,6 +57,23 @@ from kvledger.stream_app.core.checks import (
 from kvledger.stream_app.core.layout import Meeting, layout_of
 from kvledger.stream_app.core.tables import NULL_BLOCK, UNKNOWN_FILL, GroupTable, written_from
 from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
+
+# Steps dispatched kept for async scheduling's window: vLLM's batch queue holds two on the V1 runner
+# (`max_concurrent_batches`), pipeline stages + 1 on Model Runner V2; a deeper window counts unchecked.
+IN_FLIGHT_KEPT = 4
+# Groups whose blocks a step uses are known from its positions: a full-attention row up to its last
+# query, a sliding window's from its first query's window on. State groups keep their own rules.
+IN_FLIGHT_KINDS = (KvGroupKind.FULL_ATTENTION, KvGroupKind.MLA, KvGroupKind.SLIDING_WINDOW)
+
+
+@dataclass(slots=True)
+class Dispatched:
+    """A step scheduled while others were in flight: what its requests use until its output is processed."""
+
+    step: int
+    indices: np.ndarray  # req_index of each request it scheduled tokens for
+    first: np.ndarray  # each one's first query position (num_computed_tokens)
+    end: np.ndarray  # one past its last query position
 
 
 @dataclass
@@ -97,6 +117,11 @@ class RankTables:
         # A declaration under which what blocks hold is not modelled (context parallel: a block's
         # tokens spread over ranks): its reads are counted under its name (set by the Ledger).
         self.content_voided: str | None = None
+        # Async scheduling's window, kept only on a rank whose inputs say what was in flight: the last
+        # steps dispatched (step, req_index per request, its first and end query positions), and the
+        # KV connector loads announced for the coming step (step, request, per group its blocks).
+        self.dispatched: deque[Dispatched] = deque(maxlen=IN_FLIGHT_KEPT)
+        self.loads: list[tuple[int, str, list[np.ndarray]]] = []
 
     # -- rows ---------------------------------------------------------------------------
     def _rows(self, indices: np.ndarray) -> np.ndarray:
@@ -153,6 +178,10 @@ class RankTables:
 
     # -- step input -----------------------------------------------------------------------
     def apply_input(self, step: int, inp: StepInput, out: list[Violation], cov: Coverage) -> None:
+        if self.loads:  # before the input frees anything: the loads land while the rows stand
+            self._check_in_flight(step, inp, out, cov)
+        if inp.in_flight_steps is not None:
+            self.note_dispatched(step, inp)
         if self.pending_reads:  # the last step's plan was never checked
             cov.unchecked[Unchecked.READ_NOT_SETTLED] += sum(r[1].size for r in self.pending_reads)
             self.pending_reads.clear()
@@ -190,6 +219,70 @@ class RankTables:
             self._check_overwrites(step, "copies into", copies[:, 1], granted, out, cov)
             for g in self.groups:
                 self._copied(g, copies)
+
+    # -- async scheduling's window ----------------------------------------------------------
+    def note_dispatched(self, step: int, inp: StepInput) -> None:
+        """A step scheduled with steps in flight: what its requests will use, until it is out of the window."""
+        columns = (inp.cached_req_indices, inp.cached_num_computed_tokens, inp.cached_num_scheduled_tokens)
+        indices, first, counts = (unpack_i32(c) for c in columns)
+        if inp.new_reqs:
+            new = np.array([(r.req_index, r.num_computed_tokens, r.num_scheduled_tokens) for r in inp.new_reqs]).T
+            indices, first, counts = (np.concatenate([indices, new[0]]), np.concatenate([first, new[1]]),
+                                      np.concatenate([counts, new[2]]))  # fmt: skip
+        some = counts > 0
+        self.dispatched.append(Dispatched(step, indices[some], first[some], first[some] + counts[some]))
+
+    def _check_in_flight(self, step: int, inp: StepInput, out: list[Violation], cov: Coverage) -> None:
+        """KV connector loads announced for this step, against the steps still in flight when it was
+        scheduled (`StepInput.in_flight_steps`: the rank's last ones): a load into a block such a step
+        writes or reads for another request is `in_flight_reuse`."""
+        loads, self.loads = [x for x in self.loads if x[0] == step], []
+        depth = inp.in_flight_steps or 0
+        if not loads or not depth:
+            return
+        window = [d for d in self.dispatched if d.step < step][-depth:]
+        if len(window) < depth:  # steps in flight the ledger did not see dispatched (it joined later)
+            cov.unchecked[Unchecked.IN_FLIGHT_UNKNOWN] += len(loads) * (depth - len(window))
+        freed = set(inp.finished_req_ids) | set(inp.preempted_req_ids)
+        for _, req_id, blocks in loads:
+            # Block ids name one pool: a load into any group's block races a use in any group.
+            dest = np.concatenate(
+                [b[g.in_pool(b) & (b != NULL_BLOCK)] for g, b in zip(self.groups, blocks, strict=False)]
+            )
+            if dest.size:
+                cov.checks[Check.IN_FLIGHT_LOAD] += 1
+                for d in window:
+                    for g in self.groups:
+                        self._in_flight_uses(step, g, d, req_id, dest, freed, out, cov)
+
+    def _in_flight_uses(self, step, g: GroupTable, d: Dispatched, req_id, dest, freed, out, cov) -> None:
+        """One load's blocks against one step in flight: its requests' blocks in group `g`."""
+        if g.kind not in IN_FLIGHT_KINDS:
+            cov.unchecked[Unchecked.IN_FLIGHT_UNMODELLED] += 1
+            return
+        rows = self._rows(d.indices)
+        for k in np.flatnonzero(rows >= 0).tolist():
+            holder = self.req_id(int(d.indices[k]))
+            if holder == req_id:
+                continue
+            lo, hi = in_flight_span(int(d.first[k]), int(d.end[k]), g.block_size, g.window)
+            row = g.row(int(rows[k]))
+            if row.size < hi:  # the row lost blocks since (k > 1): what the step used is not known
+                cov.unchecked[Unchecked.IN_FLIGHT_UNKNOWN] += 1
+                continue
+            bad = in_flight_reuse_failures(dest, row[lo:hi])
+            if bad.any():
+                block = int(dest[bad][0])
+                pos = lo + int(np.flatnonzero(row[lo:hi] == block)[0])  # its place in the holder's row
+                use = "writes" if (pos + 1) * g.block_size > int(d.first[k]) else "reads"
+                why = ", which the scheduler freed at this step" if holder in freed else ""
+                more = f" ({int(bad.sum())} such blocks)" if bad.sum() > 1 else ""
+                detail = (
+                    f"KV connector load into block {block} while step {d.step}, still in flight, {use} it for "
+                    f"{holder}{why} (row position {pos}){more}"
+                )
+                out.append(self._violation(ViolationKind.IN_FLIGHT_REUSE, step, detail, req_id, g.group_id))
+        _count(cov.unchecked, Unchecked.IN_FLIGHT_UNKNOWN, int((rows < 0).sum()))
 
     @staticmethod
     def _copied(g: GroupTable, copies: np.ndarray) -> None:
@@ -842,6 +935,8 @@ class RankTables:
         ):
             if kind == starts and tid not in pending:
                 blocks = pending[tid] = [unpack_i32(b).astype(np.int64) for b in event.block_ids]
+                if receive and self.dispatched:  # a load on an async rank: judged at its step's input
+                    self.loads.append((event.step, event.req_id, blocks))
                 for g, b in zip(self.groups, blocks, strict=False):
                     g.hold_for_transfer(receive, b, +1)
             elif ends and tid in pending:
@@ -857,6 +952,8 @@ class RankTables:
         for g in self.groups:  # events were missed: what any block holds is not known any more
             g.forget_content()
         self.pending_reads.clear()
+        self.dispatched.clear()  # steps in flight before the snapshot: not known
+        self.loads.clear()
         for req in snap.requests:
             row = self._new_row(req.req_index, req.req_id)
             self.computed[row] = req.num_computed_tokens

@@ -169,6 +169,7 @@ def _engine(model: str, role: str, engine_id: str, spec: dict):
         max_num_seqs=spec.get("max_num_seqs", 8),
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 1024),
         enable_prefix_caching=spec.get("prefix_caching", False),
+        num_gpu_blocks_override=spec.get("num_blocks", {}).get(role),  # per role; None: sized from memory
         kv_transfer_config=kv_transfer,
         **extra,
     )

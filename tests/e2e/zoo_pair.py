@@ -32,6 +32,24 @@ With "mode": "early_send" (SGLang 33970, plugins/zoo_early_send.py), instead:
    then prefills it for that transfer, which the decode engine pulls and decodes as a pair does;
 6. the prefill engine serves one more plain prompt, so its worker reports the finished sends.
 
+With "mode": "in_flight" (vllm PR 45357, plugins/zoo_free_in_flight.py; both engines schedule
+asynchronously, plugins/kvledger_async_scheduling.py), instead:
+
+1. the decode engine serves the running prompt alone (its reference answer), whose second token
+   becomes its stop token below;
+2. the prefill engine prefills the waiting prompt for a transfer (`do_remote_decode`);
+3. the decode engine, its pool sized to the running prompt and one block, gets the running request
+   (stopping on that token, which the scheduler cannot foresee) and then the waiting one
+   (`do_remote_prefill`), which waits for blocks until the running one finishes; it runs both to
+   their end.
+
+Spec: {"mode": "in_flight", "running": [token ids], "waiting": [token ids], "num_blocks": N, "max_tokens": 8,
+"model": {config.json} | null (default: the tiny Llama), "max_model_len": 128, "running_max_tokens": max_tokens,
+"stop_second": true (false: the running request ends on its token budget, e.g. vllm-ascend 13501's run,
+plugins/zoo_window_in_flight.py), "ledger_root": "/abs" | null, "markers": "/abs"}; "baseline" in the
+output is the running prompt's reference answer, "victim" the waiting request's answer, "running" the
+running request's.
+
 Spec: {"mode": "early_send", "victim": [token ids], "stale": [token ids], "transfers": [[id, [token ids]], ...],
 "model": {config.json} | null (default: the tiny Llama), "max_tokens": 8, "ledger_root": "/abs" | null,
 "markers": "/abs"}; "victim" in the output is the decode engine's answer, "transfers" per
@@ -56,6 +74,7 @@ DOOMED, VICTIM = "zoo-doomed", "zoo-victim"
 TRANSFER = "xfer-doomed"
 EARLY, EARLY_TRANSFER = "zoo-early", "xfer-early"  # early_send: the decode request and its transfer
 UNSENT_TRANSFER, SHIFTED_TRANSFER = "xfer-unsent", "xfer-shifted"  # early_send's "transfers" (the zoo's)
+RUNNING, WAITING, IN_FLIGHT_TRANSFER = "zoo-running", "zoo-waiting", "xfer-in-flight"  # in_flight's
 
 
 # -- harness (the tests' interpreter) ------------------------------------------------------------
@@ -71,8 +90,9 @@ def run_zoo_pair(python: str, spec: dict, env: dict[str, str], timeout: float = 
     """Run the driver once in a loopback-only namespace; fail with the log's tail if it breaks."""
     import pytest
 
-    markers = "ZOO_EARLY_MARKERS" if spec.get("mode") == "early_send" else "ZOO_ABORT_MARKERS"
-    env = {markers: spec["markers"], **env}
+    # The plugin a mode's markers switch on (in_flight's needs none: its window opens by itself).
+    markers = {"early_send": "ZOO_EARLY_MARKERS", "in_flight": None}.get(spec.get("mode"), "ZOO_ABORT_MARKERS")
+    env = {markers: spec["markers"], **env} if markers else env
     returncode, stdout, log = launch_pair(python, "zoo_pair.py", spec, env, timeout, "zoo pair")
     found = [line for line in stdout.splitlines() if line.startswith("ZOO_PAIR ")]
     if returncode != 0 or not found:
@@ -188,9 +208,52 @@ def _drive_early_send(spec: dict) -> dict:
     return result
 
 
+def _drive_in_flight(spec: dict) -> dict:
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_run import TINY_LLAMA
+
+    model = tempfile.mkdtemp(prefix="tiny-llama-")
+    Path(model, "config.json").write_text(json.dumps(spec.get("model") or TINY_LLAMA))
+    settings = {"ledger_root": spec.get("ledger_root"), "max_model_len": spec.get("max_model_len", 128)}
+    settings["num_blocks"] = {"decode": spec["num_blocks"]}  # the decode pool: see the spec
+    prefill = _engine(model, "prefill", PREFILL_ENGINE_ID, settings)
+    decode = _engine(model, "decode", "decode-0", settings)
+    max_tokens, running = spec.get("max_tokens", 8), spec["running"]
+
+    baseline = _tokens(decode.generate([{"prompt_token_ids": running}], _params(max_tokens, None), use_tqdm=False))[0]
+    prefill.generate(
+        [{"prompt_token_ids": spec["waiting"]}],
+        _params(1, {"do_remote_decode": True, "transfer_id": IN_FLIGHT_TRANSFER}),
+        use_tqdm=False,
+    )
+    stopping = _params(spec.get("running_max_tokens", max_tokens), None)
+    if spec.get("stop_second", True):
+        stopping.stop_token_ids = [baseline[1]]  # its second token: known only once sampled
+    pulled = {
+        "do_remote_prefill": True,
+        "transfer_id": IN_FLIGHT_TRANSFER,
+        "remote_engine_id": PREFILL_ENGINE_ID,
+        "remote_bootstrap_addr": BOOTSTRAP_ADDR,
+    }
+    engine = decode.llm_engine
+    engine.add_request(RUNNING, {"prompt_token_ids": running}, stopping)
+    engine.add_request(WAITING, {"prompt_token_ids": spec["waiting"]}, _params(max_tokens, pulled))
+    answers = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                answers[output.request_id] = list(output.outputs[0].token_ids)
+    prefill.generate([{"prompt_token_ids": running[:8]}], _params(1, None), use_tqdm=False)  # reports the send
+    found = {name: next(v for k, v in answers.items() if k.startswith(name)) for name in (RUNNING, WAITING)}
+    return {"baseline": baseline, "victim": found[WAITING], "running": found[RUNNING]}
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    result = _drive_early_send(spec) if spec.get("mode") == "early_send" else _drive(spec)
+    drive = {"early_send": _drive_early_send, "in_flight": _drive_in_flight}.get(spec.get("mode"), _drive)
+    result = drive(spec)
     print("ZOO_PAIR " + json.dumps(result), flush=True)
 
 

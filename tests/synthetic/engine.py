@@ -23,6 +23,7 @@ import numpy as np
 from kvledger.producer import records
 from kvledger.producer.chains import PrefixChains
 from kvledger.producer.records import RankIdentity
+from kvledger.schemas.events import ConnectorEvent
 from kvledger.schemas.kinds import KvGroupKind
 
 FAULTS = (
@@ -40,6 +41,7 @@ FAULTS = (
     "zero_shared",  # the scheduler zeroes a block several live requests read: foreign_block_write
     "wrong_prefix_hit",  # a hit on a cached block of another prefix (a hash collision): prefix_hit_mismatch
     "unwritten_hit",  # a hit on a block its writer is still filling (cached early): unwritten_read
+    "in_flight_load",  # async scheduling: a KV load into a block the step in flight writes: in_flight_reuse
 )
 
 # Faults whose target is a block several live requests share: they need prefix caching, which
@@ -48,7 +50,14 @@ SHARING_FAULTS = ("zero_shared", "wrong_prefix_hit", "unwritten_hit")
 
 # Violation kinds each fault may produce; the first is the one it must produce.
 FAULT_KINDS = {
-    "slot_shift": ("write_target_mismatch", "foreign_block_write", "block_out_of_range", "rank_divergence"),
+    # A shifted write leaves its block's slot unwritten: a later prefix hit on it reads what no step wrote.
+    "slot_shift": (
+        "write_target_mismatch",
+        "foreign_block_write",
+        "block_out_of_range",
+        "rank_divergence",
+        "unwritten_read",
+    ),
     # A write through the row at an earlier position rewrites a block others may already read.
     "stale_position": (
         "write_target_mismatch",
@@ -76,6 +85,7 @@ FAULT_KINDS = {
     "wrong_prefix_hit": ("prefix_hit_mismatch",),
     # The writer's prompt is another: the chains differ where they are known.
     "unwritten_hit": ("unwritten_read", "prefix_hit_mismatch"),
+    "in_flight_load": ("in_flight_reuse",),
 }
 
 
@@ -122,6 +132,10 @@ class SimConfig:
     # Newly allocated blocks listed to be zeroed (vLLM's new_block_ids_to_zero, sent when the
     # cache needs zeroing: Mamba layers, mixed precisions).
     zero_new_blocks: bool = False
+    # Async scheduling: every step is scheduled with the one before in flight (StepInput.in_flight_steps),
+    # and every `load_every` steps a KV connector load lands in a block no step in flight uses.
+    in_flight: bool = False
+    load_every: int = 9
     faults: tuple[FaultSpec, ...] = ()
     incarnation: int = 1
     close_at_end: bool = False  # each rank's last event says it shut down (Health.closing)
@@ -241,6 +255,12 @@ class SyntheticEngine:
         self.stats = Counter()
         self._pending_faults = sorted(c.faults, key=lambda f: f.step)
         self.clock_us = 1_700_000_000_000_000
+        # Async scheduling's window: asked for, or needed by a fault that loads into it.
+        self.in_flight = c.in_flight or any(f.kind == "in_flight_load" for f in c.faults)
+        # A receive whose completion a lost or repeated event hides keeps its blocks held in the ledger
+        # (a completion is not in snapshots): streams with such faults load nothing beside the window.
+        self._events_lost = any(f.kind in _EVENT_FAULTS for f in c.faults)
+        self._in_flight_blocks: dict[str, list[list[int]]] = {}  # the last step's requests: per group, blocks used
 
     # -- public --------------------------------------------------------------------------------
     def events(self) -> Iterator[dict]:
@@ -458,12 +478,16 @@ class SyntheticEngine:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             req.blocks = [[] for _ in self.cfg.groups]
+            expected, pending = len(self.expected), list(self._pending_faults)
             self._prefix_hits(req, step, scheduled)
             n_new = min(req.num_tokens - req.computed, budget)
             appended = self._allocate(req, req.computed + n_new, step)
             if appended is None:
                 self._release(req)
                 req.computed = 0
+                # Not admitted: a hit fault placed on it did not happen; it waits for another request.
+                del self.expected[expected:]
+                self._pending_faults = pending
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -551,8 +575,15 @@ class SyntheticEngine:
         preempted = self.preempted_ids[preempted_before:]
         self.preempted_ids = []
         inp = self._step_input(scheduled, finished, preempted, self._blocks_to_zero(step, scheduled))
+        if self.in_flight:
+            inp.in_flight_steps = int(step > 0)
+        load = self._load(step) if self.in_flight and step > 0 else None
+        if self.in_flight:
+            self._in_flight_blocks = self._used(scheduled)
         base_plan = self._plan(scheduled)
         self._after_execute(scheduled)
+        if load is not None:
+            yield from self._emit_all(load)
         for rank in self.ranks:
             body = records.step(step, "REAL", inp, self._faulty_plan(step, rank, base_plan))
             fault = self._take_event_fault(step, rank)
@@ -568,6 +599,51 @@ class SyntheticEngine:
                 self._expect(fault, "duplicate_event", None, rank=rank)
                 yield event
                 yield event
+        if load is not None:  # the load landed with the step: its blocks are free again
+            done = records.connector_event(
+                step, load.connector, "RECV_DONE", req_id=load.req_id, transfer_id=load.transfer_id
+            )
+            yield from self._emit_all(done)
+
+    # -- async scheduling's window --------------------------------------------------------------
+    def _used(self, scheduled) -> dict[str, list[list[int]]]:
+        """Per request of this step and group: the blocks it writes or reads (up to its last query's)."""
+        return {
+            req.req_id: [row[: -(-(req.computed + n) // self.bs)] for row in self.worker_rows[req.index]]
+            for req, n, _, _ in scheduled
+            if n
+        }
+
+    def _load(self, step: int) -> ConnectorEvent | None:
+        """A KV connector load announced for this step (and done at once): into a block no step in
+        flight uses, or, the fault, into one the last step still writes for its request."""
+        fault = next((f for f in self._faults_due(step) if f.kind == "in_flight_load"), None)
+        held = {b for r in self.running for row in r.blocks for b in row} | {
+            b for rows in self.worker_rows.values() for row in rows for b in row
+        }
+        if fault is not None:
+            victims = sorted((r, used[0]) for r, used in self._in_flight_blocks.items() if used[0])
+            if not victims:
+                return None
+            _, used = victims[0]
+            block = used[-1]  # the group-0 block it writes
+            self._expect_on_all_ranks(fault, "in_flight_reuse", step, f"load-{step}", 0)
+        elif step % self.cfg.load_every == 0 and not self._events_lost:
+            cached = set(self.pool.block_of.values())  # a load lands in a block allocated for it, never a cached one
+            spare = [b for b in range(1, self.cfg.num_blocks) if b not in held and b not in cached]
+            used = {b for rows in self._in_flight_blocks.values() for row in rows for b in row}
+            free = [b for b in spare if b not in used]
+            if not free:
+                return None
+            block = free[0]
+        else:
+            return None
+        blocks = [[block]] + [[] for _ in self.cfg.groups[1:]]
+        self.stats["in_flight_loads"] += 1
+        name = f"load-{step}"
+        return records.connector_event(
+            step, "SyntheticConnector", "RECV_INTENT", req_id=name, transfer_id=name, block_ids=blocks
+        )
 
     def _blocks_to_zero(self, step: int, scheduled) -> list[int]:
         zero = (

@@ -251,6 +251,7 @@ def test_the_rule_cases_cover_every_per_rank_violation_kind():
         "unwritten_read",
         "shared_block_write",
         "layout_alias",
+        "in_flight_reuse",
     }
 
 

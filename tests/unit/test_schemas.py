@@ -687,6 +687,35 @@ def test_step_content_evolves_both_ways(events):
     assert unpack_u64(decoded["body"][1]["content"]["digests"]).tolist() == [5, (1 << 64) - 1]
 
 
+def without_in_flight(event: dict) -> dict:
+    """The event as a reader (or writer) from before StepInput.in_flight_steps sees it."""
+    name, body = event["body"]
+    if name != STEP or body["input"] is None:
+        return event
+    inp = {k: v for k, v in body["input"].items() if k != "in_flight_steps"}
+    return {**event, "body": (name, {**body, "input": inp})}
+
+
+def test_step_input_in_flight_steps_evolves_both_ways(events):
+    before = copy.deepcopy(raw_schema("ledger_event"))
+    fields = _record(before, "StepInput")["fields"]
+    fields[:] = [f for f in fields if f["name"] != "in_flight_steps"]
+    old = fastavro.parse_schema(before)
+    assert schema_fingerprint(old) != schema_fingerprint(V1)
+    step = next(e for e in events if e["body"][0] == STEP and e["body"][1]["input"] is not None)
+    name, body = step["body"]
+    dispatched = {**step, "body": (name, {**body, "input": {**body["input"], "in_flight_steps": 1}})}
+    # Old readers read new writers: the count is skipped, the rest is intact.
+    old_reader = SingleObjectCodec(old, known=[V1], reader=old)
+    assert old_reader.decode(SingleObjectCodec(V1).encode(dispatched)) == without_in_flight(step)
+    # New readers read old data: not said (null), never 0, which would claim nothing was in flight.
+    new_reader = SingleObjectCodec(V1, known=[old], reader=V1)
+    old_writer = SingleObjectCodec(old)
+    for event in events:
+        assert new_reader.decode(old_writer.encode(without_in_flight(event))) == event
+    assert new_reader.decode(SingleObjectCodec(V1).encode(dispatched)) == dispatched
+
+
 def test_a_digest_reason_from_a_newer_writer_reads_as_other_and_is_counted_unchecked(events):
     newer = copy.deepcopy(raw_schema("ledger_event"))
     reasons = _enum(newer, "DigestReason")
