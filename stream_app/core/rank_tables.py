@@ -945,8 +945,18 @@ class RankTables:
                     if kind == ConnectorKind.RECV_DONE:  # written by the transfer, from a prefix known elsewhere
                         g.mark_received(b[g.in_pool(b) & (b != NULL_BLOCK)])
 
+    def forget_transfers(self) -> int:
+        """Release every pending transfer's blocks (their ends may have been lost); how many there were."""
+        n = len(self.pending_sends) + len(self.pending_recvs)
+        for receive, pending in ((False, self.pending_sends), (True, self.pending_recvs)):
+            for blocks in pending.values():
+                for g, b in zip(self.groups, blocks, strict=False):
+                    g.hold_for_transfer(receive, b, -1)
+            pending.clear()
+        return n
+
     def load_snapshot(self, snap: Snapshot) -> None:
-        """Replace the rows with a snapshot's (pending sends survive: they are not in snapshots)."""
+        """Replace the rows with a snapshot's (pending transfers are not in snapshots: those seen since the gap stay)."""
         for req_id in list(self.index_of):
             self._drop(req_id)
         for g in self.groups:  # events were missed: what any block holds is not known any more
