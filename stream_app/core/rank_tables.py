@@ -956,7 +956,7 @@ class RankTables:
         return n
 
     def load_snapshot(self, snap: Snapshot) -> None:
-        """Replace the rows with a snapshot's (pending transfers are not in snapshots: those seen since the gap stay)."""
+        """Replace the rows with a snapshot's (transfers are not in snapshots: those seen since the gap stay)."""
         for req_id in list(self.index_of):
             self._drop(req_id)
         for g in self.groups:  # events were missed: what any block holds is not known any more
