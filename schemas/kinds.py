@@ -267,6 +267,7 @@ class Unchecked(StrEnum):
     # The stream itself.
     NO_RANK_INFO = "no_rank_info"  # steps before the rank said who it is
     AFTER_GAP = "after_gap"  # events were lost: checks wait for a snapshot
+    TRANSFERS_FORGOTTEN = "transfers_forgotten"  # KV transfers pending at a gap: their ends may be lost
     STEPS_NOT_RECORDED = "steps_not_recorded"  # the rank skipped step numbers without losing events
     STEP_NOT_AFTER_LAST = "step_not_after_last"  # a step number again or backwards
     RANK_RESTARTED = "rank_restarted"  # a new incarnation: its state starts over

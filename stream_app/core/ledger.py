@@ -112,7 +112,7 @@ class Ledger:
         elif isinstance(body, ConnectorEvent):
             if body.kind is ConnectorKind.OTHER:  # a newer writer's kind: nothing reads it here
                 self.coverage.unchecked[Unchecked.CONNECTOR_KIND_UNKNOWN] += 1
-            if slot.state is not None and not slot.desynced:
+            if slot.state is not None:  # a transfer holds blocks, not rows: its ends count while rows wait
                 slot.state.apply_connector(body)
         elif isinstance(body, Health):
             slot.events_dropped = body.events_dropped
@@ -339,6 +339,7 @@ class Ledger:
             slot.desynced = True
             slot.gap_after_step = slot.last_step
             self._content_lost(key)
+            self._transfers_lost(key, slot)
         slot.next_seq = seq + 1
         return slot
 
@@ -492,6 +493,15 @@ class Ledger:
         content = self.content.get((key.engine_id, key.dp))
         if content is not None:
             content.note_writes(step, plan)
+
+    def _transfers_lost(self, key: RankKey, slot: TrackedRank) -> None:
+        """Events were lost: a transfer pending then may have ended among them, and one held on would
+        make the next owner of its blocks a foreign writer (or its reader early). Forgotten, counted."""
+        forgotten = self.transfer_use.forget(key)
+        if slot.state is not None:
+            forgotten = max(forgotten, slot.state.forget_transfers())
+        if forgotten:
+            self.coverage.unchecked[Unchecked.TRANSFERS_FORGOTTEN] += forgotten
 
     def _content_lost(self, key: RankKey) -> None:
         content = self.content.get((key.engine_id, key.dp))

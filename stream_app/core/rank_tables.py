@@ -450,7 +450,7 @@ class RankTables:
         cov.checks[Check.EXCLUSIVITY] += int(real.sum())
         if not suspect.any():
             return
-        for row in np.unique(owner[suspect]).tolist():
+        for row in _in_order(owner[suspect]):
             mine = suspect & (owner == row)
             req_id = self._req_of_row(row)
             outside = flat[mine & ~inside]
@@ -497,7 +497,7 @@ class RankTables:
         if not bad.any():
             return
         at, pair, others = at[bad], pair[bad], others[bad]
-        for row in np.unique(owner[at]).tolist():
+        for row in _in_order(owner[at]):
             mine = np.flatnonzero(owner[at] == row)
             i, p, other = int(at[mine[0]]), int(pair[mine[0]]), int(others[mine[0]])
             n = np.unique(at[mine]).size
@@ -522,7 +522,7 @@ class RankTables:
         if g.kind.null_free:
             _count(cov.checks, Check.NULL_GRANT, int(flat.size))
             null = null_grant_failures(flat, True)
-            for row in np.unique(owner[null]).tolist():
+            for row in _in_order(owner[null]):
                 cols_null = cols[null & (owner == row)]
                 out.append(
                     self._violation(
@@ -573,7 +573,7 @@ class RankTables:
     def _per_reader(self, step, kind, g: GroupTable, bad, readers, detail, out) -> None:
         """One violation per request of `readers` with a `bad` block: `detail(i)` of its first, and how
         many it has."""
-        for row in np.unique(readers[bad]).tolist():
+        for row in _in_order(readers[bad]):
             mine = np.flatnonzero(bad & (readers == row))
             more = f" ({mine.size} such blocks)" if mine.size > 1 else ""
             out.append(self._violation(kind, step, detail(int(mine[0])) + more, self._req_of_row(row), g.group_id))
@@ -945,8 +945,18 @@ class RankTables:
                     if kind == ConnectorKind.RECV_DONE:  # written by the transfer, from a prefix known elsewhere
                         g.mark_received(b[g.in_pool(b) & (b != NULL_BLOCK)])
 
+    def forget_transfers(self) -> int:
+        """Release every pending transfer's blocks (their ends may have been lost); how many there were."""
+        n = len(self.pending_sends) + len(self.pending_recvs)
+        for receive, pending in ((False, self.pending_sends), (True, self.pending_recvs)):
+            for blocks in pending.values():
+                for g, b in zip(self.groups, blocks, strict=False):
+                    g.hold_for_transfer(receive, b, -1)
+            pending.clear()
+        return n
+
     def load_snapshot(self, snap: Snapshot) -> None:
-        """Replace the rows with a snapshot's (pending sends survive: they are not in snapshots)."""
+        """Replace the rows with a snapshot's (transfers are not in snapshots: those seen since the gap stay)."""
         for req_id in list(self.index_of):
             self._drop(req_id)
         for g in self.groups:  # events were missed: what any block holds is not known any more
@@ -969,6 +979,13 @@ class RankTables:
             return None
         row = int(self.row_of[index])
         return [g.row(row).tolist() for g in self.groups]
+
+
+def _in_order(rows: np.ndarray) -> list[int]:
+    """The distinct rows of `rows` in the order they first appear, the order of the step's requests: a
+    report's order never depends on the row numbers, which the fast path assigns its own way."""
+    _, first = np.unique(rows, return_index=True)
+    return rows[np.sort(first)].tolist()
 
 
 def _count(counter, key, n: int) -> None:

@@ -458,6 +458,16 @@ class TransferUse:
                 return self._step(key, state, body.step, body.input, req_id_of)
         return []
 
+    def forget(self, key: RankKey) -> int:
+        """Drop the rank's pending transfers (events were lost: their ends may be among them); how many."""
+        state = self.ranks.get(key)
+        if state is None:
+            return 0
+        n = len(state.sends) + len(state.recvs)
+        state.sends.clear()
+        state.recvs.clear()
+        return n
+
     def _connector(self, key: RankKey, body: ConnectorEvent) -> list[Violation]:
         tid, kind, step = body.transfer_id, body.kind, body.step
         if tid is None:

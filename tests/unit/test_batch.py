@@ -111,3 +111,32 @@ def test_fast_path_hands_faulty_runs_to_the_reference(fast_runs, fault):
     violations = assert_same(sim.events)
     assert {e.kind for e in sim.expected} <= {v.kind for v in violations}
     assert fast_runs  # the clean stretches still went fast
+
+
+def test_reports_of_one_step_follow_its_requests_not_their_rows():
+    """The fast path recycles a finished request's row after its run, the step path at once: the rows
+    differ, and two reports of one step still come in the order of the step's requests."""
+    config = SimConfig(
+        seed=0,
+        steps=40,
+        block_size=4,
+        num_blocks=23,
+        max_num_seqs=2,
+        max_batched_tokens=16,
+        arrival_rate=2.0,
+        prompt_len=(1, 6),
+        output_len=(1, 1),
+        shared_prefix_prob=0.0,
+        prefix_caching=False,
+        pad_to=8,
+        snapshot_interval=0,
+        health_interval=50,
+        dummy_every=0,
+        close_at_end=False,
+        faults=(FaultSpec("recycled_block", 5, tp_rank=0),),
+    )
+    (stepwise, one), (batched, many) = both(simulate(config).events, batch_steps=2)
+    key = next(iter(one.ranks))
+    assert one.ranks[key].state.free_rows != many.ranks[key].state.free_rows  # rows numbered apart
+    assert [v.req_id for v in batched if v.step == 5] == [v.req_id for v in stepwise if v.step == 5]
+    assert len([v for v in stepwise if v.step == 5]) == 2

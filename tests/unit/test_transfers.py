@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvledger.producer import records
 from kvledger.schemas.events import event_of, events_of
-from kvledger.schemas.kinds import ConnectorKind, ViolationKind
+from kvledger.schemas.kinds import ConnectorKind, Unchecked, ViolationKind
 from kvledger.schemas.registry import CONNECTOR_EVENT, STEP
 from kvledger.stream_app.core import Ledger, Violation
 from kvledger.stream_app.core.transfers import TransferJoin, parse_digest
@@ -299,3 +299,36 @@ def test_a_pending_receive_holds_its_blocks_until_it_ends(ending):
         assert found == [(ViolationKind.FOREIGN_BLOCK_WRITE, "d1", 1)]
     else:
         assert found == [] and ledger.coverage.checks["exclusivity"] == 2
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_a_transfer_pending_at_a_gap_is_forgotten_and_counted(lost):
+    """A decode rank pulls into blocks 1-2; its events 3..4 are lost, the receive's end among them. After
+    the resync the scheduler hands the blocks out again: were the receive still held, that would read
+    as a foreign write the ledger cannot prove. Forgotten at the gap, counted. Without the gap the end
+    arrives and releases them the same way."""
+    rank, seq, events = records.RankIdentity("d", incarnation=1), iter(range(100)), []
+
+    def add(body) -> None:
+        events.append(records.envelope(rank, next(seq), 0, body))
+
+    kv = [records.kv_group(0, "FULL_ATTENTION", 4, 16)]
+    add(records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=kv, vllm_version="t", runner="v1"))
+    add(records.connector_event(0, "test", "RECV_INTENT", req_id="d0", transfer_id="t0", block_ids=[[1, 2]]))
+    add(records.step(0, "REAL", records.step_input(), None))
+    add(records.connector_event(0, "test", "RECV_DONE", req_id="d0", transfer_id="t0"))
+    add(records.step(1, "REAL", records.step_input(), None))
+    if lost:
+        del events[3:5]  # the receive's end and a step: a sequence gap
+    add(records.snapshot(1, []))
+    inp = records.step_input(new_reqs=[records.new_request(1, "d1", [[1, 2]], 0, 8, 8)])
+    group = records.group_plan(0, np.arange(8) + 4, 8, [np.array([1, 2])])
+    add(records.step(2, "REAL", inp, records.step_plan([1], [8], [0], [group])))
+    ledger = Ledger(join_transfers=False)
+    found = [v.kind for e in events for v in ledger.apply(event_of(e))]
+    if lost:
+        assert found == [ViolationKind.SEQUENCE_GAP]
+        assert ledger.coverage.unchecked[Unchecked.TRANSFERS_FORGOTTEN] == 1
+    else:
+        assert found == [] and Unchecked.TRANSFERS_FORGOTTEN not in ledger.coverage.unchecked
+    assert ledger.coverage.checks["exclusivity"] == 2  # the grant was judged, and found clean
