@@ -382,11 +382,14 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
         plan_digests=run.p_digests[gid],
         ledger_lens=g.lens[p_rows] + appended[p_rows, p_b],
         ledger_digests=digest_at,
-        # As the blocks stood before the run: one shared then is held by others throughout it, none is
-        # handed out to be written while held, and one handed out to be read in the run and written
-        # after goes step by step (_reads_clean).
+        # As the blocks stood before the run; a block two requests or more held then and the run writes
+        # goes step by step (below: whether it was full at the write is known only there), as does one
+        # handed out to be read in the run and written after (_reads_clean).
         shared=shared_blocks(g, block),
     )
+    inside = in_row & (block > NULL_BLOCK) & (block < g.num_blocks)
+    if (g.hold_count[block[inside]] >= 2).any():
+        return None
 
     # -- exclusivity: holders of each granted block right after its step's grants -------------------
     rel_blocks, rel_cols, rel_time = _released_blocks(g, run.rel_row, run.rel_b, appended)

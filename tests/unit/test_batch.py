@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvledger.schemas.events import Step, event_of, events_of
-from kvledger.schemas.kinds import Check
+from kvledger.schemas.kinds import Check, ViolationKind
 from kvledger.stream_app.core import Ledger, batch
 from tests.synthetic.engine import FAULTS, SHARING_FAULTS, FaultSpec, SimConfig, simulate
 
@@ -140,3 +140,29 @@ def test_reports_of_one_step_follow_its_requests_not_their_rows():
     assert one.ranks[key].state.free_rows != many.ranks[key].state.free_rows  # rows numbered apart
     assert [v.req_id for v in batched if v.step == 5] == [v.req_id for v in stepwise if v.step == 5]
     assert len([v for v in stepwise if v.step == 5]) == 2
+
+
+def test_a_block_shared_before_a_run_and_written_in_it_is_judged_step_by_step():
+    """A recycled block (two holders) filled within a run, then written again by one of them: whether it
+    was full at that write is known only step by step (`shared_block_write`), and the run defers to it."""
+    config = SimConfig(
+        seed=2352,
+        steps=40,
+        block_size=4,
+        num_blocks=35,
+        max_num_seqs=2,
+        max_batched_tokens=16,
+        arrival_rate=0.5,
+        prompt_len=(1, 128),
+        output_len=(1, 3),
+        shared_prefix_prob=0.0,
+        prefix_caching=False,
+        pad_to=8,
+        snapshot_interval=0,
+        health_interval=50,
+        dummy_every=0,
+        close_at_end=False,
+        faults=(FaultSpec("recycled_block", 5, tp_rank=0),),
+    )
+    violations = assert_same(simulate(config).events, batch_steps=2)
+    assert ViolationKind.SHARED_BLOCK_WRITE in {v.kind for v in violations}
