@@ -48,7 +48,7 @@ from kvledger.stream_app.core.checks import (
     unwritten_failures,
 )
 from kvledger.stream_app.core.rank_tables import IN_FLIGHT_KEPT, RankTables, shared_blocks
-from kvledger.stream_app.core.tables import NULL_BLOCK, UNKNOWN_FILL, positions_differ, written_from
+from kvledger.stream_app.core.tables import NULL_BLOCK, UNKNOWN_FILL, last_of_runs, positions_differ, written_from
 
 _FAST_KINDS = (KvGroupKind.FULL_ATTENTION, KvGroupKind.MLA)
 
@@ -387,8 +387,8 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
         # handed out to be read in the run and written after (_reads_clean).
         shared=shared_blocks(g, block),
     )
-    inside = in_row & (block > NULL_BLOCK) & (block < g.num_blocks)
-    if (g.hold_count[block[inside]] >= 2).any():
+    wrote = np.flatnonzero(in_row & (block > NULL_BLOCK) & (block < g.num_blocks))  # as settle_reads marks
+    if (g.hold_count[block[wrote]] >= 2).any():
         return None
 
     # -- exclusivity: holders of each granted block right after its step's grants -------------------
@@ -409,10 +409,8 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
     grant_b = np.repeat(b_e, cnt)
     fresh = real_block & written
     # The run's writes, the last (highest) of each run of one block in one row and step: how far it filled it.
-    wrote = np.flatnonzero(in_row & (block > NULL_BLOCK) & (block < g.num_blocks))  # as settle_reads marks
-    w_block, w_b, w_row = block[wrote], tok_b[wrote], tok_rows[wrote]
-    last = np.ones(wrote.size, bool)
-    last[:-1] = (w_block[1:] != w_block[:-1]) | (w_b[1:] != w_b[:-1]) | (w_row[1:] != w_row[:-1])
+    w_block, w_b = block[wrote], tok_b[wrote]
+    last = last_of_runs(w_block, w_b, tok_rows[wrote])
     content = _Content(
         fresh_blocks=blocks[fresh],
         fresh_b=grant_b[fresh],
@@ -502,10 +500,10 @@ def _reads_clean(state, g, steps: int, content: _Content, read: _ReadRun, checks
     segs, of = np.unique(seg, return_inverse=True)
     highest = np.zeros(segs.size, np.int64)
     np.maximum.at(highest, of, content.w_offset[into] + 1)
-    read_seg = read.blocks * span + (epoch + 1)
-    at = np.minimum(np.searchsorted(segs, read_seg), max(segs.size - 1, 0))
-    wrote = (segs[at] == read_seg) if segs.size else np.zeros(read_seg.size, bool)
-    fill = np.maximum(fill, np.where(wrote, highest[at] if segs.size else 0, 0))
+    if segs.size:
+        read_seg = read.blocks * span + (epoch + 1)
+        at = np.minimum(np.searchsorted(segs, read_seg), segs.size - 1)
+        fill = np.maximum(fill, np.where(segs[at] == read_seg, highest[at], 0))
     if unwritten_failures(fill, g.block_size).any():
         return False
     checks[Check.PREFIX_IDENTITY] += int(read.blocks.size)

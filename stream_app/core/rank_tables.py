@@ -299,12 +299,16 @@ class RankTables:
             count[inside] += g.hold_count[blocks[inside]]
         return count
 
-    def holders_of(self, block: int) -> list[str]:
-        """The live requests whose rows hold `block`, in any group (for a report: a scan of the rows)."""
+    def holders_of(self, block: int, groups: list[GroupTable] | None = None) -> list[str]:
+        """The live requests whose rows hold `block`, in any group or in `groups` (for a report: a scan of
+        the rows' live cells)."""
         req_of_row = {int(self.row_of[i]): i for i in self.index_of.values()}
         rows = set()
-        for g in self.groups:
-            rows.update(np.flatnonzero((g.table[: self.num_rows] == block).any(axis=1)).tolist())
+        n = self.num_rows
+        for g in self.groups if groups is None else groups:
+            cols = np.arange(g.table.shape[1])
+            live = (cols >= g.released[:n, None]) & (cols < g.lens[:n, None])
+            rows.update(np.flatnonzero(((g.table[:n] == block) & live).any(axis=1)).tolist())
         return sorted(self.req_id(req_of_row[r]) for r in rows if r in req_of_row)
 
     def _check_overwrites(self, step, what: str, blocks, fresh, out, cov) -> None:
@@ -380,11 +384,19 @@ class RankTables:
         out = np.zeros(cols.size, np.uint64)
         if (not self.chains and not pending) or rows.size == 0:
             return out
-        if not pending:  # most grants lie past their request's prompt (decode): no chain there
+        if pending:
+            self._look_up_chains(gid, rows, cols, pending, out)
+        else:  # most grants lie past their request's prompt (decode): no chain there
             inside = np.flatnonzero(cols < self.chain_len[rows])
-            if inside.size < rows.size:
-                out[inside] = self.chains_at(gid, rows[inside], cols[inside], {})
-                return out
+            found = np.zeros(inside.size, np.uint64)
+            self._look_up_chains(gid, rows[inside], cols[inside], {}, found)
+            out[inside] = found
+        return out
+
+    def _look_up_chains(self, gid: int, rows: np.ndarray, cols: np.ndarray, pending: dict, out: np.ndarray) -> None:
+        """`chains_at`'s lookup, row by row, into `out`."""
+        if rows.size == 0:
+            return
         order = np.argsort(rows, kind="stable")
         present, starts = np.unique(rows[order], return_index=True)
         ends = np.append(starts[1:], rows.size)
@@ -395,7 +407,6 @@ class RankTables:
             mine = order[start:end]
             at, known = cols[mine], chain[gid]
             out[mine] = np.where(at < known.size, known[np.minimum(at, known.size - 1)], 0)
-        return out
 
     def _appends(self, inp: StepInput, grants: list[list | None], cov: Coverage) -> None:
         counts = unpack_i32(inp.append_counts)
@@ -504,16 +515,11 @@ class RankTables:
             detail = (
                 f"scheduler handed block {blocks[i]} in group {meeting.group}, whose "
                 f"{_byte_span(meeting.mine, p, int(blocks[i]))} meet block {other} of group {meeting.other} "
-                f"({_byte_span(meeting.theirs, p, other)}), held by {self._holders_in(h, other)}: the groups stride "
+                f"({_byte_span(meeting.theirs, p, other)}), held by {self.holders_of(other, [h])}: the groups stride "
                 f"the allocation by {int(meeting.mine.stride[p])} and {int(meeting.theirs.stride[p])} bytes per "
                 "block" + (f" ({n} such blocks)" if n > 1 else "")
             )
             out.append(self._violation(ViolationKind.LAYOUT_ALIAS, step, detail, self._req_of_row(row), meeting.group))
-
-    def _holders_in(self, g: GroupTable, block: int) -> list[str]:
-        """The live requests holding `block` in group `g` (for a report: a scan of the group's live cells)."""
-        rows = [r for r in range(self.num_rows) if block in g.table[r, g.released[r] : g.lens[r]]]
-        return sorted(self._req_of_row(r) for r in rows)
 
     def _grant_content(self, step, g: GroupTable, flat, owner, cols, real, writes, out, cov) -> None:
         """What granted blocks hold: none is the null block where the group's manager never places it;

@@ -29,6 +29,19 @@ def written_from(num_computed_tokens, block_size: int):
     return num_computed_tokens // block_size
 
 
+def last_of_runs(*keys: np.ndarray) -> np.ndarray:
+    """Where a run of equal `keys` (compared together, element by element) ends: in position order, the
+    last write of a run is its highest."""
+    n = keys[0].size
+    last = np.ones(n, bool)
+    if n > 1:
+        ends = keys[0][1:] != keys[0][:-1]
+        for k in keys[1:]:
+            ends |= k[1:] != k[:-1]
+        last[:-1] = ends
+    return last
+
+
 def positions_differ(count, pos_sum, pos_sumsq, pos) -> np.ndarray:
     """A block's holders sit at different row positions: the variance of their positions is not zero.
 
@@ -133,9 +146,7 @@ class GroupTable:
         """Executed writes at `offsets` of `blocks` (in position order: the last write of a block is its
         highest, so only the last of each run of one block is looked at)."""
         if blocks.size > 1:
-            last = np.empty(blocks.size, bool)
-            np.not_equal(blocks[1:], blocks[:-1], out=last[:-1])
-            last[-1] = True
+            last = last_of_runs(blocks)
             blocks, offsets = blocks[last], offsets[last]
         keep = self.fill[blocks] != UNKNOWN_FILL
         blocks, offsets = blocks[keep], offsets[keep]

@@ -113,19 +113,13 @@ def test_fast_path_hands_faulty_runs_to_the_reference(fast_runs, fault):
     assert fast_runs  # the clean stretches still went fast
 
 
-def test_reports_of_one_step_follow_its_requests_not_their_rows():
-    """The fast path recycles a finished request's row after its run, the step path at once: the rows
-    differ, and two reports of one step still come in the order of the step's requests."""
-    config = SimConfig(
-        seed=0,
+def _recycled_block_at_5(**drawn) -> SimConfig:
+    """A small rank as the property test draws it, a block recycled at step 5 (its examples pinned here)."""
+    return SimConfig(
         steps=40,
         block_size=4,
-        num_blocks=23,
         max_num_seqs=2,
         max_batched_tokens=16,
-        arrival_rate=2.0,
-        prompt_len=(1, 6),
-        output_len=(1, 1),
         shared_prefix_prob=0.0,
         prefix_caching=False,
         pad_to=8,
@@ -134,7 +128,14 @@ def test_reports_of_one_step_follow_its_requests_not_their_rows():
         dummy_every=0,
         close_at_end=False,
         faults=(FaultSpec("recycled_block", 5, tp_rank=0),),
+        **drawn,
     )
+
+
+def test_reports_of_one_step_follow_its_requests_not_their_rows():
+    """The fast path recycles a finished request's row after its run, the step path at once: the rows
+    differ, and two reports of one step still come in the order of the step's requests."""
+    config = _recycled_block_at_5(seed=0, num_blocks=23, arrival_rate=2.0, prompt_len=(1, 6), output_len=(1, 1))
     (stepwise, one), (batched, many) = both(simulate(config).events, batch_steps=2)
     key = next(iter(one.ranks))
     assert one.ranks[key].state.free_rows != many.ranks[key].state.free_rows  # rows numbered apart
@@ -145,24 +146,6 @@ def test_reports_of_one_step_follow_its_requests_not_their_rows():
 def test_a_block_shared_before_a_run_and_written_in_it_is_judged_step_by_step():
     """A recycled block (two holders) filled within a run, then written again by one of them: whether it
     was full at that write is known only step by step (`shared_block_write`), and the run defers to it."""
-    config = SimConfig(
-        seed=2352,
-        steps=40,
-        block_size=4,
-        num_blocks=35,
-        max_num_seqs=2,
-        max_batched_tokens=16,
-        arrival_rate=0.5,
-        prompt_len=(1, 128),
-        output_len=(1, 3),
-        shared_prefix_prob=0.0,
-        prefix_caching=False,
-        pad_to=8,
-        snapshot_interval=0,
-        health_interval=50,
-        dummy_every=0,
-        close_at_end=False,
-        faults=(FaultSpec("recycled_block", 5, tp_rank=0),),
-    )
+    config = _recycled_block_at_5(seed=2352, num_blocks=35, arrival_rate=0.5, prompt_len=(1, 128), output_len=(1, 3))
     violations = assert_same(simulate(config).events, batch_steps=2)
     assert ViolationKind.SHARED_BLOCK_WRITE in {v.kind for v in violations}

@@ -627,6 +627,14 @@ def test_reordered_symbols_never_decode_silently_with_a_stale_schema(samples):
     assert SingleObjectCodec(V1, known=[reordered], reader=V1).decode(data) == dummy
 
 
+def _schema_without(record: str, field: str):
+    """The ledger event schema as a writer from before `record.field` had it."""
+    before = copy.deepcopy(raw_schema("ledger_event"))
+    fields = _record(before, record)["fields"]
+    fields[:] = [f for f in fields if f["name"] != field]
+    return fastavro.parse_schema(before)
+
+
 def without_draft_writes(event: dict) -> dict:
     """The event as a reader (or writer) from before StepPlan.draft_writes sees it."""
     name, body = event["body"]
@@ -637,10 +645,7 @@ def without_draft_writes(event: dict) -> dict:
 
 
 def test_step_plan_draft_writes_evolve_both_ways(events):
-    before = copy.deepcopy(raw_schema("ledger_event"))
-    fields = _record(before, "StepPlan")["fields"]
-    fields[:] = [f for f in fields if f["name"] != "draft_writes"]
-    old = fastavro.parse_schema(before)
+    old = _schema_without("StepPlan", "draft_writes")
     assert schema_fingerprint(old) != schema_fingerprint(V1)
     draft = to_record(records.draft_pass(0, 1, [1, 1], [40, 9], np.array([72, 41, -1])))
     step = next(e for e in events if e["body"][0] == STEP and e["body"][1]["plan"] is not None)
@@ -666,10 +671,7 @@ def without_content(event: dict) -> dict:
 
 
 def test_step_content_evolves_both_ways(events):
-    before = copy.deepcopy(raw_schema("ledger_event"))
-    fields = _record(before, "Step")["fields"]
-    fields[:] = [f for f in fields if f["name"] != "content"]
-    old = fastavro.parse_schema(before)
+    old = _schema_without("Step", "content")
     assert schema_fingerprint(old) != schema_fingerprint(V1)
     step = next(e for e in events if e["body"][0] == STEP and e["body"][1]["plan"] is not None)
     name, body = step["body"]
@@ -697,10 +699,7 @@ def without_in_flight(event: dict) -> dict:
 
 
 def test_step_input_in_flight_steps_evolves_both_ways(events):
-    before = copy.deepcopy(raw_schema("ledger_event"))
-    fields = _record(before, "StepInput")["fields"]
-    fields[:] = [f for f in fields if f["name"] != "in_flight_steps"]
-    old = fastavro.parse_schema(before)
+    old = _schema_without("StepInput", "in_flight_steps")
     assert schema_fingerprint(old) != schema_fingerprint(V1)
     step = next(e for e in events if e["body"][0] == STEP and e["body"][1]["input"] is not None)
     name, body = step["body"]
