@@ -76,11 +76,23 @@ class GroupRows(Typed):
     id_bytes: int  # 1 to 4: unsigned, the fewest that hold the largest id; 8: signed 64-bit
 
 
+class Reuse(Typed):
+    """A block of a pending send handed to another request."""
+
+    step: int  # step of the grant
+    group: int  # KV cache group
+    req_id: str  # the request the block went to
+    block: int
+
+
 class PendingSend(Typed):
     """A pending transfer's blocks (a send's, or a receive's)."""
 
     transfer_id: str  # the connector's transfer id
     block_ids: list[bytes]  # per group: packed int32
+    req_id: str | None = None  # the request transferred, when the connector named it
+    intent_step: int = -1  # step of the intent (-1: not known)
+    reused: Reuse | None = None  # a send's first block handed to another request to write meanwhile
 
 
 class Table(Typed, kw_only=True):  # keyword-only: defaulted fields come among the others
@@ -182,25 +194,6 @@ class StepGroup(Typed):
 
 
 # -- an engine's ledger: its ranks' own transfers --------------------------------------------------
-class Reuse(Typed):
-    """A block of a pending send handed to another request."""
-
-    step: int  # step of the grant
-    group: int  # KV cache group
-    req_id: str  # the request the block went to
-    block: int
-
-
-class HeldSend(Typed):
-    """A send (prefill side) still reading blocks."""
-
-    transfer_id: str
-    req_id: str | None  # the request sent, when known
-    intent_step: int  # step of the send's intent
-    blocks: list[bytes]  # per group: packed int32
-    reused: list[Reuse]  # its blocks handed to another request while it was pending
-
-
 class PendingRecv(Typed):
     """A receive (decode side) a request waits for."""
 
@@ -213,12 +206,11 @@ class PendingRecv(Typed):
 
 
 class RankTransfers(Typed):
-    """A rank's own pending transfers."""
+    """A rank's own pending receives, which its requests wait for."""
 
     rank: Rank
     block_sizes: list[int]  # block size of each KV cache group
-    sends: list[HeldSend]
-    recvs: list[PendingRecv]  # by request
+    recvs: list[PendingRecv]  # by request (the blocks pending transfers hold are the tables')
 
 
 class EngineCheckpoint(Typed, kw_only=True):  # keyword-only: defaulted fields come among the others

@@ -253,7 +253,7 @@ class Check(StrEnum):
     TRANSFER_BLOCKS = "transfer_blocks"  # their block lists line up
     TRANSFER_CONTENT = "transfer_content"  # their content digests agree
     TRANSFER_READ = "transfer_read"  # a request read received blocks after they arrived
-    SEND_HOLD = "send_hold"  # a pending send's blocks stayed with it
+    SEND_HOLD = "send_hold"  # a completed send's blocks, judged from its intent on, stayed with it
     NULL_GRANT = "null_grant"  # a full-attention grant holds no null block
     PREFIX_IDENTITY = "prefix_identity"  # a prefix hit reads a block computed from its own prefix
     READ_WRITTEN = "read_written"  # a prefix hit reads a block executed steps wrote to its end

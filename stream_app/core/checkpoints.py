@@ -23,10 +23,9 @@ from kvledger.schemas.events import RankInfo
 from kvledger.schemas.packing import pack_i32, unpack_i32
 from kvledger.stream_app.core.declarations import Declared, content_voided
 from kvledger.stream_app.core.ledger import Ledger, TrackedRank
-from kvledger.stream_app.core.rank_tables import RankTables
+from kvledger.stream_app.core.rank_tables import RankTables, Reuse, TransferHold
 from kvledger.stream_app.core.step_groups import LeadStep, StepGroup
 from kvledger.stream_app.core.transfers import (
-    HeldSend,
     PendingRecv,
     PendingTransfers,
     Side,
@@ -83,9 +82,17 @@ def _same_tables(a: RankTables, b: RankTables) -> bool:
         if not np.array_equal(ga.table[:n, :width], gb.table[:n, :width]):
             return False
     return all(
-        all(np.array_equal(x, y) for x, y in zip(pending[t], b_pending[t], strict=True))
+        _same_hold(pending[t], b_pending[t])
         for pending, b_pending in ((a.pending_sends, b.pending_sends), (a.pending_recvs, b.pending_recvs))
         for t in pending
+    )
+
+
+def _same_hold(a: TransferHold, b: TransferHold) -> bool:
+    return (
+        (a.req_id, a.intent_step, a.reused) == (b.req_id, b.intent_step, b.reused)
+        and len(a.blocks) == len(b.blocks)
+        and all(np.array_equal(x, y) for x, y in zip(a.blocks, b.blocks, strict=True))
     )
 
 
@@ -129,8 +136,7 @@ def table_record(state: RankTables) -> ck.Table:
         blocks, width = pack_ids(g.table[:n][filled])
         groups.append(ck.GroupRows(lens=_i32(lens), released=_i32(g.released[:n]), blocks=blocks, id_bytes=width))
     sends, recvs = (
-        [ck.PendingSend(transfer_id=t, block_ids=[_i32(b) for b in blocks]) for t, blocks in pending.items()]
-        for pending in (state.pending_sends, state.pending_recvs)
+        [_hold_record(t, hold) for t, hold in pending.items()] for pending in (state.pending_sends, state.pending_recvs)
     )
     return ck.Table(
         requests=requests,
@@ -139,6 +145,30 @@ def table_record(state: RankTables) -> ck.Table:
         groups=groups,
         pending_sends=sends,
         pending_recvs=recvs,
+    )
+
+
+def _hold_record(tid: str, hold: TransferHold) -> ck.PendingSend:
+    reuse = hold.reused
+    return ck.PendingSend(
+        transfer_id=tid,
+        block_ids=[_i32(b) for b in hold.blocks],
+        req_id=hold.req_id,
+        intent_step=hold.intent_step,
+        reused=None
+        if reuse is None
+        else ck.Reuse(step=reuse.step, group=reuse.group, req_id=reuse.req_id, block=reuse.block),
+    )
+
+
+def _hold_from_record(rec: ck.PendingSend) -> TransferHold:
+    reuse = rec.reused
+    blocks = [_ints(b) for b in rec.block_ids]
+    return TransferHold(
+        rec.req_id,
+        rec.intent_step,
+        blocks,
+        None if reuse is None else Reuse(reuse.step, reuse.group, reuse.req_id, reuse.block),
     )
 
 
@@ -173,14 +203,9 @@ def table_from_record(key: RankKey, info: RankInfo, rec: ck.Table) -> RankTables
         if ((released < 0) | (released > lens)).any():
             raise StateError(f"{key}: group {g.group_id} releases more than a row holds")
         g.load_rows(lens, released, blocks)
-    for receive, pending, transfers in (
-        (False, state.pending_sends, rec.pending_sends),
-        (True, state.pending_recvs, rec.pending_recvs),
-    ):
+    for receive, transfers in ((False, rec.pending_sends), (True, rec.pending_recvs)):
         for transfer in transfers:
-            blocks = pending[transfer.transfer_id] = [_ints(b) for b in transfer.block_ids]
-            for g, b in zip(state.groups, blocks, strict=False):
-                g.hold_for_transfer(receive, b, +1)
+            state.hold_transfer(receive, transfer.transfer_id, _hold_from_record(transfer))
     return state
 
 
@@ -270,16 +295,6 @@ def _transfers_record(key: RankKey, state: PendingTransfers) -> ck.RankTransfers
     return ck.RankTransfers(
         rank=ck.Rank.of(key),
         block_sizes=list(state.block_sizes),
-        sends=[
-            ck.HeldSend(
-                transfer_id=s.transfer_id,
-                req_id=s.req_id,
-                intent_step=s.intent_step,
-                blocks=[_i32(sorted(b)) for b in s.blocks],
-                reused=[ck.Reuse(step=a, group=g, req_id=r, block=b) for a, g, r, b in s.reused],
-            )
-            for s in state.sends.values()
-        ],
         recvs=[
             ck.PendingRecv(
                 req_id=req_id,
@@ -296,10 +311,6 @@ def _transfers_record(key: RankKey, state: PendingTransfers) -> ck.RankTransfers
 
 def _transfers_from_record(rec: ck.RankTransfers) -> PendingTransfers:
     state = PendingTransfers(block_sizes=list(rec.block_sizes))
-    for s in rec.sends:
-        blocks = [set(_ints(b).tolist()) for b in s.blocks]
-        reused = [(r.step, r.group, r.req_id, r.block) for r in s.reused]
-        state.sends[s.transfer_id] = HeldSend(s.transfer_id, s.req_id, s.intent_step, blocks, reused)
     for r in rec.recvs:
         blocks = [_ints(b).tolist() for b in r.blocks]
         state.recvs[r.req_id] = PendingRecv(r.transfer_id, r.intent_step, blocks, r.done_step, r.failed_step)

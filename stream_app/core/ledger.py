@@ -113,7 +113,7 @@ class Ledger:
             if body.kind is ConnectorKind.OTHER:  # a newer writer's kind: nothing reads it here
                 self.coverage.unchecked[Unchecked.CONNECTOR_KIND_UNKNOWN] += 1
             if slot.state is not None:  # a transfer holds blocks, not rows: its ends count while rows wait
-                slot.state.apply_connector(body)
+                out += slot.state.apply_connector(body, self.coverage)
         elif isinstance(body, Health):
             slot.events_dropped = body.events_dropped
             if body.closing and not slot.closed:

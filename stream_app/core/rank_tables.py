@@ -76,6 +76,28 @@ class Dispatched:
     end: np.ndarray  # one past its last query position
 
 
+@dataclass(slots=True)
+class Reuse:
+    """A block of a pending send the scheduler handed to another request to write."""
+
+    step: int  # step of the grant
+    group: int  # KV cache group
+    req_id: str  # the request the block went to
+    block: int
+
+
+@dataclass(slots=True)
+class TransferHold:
+    """A pending transfer's blocks on its rank, from its intent to its end: a send reads them, a
+    receive writes them (the one tracker of a rank's pending transfers: holds, reuse, checkpoints)."""
+
+    req_id: str | None  # the request transferred, when the connector named it
+    intent_step: int  # step of the intent
+    blocks: list[np.ndarray]  # per group
+    # A send's first block handed to another request meanwhile: it is damaged if the send completes.
+    reused: Reuse | None = None
+
+
 @dataclass
 class PlanFacts:
     """A step plan's facts beside a rank's tables, for the rules of checks.py."""
@@ -103,8 +125,8 @@ class RankTables:
         self.num_rows = 0
         self.computed = np.zeros(8, np.int64)  # per row: num_computed_tokens at the current step
         self.scheduled = np.zeros(8, np.int64)  # per row: tokens scheduled at the current step
-        self.pending_sends: dict[str, list[np.ndarray]] = {}  # transfer id -> per group, the blocks it reads
-        self.pending_recvs: dict[str, list[np.ndarray]] = {}  # transfer id -> per group, the blocks it writes
+        self.pending_sends: dict[str, TransferHold] = {}  # by transfer id: the blocks each reads
+        self.pending_recvs: dict[str, TransferHold] = {}  # by transfer id: the blocks each writes
         # What blocks hold: each live request's prefix chains (row -> per group, packed uint64 of its full
         # prompt blocks), and the blocks this step's grants hand out only to be read, judged once the
         # step's writes are known (group, blocks, their readers' rows and positions).
@@ -456,6 +478,8 @@ class RankTables:
             writers=np.bincount(of, weights=written, minlength=granted_now.size)[of],
             sending=g.in_transfer(mine),
         )
+        if facts.sending.any():
+            self._note_send_reuse(step, g, mine[facts.sending & written], owner[real][facts.sending & written])
         suspect = ~inside
         suspect[real] = grant_failures(facts)
         cov.checks[Check.EXCLUSIVITY] += int(real.sum())
@@ -497,6 +521,20 @@ class RankTables:
                         g.group_id,
                     )
                 )
+
+    def _note_send_reuse(self, step: int, g: GroupTable, blocks: np.ndarray, rows: np.ndarray) -> None:
+        """Blocks a pending send reads, handed to a request to write: the first such of each send is kept
+        (the grant is a foreign write now; the send ships the damage if it completes)."""
+        for hold in self.pending_sends.values():
+            if hold.reused is not None or g.group_id >= len(hold.blocks):
+                continue
+            taken = np.isin(blocks, hold.blocks[g.group_id])
+            for row in _in_order(rows[taken]):
+                req_id = self._req_of_row(row)
+                if req_id != hold.req_id:
+                    block = int(blocks[taken & (rows == row)].min())
+                    hold.reused = Reuse(step, g.group_id, req_id, block)
+                    break
 
     def _check_layout(self, step, meeting: Meeting, blocks, owner, out, cov) -> None:
         """Blocks handed out in one group must share no byte with another block id live in another group
@@ -929,34 +967,54 @@ class RankTables:
         self._token_facts(facts, g, real, tok_req, rows[tok_req], tok_known, pos)
 
     # -- connector and snapshots ---------------------------------------------------------
-    def apply_connector(self, event: ConnectorEvent) -> None:
+    def apply_connector(self, event: ConnectorEvent, cov: Coverage) -> list[Violation]:
         """A pending transfer holds its blocks from its intent to its end (one rule for both sides): a
-        send reads them, a receive writes them, and a grant that writes them meanwhile is a foreign write."""
+        send reads them, a receive writes them, and a grant that writes them meanwhile is a foreign write.
+        A send that completes after such a grant shipped the other request's KV: `send_block_reused`."""
         tid, kind = event.transfer_id, event.kind
         if tid is None:
-            return
+            return []
         for receive, pending, starts, ends in (
             (False, self.pending_sends, ConnectorKind.SEND_INTENT, kind.ends_send),
             (True, self.pending_recvs, ConnectorKind.RECV_INTENT, kind.ends_recv),
         ):
             if kind == starts and tid not in pending:
-                blocks = pending[tid] = [unpack_i32(b).astype(np.int64) for b in event.block_ids]
+                blocks = [unpack_i32(b).astype(np.int64) for b in event.block_ids]
+                self.hold_transfer(receive, tid, TransferHold(event.req_id, event.step, blocks))
                 if receive and self.dispatched:  # a load on an async rank: judged at its step's input
                     self.loads.append((event.step, event.req_id, blocks))
-                for g, b in zip(self.groups, blocks, strict=False):
-                    g.hold_for_transfer(receive, b, +1)
             elif ends and tid in pending:
-                for g, b in zip(self.groups, pending.pop(tid), strict=False):
+                hold = pending.pop(tid)
+                for g, b in zip(self.groups, hold.blocks, strict=False):
                     g.hold_for_transfer(receive, b, -1)
                     if kind == ConnectorKind.RECV_DONE:  # written by the transfer, from a prefix known elsewhere
                         g.mark_received(b[g.in_pool(b) & (b != NULL_BLOCK)])
+                if kind == ConnectorKind.SEND_DONE:
+                    cov.checks[Check.SEND_HOLD] += 1
+                    if hold.reused is not None:
+                        return [self._shipped(tid, hold, event.step)]
+        return []
+
+    def hold_transfer(self, receive: bool, tid: str, hold: TransferHold) -> None:
+        """A transfer now pending: its blocks are held from here to its end."""
+        (self.pending_recvs if receive else self.pending_sends)[tid] = hold
+        for g, b in zip(self.groups, hold.blocks, strict=False):
+            g.hold_for_transfer(receive, b, +1)
+
+    def _shipped(self, tid: str, hold: TransferHold, done_step: int) -> Violation:
+        reuse = hold.reused
+        detail = (
+            f"transfer {tid}: block {reuse.block} of its pending send (intent at step {hold.intent_step}) "
+            f"was handed to request {reuse.req_id} at step {reuse.step}; the send completed at step {done_step}"
+        )
+        return self._violation(ViolationKind.SEND_BLOCK_REUSED, reuse.step, detail, hold.req_id, reuse.group)
 
     def forget_transfers(self) -> int:
         """Release every pending transfer's blocks (their ends may have been lost); how many there were."""
         n = len(self.pending_sends) + len(self.pending_recvs)
         for receive, pending in ((False, self.pending_sends), (True, self.pending_recvs)):
-            for blocks in pending.values():
-                for g, b in zip(self.groups, blocks, strict=False):
+            for hold in pending.values():
+                for g, b in zip(self.groups, hold.blocks, strict=False):
                     g.hold_for_transfer(receive, b, -1)
             pending.clear()
         return n

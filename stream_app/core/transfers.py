@@ -7,13 +7,14 @@ Two checkers, split by the state they need:
   It reports `transfer_block_mismatch`, `transfer_content_mismatch`,
   `transfer_failed`, `transfer_stuck` and `orphan_transfer`.
 * `TransferUse`, per rank: a rank's own step inputs against its own pending
-  transfers. It reports `read_before_transfer` (decode schedules a request
-  before its receive completed, or on blocks whose receive failed) and
-  `send_block_reused` (prefill handed a block of a pending send to another
-  request, and the send then completed: it shipped the other request's KV).
-  The reuse itself is reported when it happens by the rank's own check
-  (`foreign_block_write`: "a pending KV send still reads it"); this kind adds
-  the transfer it damaged once the damage is certain.
+  receives. It reports `read_before_transfer` (decode schedules a request
+  before its receive completed, or on blocks whose receive failed).
+
+What a pending transfer holds on its own rank (its blocks, from intent to end)
+is the rank's tables' (`RankTables.pending_sends`, `pending_recvs`): a grant
+that writes them meanwhile is a `foreign_block_write` when it happens, and a
+send that then completes is a `send_block_reused` (it shipped the other
+request's KV).
 
 Deadlines count the ledger's own steps (a rank's step counter), never wall
 time, so every replay of the same events gives the same answers; a stuck
@@ -39,7 +40,6 @@ import numpy as np
 from kvledger.schemas.events import ConnectorEvent, LedgerEvent, RankInfo, Step, StepInput
 from kvledger.schemas.kinds import Check, ConnectorKind, TransferOutcome, TransferRole, Unchecked, ViolationKind
 from kvledger.schemas.packing import unpack_i32
-from kvledger.stream_app.core.tables import written_from
 from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
 
 DIGEST_VERSION = 1
@@ -405,17 +405,6 @@ def _aligned_blocks(sent: list[list[int]], received: list[list[int]]):
 
 # -- the rank's own use of its transfers ---------------------------------------------------------
 @dataclass
-class HeldSend:
-    """Blocks a pending send still reads (prefill side)."""
-
-    transfer_id: str
-    req_id: str | None
-    intent_step: int
-    blocks: list[set[int]]  # per group
-    reused: list[tuple[int, int, str, int]] = field(default_factory=list)  # (step, group, request, block)
-
-
-@dataclass
 class PendingRecv:
     """A receive a request waits for (decode side)."""
 
@@ -428,13 +417,14 @@ class PendingRecv:
 
 @dataclass
 class PendingTransfers:
-    sends: dict[str, HeldSend] = field(default_factory=dict)  # by transfer id
+    """A rank's receives its requests wait for (their blocks' hold is the rank's tables')."""
+
     recvs: dict[str, PendingRecv] = field(default_factory=dict)  # by request id
     block_sizes: list[int] = field(default_factory=list)
 
 
 class TransferUse:
-    """Checks a rank's step inputs against its own pending transfers.
+    """Checks a rank's step inputs against its own pending receives.
 
     Fed, per rank and in the rank's order, with its RankInfo, ConnectorEvent
     and Step events (`apply`); a stream worker runs it where the engine's
@@ -454,7 +444,7 @@ class TransferUse:
             return self._connector(key, body)
         elif isinstance(body, Step) and body.input is not None:
             state = self.ranks.get(key)
-            if state is not None and (state.sends or state.recvs):
+            if state is not None and state.recvs:
                 return self._step(key, state, body.step, body.input, req_id_of)
         return []
 
@@ -463,8 +453,7 @@ class TransferUse:
         state = self.ranks.get(key)
         if state is None:
             return 0
-        n = len(state.sends) + len(state.recvs)
-        state.sends.clear()
+        n = len(state.recvs)
         state.recvs.clear()
         return n
 
@@ -473,14 +462,7 @@ class TransferUse:
         if tid is None:
             return []
         state = self.ranks.setdefault(key, PendingTransfers())
-        if kind == ConnectorKind.SEND_INTENT and tid not in state.sends:
-            blocks = [set(g) - {0} for g in _blocks(body)]
-            state.sends[tid] = HeldSend(tid, body.req_id, step, blocks)
-        elif kind == ConnectorKind.SEND_DONE and tid in state.sends:
-            return self._shipped(key, state.sends.pop(tid), step)
-        elif kind.ends_send:  # SEND_DONE is handled above
-            state.sends.pop(tid, None)
-        elif kind == ConnectorKind.RECV_INTENT and body.req_id:
+        if kind == ConnectorKind.RECV_INTENT and body.req_id:
             state.recvs[body.req_id] = PendingRecv(tid, step, _blocks(body))
         elif kind in (ConnectorKind.RECV_DONE, ConnectorKind.RECV_FAILED) and body.req_id in state.recvs:
             recv = state.recvs[body.req_id]
@@ -490,38 +472,10 @@ class TransferUse:
                 recv.failed_step = step
         return []
 
-    def _shipped(self, key: RankKey, send: HeldSend, done_step: int) -> list[Violation]:
-        """The send completed: blocks it read after another request got them held that request's KV."""
-        if not send.reused:
-            return []
-        step, group, req_id, block = send.reused[0]
-        detail = (
-            f"transfer {send.transfer_id}: block {block} of its pending send (intent at step {send.intent_step}) "
-            f"was handed to request {req_id} at step {step}; the send completed at step {done_step}"
-        )
-        return [Violation.at(ViolationKind.SEND_BLOCK_REUSED, key, step, detail, req_id=send.req_id, group=group)]
-
     def _step(self, key: RankKey, state: PendingTransfers, step: int, inp: StepInput, req_id_of) -> list[Violation]:
         out: list[Violation] = []
-        if state.sends:
-            self._check_grants(key, state, step, inp, req_id_of, out)
-        if state.recvs:
-            self._check_reads(key, state, step, inp, req_id_of, out)
+        self._check_reads(key, state, step, inp, req_id_of, out)
         return out
-
-    # -- prefill: blocks of a pending send handed to another request ---------------------------------
-    def _check_grants(self, key, state: PendingTransfers, step: int, inp: StepInput, req_id_of, out) -> None:
-        held = [s for s in state.sends.values() if s.intent_step <= step]
-        if not held:
-            return
-        self.coverage.checks[Check.SEND_HOLD] += 1
-        for req_id, group, blocks in _written_grants(inp, req_id_of, state.block_sizes):
-            for send in held:
-                if req_id == send.req_id or group >= len(send.blocks):
-                    continue
-                taken = send.blocks[group].intersection(blocks)
-                if taken:  # reported once the send completes, with what it shipped
-                    send.reused.append((step, group, req_id, min(taken)))
 
     # -- decode: computing before the receive completed ---------------------------------------------
     def _check_reads(self, key, state: PendingTransfers, step: int, inp: StepInput, req_id_of, out) -> None:
@@ -546,43 +500,6 @@ class TransferUse:
                 detail = f"transfer {recv.transfer_id}: scheduled with {computed} computed token(s), but {problem}"
                 out.append(Violation.at(ViolationKind.READ_BEFORE_TRANSFER, key, step, detail, req_id=req_id))
             del state.recvs[req_id]  # checked at its first schedule: later steps compute on its own KV
-
-
-def _written_grants(inp: StepInput, req_id_of, block_sizes: list[int]):
-    """(req id, group, block ids) the step input hands out to be written; prefix hits are only read."""
-
-    def written(blocks: np.ndarray, group: int, computed: int) -> np.ndarray:
-        if group >= len(block_sizes):  # no RankInfo yet: every block counts as written
-            return blocks
-        return blocks[written_from(computed, block_sizes[group]) :]
-
-    for req in inp.new_reqs:
-        for group, data in enumerate(req.block_ids):
-            blocks = written(unpack_i32(data), group, req.num_computed_tokens)
-            if blocks.size:
-                yield req.req_id, group, blocks.tolist()
-    counts = unpack_i32(inp.append_counts)
-    if counts.size:
-        indices, groups = unpack_i32(inp.append_req_indices), unpack_i32(inp.append_group_ids)
-        blocks = unpack_i32(inp.append_block_ids)
-        # A resumed request's blocks replace its row from position 0; others extend it.
-        resumed = set(unpack_i32(inp.resumed_req_indices).tolist())
-        computed = dict(
-            zip(
-                unpack_i32(inp.cached_req_indices).tolist(),
-                unpack_i32(inp.cached_num_computed_tokens).tolist(),
-                strict=True,
-            )
-        )
-        ends = np.cumsum(counts)
-        for i, n in enumerate(counts.tolist()):
-            index, group = int(indices[i]), int(groups[i])
-            mine = blocks[ends[i] - n : ends[i]]
-            if index in resumed:
-                mine = written(mine, group, computed.get(index, 0))
-            if mine.size:
-                name = req_id_of(index) if req_id_of else f"#{index}"
-                yield name, group, mine.tolist()
 
 
 def _scheduled(inp: StepInput, req_id_of):
