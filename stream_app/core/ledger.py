@@ -123,8 +123,9 @@ class Ledger:
         return out
 
     def _transfers(self, key: RankKey, event: LedgerEvent, out: list[Violation]) -> None:
-        state = self.tables_of(key)
-        out += self.transfer_use.apply(event, state.req_id if state is not None else None)
+        if not isinstance(event.body, Step) or self.transfer_use.waiting(key):  # a step matters to a receive
+            state = self.tables_of(key)
+            out += self.transfer_use.apply(event, state.req_id if state is not None else None)
         if self.transfer_join is not None:
             out += self.transfer_join.apply(event)
 

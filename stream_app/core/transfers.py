@@ -448,6 +448,11 @@ class TransferUse:
                 return self._step(key, state, body.step, body.input, req_id_of)
         return []
 
+    def waiting(self, key: RankKey) -> bool:
+        """Some request of the rank waits for a receive (only then do its steps matter here)."""
+        state = self.ranks.get(key)
+        return state is not None and bool(state.recvs)
+
     def forget(self, key: RankKey) -> int:
         """Drop the rank's pending transfers (events were lost: their ends may be among them); how many."""
         state = self.ranks.get(key)
