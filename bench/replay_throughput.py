@@ -164,9 +164,7 @@ def compare(baseline: Path, steps: int, repeat: int, pairs: int) -> None:
             # What each checkout's producer records per event (the streams are each checkout's own).
             ratios.setdefault((base["stream"], "B/event"), []).append(this["bytes_per_event"] / base["bytes_per_event"])
         print(f"pair {i + 1}/{pairs} done", file=sys.stderr)
-    print(
-        f"this checkout / {baseline} (step-events/s: > 1 is faster; B/event: > 1 records more), {pairs} pairs"
-    )
+    print(f"this checkout / {baseline} (step-events/s: > 1 is faster; B/event: > 1 records more), {pairs} pairs")
     print(f"{'stream':<14} {'figure':<10} {'median':>8} {'min':>8} {'max':>8}")
     for (stream, figure), values in ratios.items():
         print(f"{stream:<14} {figure:<10} {statistics.median(values):>8.3f} {min(values):>8.3f} {max(values):>8.3f}")

@@ -255,6 +255,11 @@ class Side(Typed):
     open_counted: bool  # counted open at the end of input
     peer_clock: int | None  # the peers' clock when the side was first seen
     seen: list[SeenEvent]  # events applied
+    # The prefix its request was computed from (send) or reads the KV as (recv): per group, the block
+    # size and the packed uint64 chain (None: not stated yet); the step it was stated at.
+    prefix_block_sizes: list[int] | None = None
+    prefix_chains: list[bytes] | None = None
+    prefix_step: int | None = None
 
 
 class Transfer(Typed):
@@ -267,6 +272,7 @@ class Transfer(Typed):
     compared: list[Rank]  # receiving ranks whose digest was compared
     orphan_settled: bool  # reported (or counted) as an orphan
     retiring: bool  # closed: its state is dropped at a deadline
+    prefix_checked: bool = False  # the sides' prefixes compared
 
 
 class RankClock(Typed):

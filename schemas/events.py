@@ -194,6 +194,13 @@ class Step(Typed):
 
 
 # -- the other bodies -----------------------------------------------------------------------------
+class TransferPrefix(Typed):
+    """What a side's request of a transfer was computed from (prefill) or reads it as (decode)."""
+
+    block_sizes: list[int]  # per group: the block size its chain is taken at (0: a group without slots)
+    chains: list[bytes]  # per group: the request's prefix chain (NewRequest.prefix_chains)
+
+
 class ConnectorEvent(Typed):
     """A KV connector observation (a disaggregated prefill/decode transfer)."""
 
@@ -207,6 +214,7 @@ class ConnectorEvent(Typed):
     num_tokens: int | None = None
     digest: bytes | None = None  # of the transferred blocks' bytes, when sampled
     detail: str | None = None  # the connector's free text (never read by a check)
+    prefix: TransferPrefix | None = None  # on SEND_PREFIX / RECV_PREFIX only (the ledger derives them)
 
     def __post_init__(self) -> None:
         # As read: an OTHER that names one of the kinds the Avro enum has no symbol for is that kind.

@@ -92,6 +92,10 @@ class ConnectorKind(Open):
     EXPIRED = "EXPIRED"  # the send was dropped after its timeout: its blocks are released
     SEND_CANCELLED = "SEND_CANCELLED"  # the send will not happen (its prefill request was aborted)
     RECV_RELEASED = "RECV_RELEASED"  # a pull with no blocks: it only tells the prefill side to release
+    # Derived by the ledger for the transfer join (never by a connector): the prefix a side's request was
+    # computed from (SEND_PREFIX, at the send's intent) or is read as (RECV_PREFIX, at its first step).
+    SEND_PREFIX = "SEND_PREFIX"
+    RECV_PREFIX = "RECV_PREFIX"
     OTHER = "OTHER"  # a kind newer than this reader
 
     @property
@@ -131,15 +135,22 @@ _ROLES = {
     ConnectorKind.SEND_DONE: TransferRole.SEND,
     ConnectorKind.EXPIRED: TransferRole.SEND,
     ConnectorKind.SEND_CANCELLED: TransferRole.SEND,
+    ConnectorKind.SEND_PREFIX: TransferRole.SEND,
     ConnectorKind.RECV_INTENT: TransferRole.RECV,
     ConnectorKind.RECV_DONE: TransferRole.RECV,
     ConnectorKind.RECV_FAILED: TransferRole.RECV,
     ConnectorKind.RECV_RELEASED: TransferRole.RECV,
+    ConnectorKind.RECV_PREFIX: TransferRole.RECV,
 }
 
 # Kinds the Avro enum has no symbol for: written as OTHER with their name in `detail` (the schema's
 # fingerprint stays, so readers of every version read them), read back as these kinds.
-_AS_DETAIL = {ConnectorKind.SEND_CANCELLED: "send_cancelled", ConnectorKind.RECV_RELEASED: "release_only"}
+_AS_DETAIL = {
+    ConnectorKind.SEND_CANCELLED: "send_cancelled",
+    ConnectorKind.RECV_RELEASED: "release_only",
+    ConnectorKind.SEND_PREFIX: "send_prefix",
+    ConnectorKind.RECV_PREFIX: "recv_prefix",
+}
 _OF_DETAIL = {detail: kind for kind, detail in _AS_DETAIL.items()}
 
 
@@ -215,6 +226,7 @@ class ViolationKind(Open):
     SEND_BLOCK_REUSED = "send_block_reused"
     ORPHAN_TRANSFER = "orphan_transfer"
     TRANSFER_CONTENT_MISMATCH = "transfer_content_mismatch"
+    TRANSFER_PREFIX_MISMATCH = "transfer_prefix_mismatch"  # decode received KV computed from another prefix
     # The content of sealed blocks (core/content.py).
     SEALED_BLOCK_MODIFIED = "sealed_block_modified"
     BLOCK_NOT_ZEROED = "block_not_zeroed"
@@ -252,6 +264,7 @@ class Check(StrEnum):
     TRANSFER_JOIN = "transfer_join"  # both sides of a transfer met
     TRANSFER_BLOCKS = "transfer_blocks"  # their block lists line up
     TRANSFER_CONTENT = "transfer_content"  # their content digests agree
+    TRANSFER_PREFIX = "transfer_prefix"  # decode reads the received KV as the prefix prefill computed it from
     TRANSFER_READ = "transfer_read"  # a request read received blocks after they arrived
     SEND_HOLD = "send_hold"  # a completed send's blocks, judged from its intent on, stayed with it
     NULL_GRANT = "null_grant"  # a full-attention grant holds no null block
@@ -302,6 +315,9 @@ class Unchecked(StrEnum):
     TRANSFER_PEER_NOT_IN_INPUT = "transfer_peer_not_in_input"
     TRANSFER_PARTIAL_PULL = "transfer_partial_pull"  # decode had a prefix hit: it pulls the tail
     TRANSFER_DIGEST_UNREADABLE = "transfer_digest_unreadable"
+    # A side of a transfer whose prefix chains are not on record (no chains recorded, the request not
+    # live at the send's intent), or whose groups' block sizes differ between the engines.
+    TRANSFER_PREFIX_UNKNOWN = "transfer_prefix_unknown"
     TRANSFER_DIGEST_LAYOUT_DIFFERS = "transfer_digest_layout_differs"
     CONNECTOR_KIND_UNKNOWN = "connector_kind_unknown"  # a connector event of a kind newer than this reader
     # What a block holds.

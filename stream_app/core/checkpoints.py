@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvledger.schemas import checkpoint as ck
-from kvledger.schemas.events import RankInfo
+from kvledger.schemas.events import RankInfo, TransferPrefix
 from kvledger.schemas.packing import pack_i32, unpack_i32
 from kvledger.stream_app.core.declarations import Declared, content_voided
 from kvledger.stream_app.core.ledger import Ledger, TrackedRank
@@ -422,6 +422,9 @@ def _side_record(side: Side) -> ck.Side:
         open_counted=side.open_counted,
         peer_clock=side.peer_clock,
         seen=[ck.SeenEvent(kind=kind, step=step) for kind, step in sorted(side.seen)],
+        prefix_block_sizes=None if side.prefix is None else list(side.prefix.block_sizes),
+        prefix_chains=None if side.prefix is None else list(side.prefix.chains),
+        prefix_step=side.prefix_step,
     )
 
 
@@ -442,6 +445,8 @@ def _side_from_record(rec: ck.Side) -> Side:
         open_counted=rec.open_counted,
         peer_clock=rec.peer_clock,
         seen={(s.kind, s.step) for s in rec.seen},
+        prefix=None if rec.prefix_chains is None else TransferPrefix(rec.prefix_block_sizes or [], rec.prefix_chains),
+        prefix_step=rec.prefix_step,
     )
 
 
@@ -462,6 +467,7 @@ def join_checkpoint(
                 compared=[ck.Rank.of(k) for k in t.compared],
                 orphan_settled=t.orphan_settled,
                 retiring=t.retiring,
+                prefix_checked=t.prefix_checked,
             )
         )
     return ck.JoinCheckpoint(
@@ -487,7 +493,7 @@ def join_of(rec: ck.JoinCheckpoint) -> TransferJoin:
     join = TransferJoin(deadline_steps=rec.deadline_steps, coverage=Coverage())
     _coverage_into(join.coverage, rec.coverage)
     for trec in rec.transfers:
-        t = Transfer(joined=trec.joined, shape_checked=trec.shape_checked)
+        t = Transfer(joined=trec.joined, shape_checked=trec.shape_checked, prefix_checked=trec.prefix_checked)
         t.compared = {r.key for r in trec.compared}
         t.orphan_settled, t.retiring = trec.orphan_settled, trec.retiring
         for srec in trec.sides:

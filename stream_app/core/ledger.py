@@ -124,10 +124,11 @@ class Ledger:
 
     def _transfers(self, key: RankKey, event: LedgerEvent, out: list[Violation]) -> None:
         if not isinstance(event.body, Step) or self.transfer_use.waiting(key):  # a step matters to a receive
-            state = self.tables_of(key)
-            out += self.transfer_use.apply(event, state.req_id if state is not None else None)
+            out += self.transfer_use.apply(event, self.tables_of(key))
         if self.transfer_join is not None:
             out += self.transfer_join.apply(event)
+            for derived in self.transfer_use.take_derived():  # a side's prefix, stated by its rank's tables
+                out += self.transfer_join.apply(derived)
 
     def apply_many(self, events: Iterable[LedgerEvent]) -> list[Violation]:
         """`apply` each event, in order; the same violations and coverage, faster.

@@ -24,6 +24,7 @@ from kvledger.schemas.events import (
     Snapshot,
     StepInput,
     StepPlan,
+    TransferPrefix,
 )
 from kvledger.schemas.kinds import (
     Check,
@@ -34,7 +35,7 @@ from kvledger.schemas.kinds import (
     ViolationKind,
     group_unchecked,
 )
-from kvledger.schemas.packing import expand_slot_runs, unpack_digests, unpack_i32, unpack_u64
+from kvledger.schemas.packing import expand_slot_runs, pack_u64, unpack_digests, unpack_i32, unpack_u64
 from kvledger.stream_app.core.checks import (
     GrantFacts,
     GroupFacts,
@@ -393,6 +394,14 @@ class RankTables:
         else:
             self.chains[row] = chains
             self.chain_len[row] = max(c.size for c in chains)
+
+    def prefix_of(self, req_id: str) -> TransferPrefix | None:
+        """A live request's prefix chains as a transfer's side states them (None: not on record)."""
+        index = self.index_of.get(req_id)
+        chains = None if index is None else self.chains.get(int(self.row_of[index]))
+        if chains is None:
+            return None
+        return TransferPrefix([g.block_size for g in self.groups], [pack_u64(c) for c in chains])
 
     def unpack_chains(self, chains: list[bytes] | None) -> list[np.ndarray] | None:
         """A request's recorded prefix chains, one array per group of these tables; None: not recorded."""

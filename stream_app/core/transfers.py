@@ -34,13 +34,17 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvledger.schemas.events import ConnectorEvent, LedgerEvent, RankInfo, Step, StepInput
+from kvledger.schemas.events import ConnectorEvent, LedgerEvent, RankInfo, Step, StepInput, TransferPrefix
 from kvledger.schemas.kinds import Check, ConnectorKind, TransferOutcome, TransferRole, Unchecked, ViolationKind
-from kvledger.schemas.packing import unpack_i32
+from kvledger.schemas.packing import unpack_i32, unpack_u64
 from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
+
+if TYPE_CHECKING:
+    from kvledger.stream_app.core.rank_tables import RankTables
 
 DIGEST_VERSION = 1
 DEFAULT_DEADLINE_STEPS = 4096  # a transfer still open this many rank steps after its intent is stuck
@@ -48,6 +52,7 @@ RETIRE_AFTER = 2  # deadlines after it closed, a transfer's state is dropped ...
 FORGET_AFTER = 64  # ... and its id, kept so that late repeats of its events are not new transfers
 SEND, RECV = TransferRole.SEND, TransferRole.RECV
 RETIRE, FORGET = "retire", "forget"  # deadline-heap entries that are housekeeping, not a side
+DERIVED_BY = "kvledger"  # the `connector` of the events the ledger derives for the join
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,8 @@ class Side:
     outcome: TransferOutcome | None = None
     done_step: int | None = None
     digest: bytes | None = None
+    prefix: TransferPrefix | None = None  # what its request was computed from / reads the KV as
+    prefix_step: int | None = None  # step of its prefix (decode: the request's first step)
     stuck: bool = False
     open_counted: bool = False
     peer_clock: int | None = None  # the peers' clock when this side was first seen
@@ -97,6 +104,7 @@ class Transfer:
     sides: dict[str, dict[RankKey, Side]] = field(default_factory=lambda: {SEND: {}, RECV: {}})
     joined: bool = False
     shape_checked: bool = False
+    prefix_checked: bool = False
     compared: set[RankKey] = field(default_factory=set)  # receiving ranks whose digest was compared
     orphan_settled: bool = False
     retiring: bool = False
@@ -232,6 +240,9 @@ class TransferJoin:
         side.req_id = side.req_id or body.req_id or None
         if body.num_tokens is not None:
             side.num_tokens = body.num_tokens
+        if kind in (ConnectorKind.SEND_PREFIX, ConnectorKind.RECV_PREFIX):
+            side.prefix, side.prefix_step = body.prefix, step
+            return
         if kind in (ConnectorKind.SEND_INTENT, ConnectorKind.RECV_INTENT):
             side.intent_step = step
             side.blocks = _blocks(body)
@@ -264,6 +275,12 @@ class TransferJoin:
             if send is not None and recv is not None:
                 transfer.shape_checked = True
                 self._check_shape(tid, send, recv, out)
+        if not transfer.prefix_checked:
+            send = next((s for s in sends.values() if s.prefix is not None), None)
+            recv = next((r for r in recvs.values() if r.prefix is not None), None)
+            if send is not None and recv is not None:
+                transfer.prefix_checked = True
+                self._check_prefix(tid, send, recv, out)
         for recv in recvs.values():
             if recv.digest is None or recv.rank in transfer.compared:
                 continue
@@ -286,6 +303,39 @@ class TransferJoin:
             step = recv.intent_step if recv.intent_step is not None else recv.first_step
             detail = f"transfer {tid}: {problem}"
             out.append(Violation.at(ViolationKind.TRANSFER_BLOCK_MISMATCH, recv.rank, step, detail, req_id=recv.req_id))
+
+    def _check_prefix(self, tid: str, send: Side, recv: Side, out: list[Violation]) -> None:
+        """Decode reads the received KV as its own prompt's prefix: prefill computed it from that prefix
+        (their chains agree at every full prompt block both have, group by group, where the engines'
+        block sizes agree)."""
+        sp, rp = send.prefix, recv.prefix
+        compared = []
+        for g, (bs, other) in enumerate(zip(sp.block_sizes, rp.block_sizes, strict=False)):
+            if bs != other or bs <= 0 or g >= min(len(sp.chains), len(rp.chains)):
+                continue
+            s, r = unpack_u64(sp.chains[g]), unpack_u64(rp.chains[g])
+            n = min(s.size, r.size)
+            if n:
+                compared.append((g, bs, np.flatnonzero(s[:n] != r[:n]), n))
+        if not compared:
+            self.coverage.unchecked[Unchecked.TRANSFER_PREFIX_UNKNOWN] += 1
+            return
+        self.coverage.checks[Check.TRANSFER_PREFIX] += 1
+        for g, bs, differ, n in compared:
+            if differ.size:
+                i = int(differ[0])
+                detail = (
+                    f"transfer {tid}: decode reads the received KV as its own prompt, but prefill {send.where()} "
+                    f"computed it from another prefix: their prefix chains differ from block {i} on (tokens "
+                    f"{i * bs}..{(i + 1) * bs - 1}, group {g}; {differ.size} of {n} full blocks)"
+                )
+                step = recv.prefix_step
+                out.append(
+                    Violation.at(
+                        ViolationKind.TRANSFER_PREFIX_MISMATCH, recv.rank, step, detail, req_id=recv.req_id, group=g
+                    )
+                )
+                return
 
     def _digest_partner(self, recv: Side, sends: dict[RankKey, Side]) -> Side | None:
         """The sending rank whose digest this receiving rank's must equal: same TP/PP position."""
@@ -424,29 +474,46 @@ class PendingTransfers:
 
 
 class TransferUse:
-    """Checks a rank's step inputs against its own pending receives.
+    """Checks a rank's step inputs against its own pending receives, and states each side's prefix.
 
     Fed, per rank and in the rank's order, with its RankInfo, ConnectorEvent
     and Step events (`apply`); a stream worker runs it where the engine's
-    events are (the topic keyed by engine id), beside the Ledger.
+    events are (the topic keyed by engine id), beside the Ledger. What the
+    join needs from the rank's tables comes out as derived connector events
+    (`take_derived`): SEND_PREFIX at a send's intent (the prefix its request
+    was computed from) and RECV_PREFIX at a received request's first step
+    (the prefix it reads the KV as).
     """
 
     def __init__(self, coverage: Coverage | None = None):
         self.coverage = coverage if coverage is not None else Coverage()
         self.ranks: dict[RankKey, PendingTransfers] = {}
+        self.derived: list[LedgerEvent] = []  # for the transfer join, in the order they arose
 
-    def apply(self, event: LedgerEvent, req_id_of=None) -> list[Violation]:
-        """`req_id_of(req_index)` names the rank's cached requests (the Ledger's RankTables.req_id)."""
+    def apply(self, event: LedgerEvent, tables: RankTables | None = None) -> list[Violation]:
+        """`tables`: the rank's block tables (its cached requests' names, its live requests' prefixes)."""
         body, key = event.body, event.rank
         if isinstance(body, RankInfo):
             self.ranks.setdefault(key, PendingTransfers()).block_sizes = [g.block_size for g in body.kv_groups]
         elif isinstance(body, ConnectorEvent):
-            return self._connector(key, body)
+            return self._connector(event, body, tables)
         elif isinstance(body, Step) and body.input is not None:
             state = self.ranks.get(key)
             if state is not None and state.recvs:
-                return self._step(key, state, body.step, body.input, req_id_of)
+                return self._step(event, state, body.input, tables)
         return []
+
+    def take_derived(self) -> list[LedgerEvent]:
+        derived, self.derived = self.derived, []
+        return derived
+
+    def _derive(self, event: LedgerEvent, kind: ConnectorKind, req_id: str, tid: str, prefix) -> None:
+        """A side's prefix for the join, on the envelope of the event that revealed it."""
+        if prefix is None:
+            self.coverage.unchecked[Unchecked.TRANSFER_PREFIX_UNKNOWN] += 1
+            return
+        body = ConnectorEvent(event.body.step, DERIVED_BY, kind, req_id, tid, prefix=prefix)
+        self.derived.append(LedgerEvent(event.rank, event.incarnation, event.seq, event.emitted_at_us, body))
 
     def waiting(self, key: RankKey) -> bool:
         """Some request of the rank waits for a receive (only then do its steps matter here)."""
@@ -462,12 +529,15 @@ class TransferUse:
         state.recvs.clear()
         return n
 
-    def _connector(self, key: RankKey, body: ConnectorEvent) -> list[Violation]:
+    def _connector(self, event: LedgerEvent, body: ConnectorEvent, tables: RankTables | None) -> list[Violation]:
         tid, kind, step = body.transfer_id, body.kind, body.step
         if tid is None:
             return []
-        state = self.ranks.setdefault(key, PendingTransfers())
-        if kind == ConnectorKind.RECV_INTENT and body.req_id:
+        state = self.ranks.setdefault(event.rank, PendingTransfers())
+        if kind == ConnectorKind.SEND_INTENT and body.req_id:
+            prefix = tables.prefix_of(body.req_id) if tables is not None else None
+            self._derive(event, ConnectorKind.SEND_PREFIX, body.req_id, tid, prefix)
+        elif kind == ConnectorKind.RECV_INTENT and body.req_id:
             state.recvs[body.req_id] = PendingRecv(tid, step, _blocks(body))
         elif kind in (ConnectorKind.RECV_DONE, ConnectorKind.RECV_FAILED) and body.req_id in state.recvs:
             recv = state.recvs[body.req_id]
@@ -477,9 +547,16 @@ class TransferUse:
                 recv.failed_step = step
         return []
 
-    def _step(self, key: RankKey, state: PendingTransfers, step: int, inp: StepInput, req_id_of) -> list[Violation]:
+    def _step(self, event: LedgerEvent, state: PendingTransfers, inp: StepInput, tables) -> list[Violation]:
         out: list[Violation] = []
-        self._check_reads(key, state, step, inp, req_id_of, out)
+        step = event.body.step
+        for req in inp.new_reqs:  # a received request's first step: the prefix it reads the KV as
+            recv = state.recvs.get(req.req_id)
+            if recv is not None and recv.done_step is not None and recv.done_step < step:
+                chains = req.prefix_chains
+                prefix = TransferPrefix(state.block_sizes, chains) if chains and state.block_sizes else None
+                self._derive(event, ConnectorKind.RECV_PREFIX, req.req_id, recv.transfer_id, prefix)
+        self._check_reads(event.rank, state, step, inp, tables.req_id if tables is not None else None, out)
         return out
 
     # -- decode: computing before the receive completed ---------------------------------------------

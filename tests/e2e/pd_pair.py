@@ -26,7 +26,9 @@ handed out again).
 
 Spec: {"prompts": [[token ids], ...], "max_tokens": 8, "ledger_root": "/abs" | null,
 "transfer_ids": [...] | null, "baseline": false, "transfer_digests": 0.0, "plain_prefill_prompts": [],
-"kv_load_failure_policy": null, "prefix_caching": false, "max_num_batched_tokens": 1024}. With "baseline", the
+"kv_load_failure_policy": null, "prefix_caching": false, "max_num_batched_tokens": 1024, "decode_transfer_ids": null}.
+With "decode_transfer_ids", the decode engine's requests name those transfers (in prompt order) instead of their own:
+a caller pairing a decode request with another request's prefill (vLLM issue 52234's class). With "baseline", the
 prefill engine first serves the prompts alone (no transfer parameters), before any transfer. With a ledger root, both
 engines trace to file ledgers at ROOT/prefill and ROOT/decode.
 """
@@ -233,7 +235,7 @@ def _drive(spec: dict) -> dict:
                 "remote_bootstrap_addr": BOOTSTRAP_ADDR,
             },
         )
-        for t in transfer_ids
+        for t in spec.get("decode_transfer_ids") or transfer_ids
     ]
     decode_outputs = decode.generate([{"prompt_token_ids": p} for p in prompts], decode_params, use_tqdm=False)
     timings["pair_generate_s"] = time.perf_counter() - started

@@ -213,6 +213,7 @@ def test_both_ledgers_checked_together_join_every_transfer(clean_pair):
     n = len(PROMPTS)
     assert summary["checks"]["transfer_join"] == summary["checks"]["transfer_blocks"] == n, summary
     assert summary["checks"]["transfer_content"] == n and summary["checks"]["transfer_read"] == n, summary
+    assert summary["checks"]["transfer_prefix"] == n, summary  # decode reads each as prefill computed it
 
 
 def test_received_bytes_equal_sent_bytes(clean_pair):
@@ -351,3 +352,48 @@ def test_stream_worker_over_kafka_agrees_with_check(faulty_pair, kafka_bootstrap
         assert summary["violations"] == dict(sorted(Counter(v["kind"] for v in offline).items()))
     finally:
         worker.stop()
+
+
+# -- a decode request paired with another request's prefill ----------------------------------------
+# The caller hands the decode requests of prompts 0 and 2 each other's transfer id (a router pairing
+# a decode request with the wrong prefill: vLLM issue 52234, where a decode engine handed a stale or
+# foreign KV reference answered the previous prompt's question with HTTP 200; SGLang 17259, a decode
+# request given another request's metadata). Both prompts fill five blocks, so each pull succeeds
+# whole: nothing fails, the bytes arrive intact, and only what they were computed from is wrong.
+CROSSED = {0: 2, 2: 0}
+
+
+@pytest.fixture(scope="module")
+def crossed_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd-pair-crossed")
+    ids = [f"xfer-{i}" for i in range(len(PROMPTS))]
+    crossed = [ids[CROSSED.get(i, i)] for i in range(len(PROMPTS))]
+    extra = {"baseline": True, "transfer_ids": ids, "decode_transfer_ids": crossed, **PAIR_SETTINGS}
+    return run_pd_pair(_pair_ready(), PROMPTS, max_tokens=MAX_TOKENS, ledger_root=root, extra=extra)
+
+
+def test_a_decode_request_given_another_requests_prefill_is_caught_at_its_first_step(crossed_pair):
+    run = crossed_pair
+    blocks = [-(-len(p) // 32) for p in PROMPTS]
+    assert blocks[0] == blocks[2] == 5  # each pull is whole
+    # It fired: the two crossed requests answer from the other prompt's KV; the rest as one engine.
+    wrong = [i for i, (got, ref) in enumerate(zip(run.decode_outputs, run.baseline_outputs, strict=True)) if got != ref]
+    assert wrong == sorted(CROSSED), (run.decode_outputs, run.baseline_outputs)
+    recvs = by_transfer(connector_events(run.decode_ledger))
+    decode_req = {t: kinds["RECV_INTENT"]["req_id"] for t, kinds in recvs.items()}
+    assert all("RECV_DONE" in recvs[f"xfer-{i}"] for i in CROSSED)  # received whole, nothing failed
+    first_step = {
+        r["req_id"]: step["step"] for step in bodies(run.decode_ledger, STEP) if step["input"]
+        for r in step["input"]["new_reqs"]
+    }  # fmt: skip
+    summary = check(run.prefill_ledger.parent)
+    found = sorted((v["kind"], v["engine_id"], v["req_id"], v["step"], v["group"]) for v in summary["found"])
+    assert found == sorted(
+        ("transfer_prefix_mismatch", DECODE_ENGINE_ID, decode_req[f"xfer-{j}"], first_step[decode_req[f"xfer-{j}"]], 0)
+        for j in CROSSED
+    ), summary["found"]
+    # The system prompt's three blocks are the same in both prompts: they differ from block 3 on.
+    assert all("differ from block 3 on (tokens 96..127, group 0" in v["detail"] for v in summary["found"])
+    assert (
+        summary["checks"]["transfer_prefix"] == len(PROMPTS) and "transfer_prefix_unknown" not in summary["unchecked"]
+    )

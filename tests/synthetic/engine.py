@@ -856,6 +856,9 @@ PD_FAULT_KINDS = {
     "read_early": ("read_before_transfer",),  # decode computes in the step its receive completes
     "orphan": ("orphan_transfer",),  # decode never hears of the transfer
     "stuck": ("transfer_stuck",),  # neither side ever completes (both sides are stuck)
+    # Decode's request is another prompt than the one prefill computed the KV from (a caller handing it
+    # another request's transfer id): its prompt differs from the first token on.
+    "other_prefix": ("transfer_prefix_mismatch",),
 }
 
 
@@ -891,6 +894,7 @@ class PdSimulation:
     events: list[dict]  # both engines, interleaved at random, each engine in its own order
     expected: list[PdExpected]
     transfer_ids: list[str]
+    prompts: list[list[int]]  # as prefill computed them
 
 
 class _SimRank:
@@ -903,6 +907,7 @@ class _SimRank:
         self.step = 0
         self.free: deque[int] = deque(range(1, cfg.num_blocks))
         groups = [records.kv_group(0, "FULL_ATTENTION", cfg.block_size, cfg.num_blocks)]
+        self.chains = PrefixChains([cfg.block_size])  # what the recorder states of each new request's prompt
         info = records.rank_info(
             dp_size=1,
             tp_size=1,
@@ -926,12 +931,13 @@ class _SimRank:
         )
 
     def run(self, new: tuple | None = None, finished: tuple[str, ...] = ()) -> None:
-        """One step: at most one new request (index, req id, blocks, computed, prompt length, scheduled)."""
+        """One step: at most one new request (index, req id, blocks, computed, prompt tokens, scheduled)."""
         plan = None
         new_reqs = []
         if new is not None:
-            index, req_id, blocks, computed, prompt, scheduled = new
-            new_reqs.append(records.new_request(index, req_id, [blocks], computed, prompt, scheduled))
+            index, req_id, blocks, computed, tokens, scheduled = new
+            chains = self.chains(tokens, ())
+            new_reqs.append(records.new_request(index, req_id, [blocks], computed, len(tokens), scheduled, chains))
             pos = np.arange(computed, computed + scheduled)
             bs = self.cfg.block_size
             slots = np.asarray(blocks)[pos // bs] * bs + pos % bs
@@ -977,6 +983,9 @@ def simulate_pd_pair(cfg: PdConfig) -> PdSimulation:
 
     system = [rng.randrange(1000) for _ in range(cfg.shared_prefix_blocks * bs)]
     prompts = [system + [rng.randrange(1000) for _ in range(rng.randint(*cfg.prompt_len))] for _ in range(cfg.requests)]
+    for i, prompt in enumerate(prompts):  # a prompt whose identity is judged has a full block at least
+        if faults.get(i) == "other_prefix":
+            prompt += [rng.randrange(1000) for _ in range(bs + 1 - len(prompt))]
     cached: list[int] = []  # the system prompt's blocks, once computed: kept by the cache, never freed
     p_blocks: dict[int, list[int]] = {}
     for i, prompt in enumerate(prompts):
@@ -984,7 +993,7 @@ def simulate_pd_pair(cfg: PdConfig) -> PdSimulation:
         hit = cached[: cfg.shared_prefix_blocks]
         blocks = p_blocks[i] = hit + prefill.take(n - len(hit))
         computed = len(hit) * bs
-        prefill_step(new=(i, f"p-{i}", blocks, computed, len(prompt), len(prompt) - computed))
+        prefill_step(new=(i, f"p-{i}", blocks, computed, prompt, len(prompt) - computed))
         cached = cached or blocks[: cfg.shared_prefix_blocks]
         prefill.connector("SEND_INTENT", f"p-{i}", tids[i], blocks, num_tokens=len(prompt))
         fault = faults.get(i)
@@ -1022,7 +1031,8 @@ def simulate_pd_pair(cfg: PdConfig) -> PdSimulation:
         if fault != "read_early":
             decode.run()
         computed = 0 if fault == "recv_failed" else len(prompt) - 1
-        decode.run(new=(i, req, blocks, computed, len(prompt), len(prompt) - computed))
+        own = [(prompt[0] + 1) % 1000, *prompt[1:]] if fault == "other_prefix" else prompt
+        decode.run(new=(i, req, blocks, computed, own, len(prompt) - computed))
         decode.run(finished=(req,))
         decode.free.extend(blocks)
         kind = {
@@ -1030,6 +1040,7 @@ def simulate_pd_pair(cfg: PdConfig) -> PdSimulation:
             "content": "transfer_content_mismatch",
             "block_count": "transfer_block_mismatch",
             "read_early": "read_before_transfer",
+            "other_prefix": "transfer_prefix_mismatch",
         }.get(fault)
         if kind:
             expected.append(PdExpected(fault, kind, cfg.decode_id, req, tids[i]))
@@ -1040,4 +1051,4 @@ def simulate_pd_pair(cfg: PdConfig) -> PdSimulation:
     while a or b:
         source = a if b == [] or (a and rng.random() < 0.5) else b
         merged.append(source.pop(0))
-    return PdSimulation(merged, expected, tids)
+    return PdSimulation(merged, expected, tids, prompts)

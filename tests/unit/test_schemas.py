@@ -79,6 +79,7 @@ def connector_events() -> list[dict]:
         "num_tokens": 40,
         "digest": b"\x01\x02\x03",
         "detail": "timeout after 30 s",
+        "prefix": {"block_sizes": [16, 0], "chains": [pack_u64([7, 9]), b""]},
     }
     sparse = {
         "step": 13,
@@ -91,6 +92,7 @@ def connector_events() -> list[dict]:
         "num_tokens": None,
         "digest": None,
         "detail": None,
+        "prefix": None,
     }
     # Built by hand, not by the producer's builders: a record that leaves out what the schema defaults.
     rank = {"engine_id": RANK.engine_id, "dp_rank": 1, "tp_rank": 0, "pp_rank": 0, "incarnation": 17}
