@@ -68,6 +68,8 @@ class PdPairRun:
     decode_ledger: Path | None
     log: str  # the driver's stdout and stderr (vLLM, the probes, the plugins)
     timings: dict[str, float] = field(default_factory=dict)
+    decode_logprobs: list[list[float]] | None = None  # each sampled token's log-probability
+    baseline_logprobs: list[list[float]] | None = None
 
 
 def launch_pair(python: str, script: str, spec: dict, env: dict[str, str], timeout: float, what: str):
@@ -136,6 +138,8 @@ def run_pd_pair(
         decode_ledger=ledger_root / "decode" if ledger_root else None,
         log=log,
         timings=timings,
+        decode_logprobs=result["decode_logprobs"],
+        baseline_logprobs=result["baseline_logprobs"],
     )
 
 
@@ -185,12 +189,20 @@ def _params(max_tokens: int, kv_transfer_params: dict | None):
         temperature=0,
         ignore_eos=True,
         detokenize=False,
+        logprobs=0,  # each sampled token's log-probability
         extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
     )
 
 
 def _tokens(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _logprobs(outputs) -> list[list[float]]:
+    return [
+        [step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
+        for o in outputs
+    ]
 
 
 def _drive(spec: dict) -> dict:
@@ -217,7 +229,7 @@ def _drive(spec: dict) -> dict:
         # The same prompts served by one engine alone (no transfer parameters: the connector
         # leaves them be), before any transfer, so the pair's answer has a reference.
         plain = _params(spec.get("max_tokens", 8), None)
-        baseline = _tokens(prefill.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False))
+        baseline = prefill.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
 
     started = time.perf_counter()
     prefill_params = [_params(1, {"do_remote_decode": True, "transfer_id": t}) for t in transfer_ids]
@@ -241,8 +253,10 @@ def _drive(spec: dict) -> dict:
     timings["pair_generate_s"] = time.perf_counter() - started
     return {
         "decode_outputs": _tokens(decode_outputs),
+        "decode_logprobs": _logprobs(decode_outputs),
         "prefill_outputs": _tokens(prefill_outputs),
-        "baseline_outputs": baseline,
+        "baseline_outputs": _tokens(baseline) if baseline else None,
+        "baseline_logprobs": _logprobs(baseline) if baseline else None,
         "transfer_ids": transfer_ids,
         "timings": timings,
     }
