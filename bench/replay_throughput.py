@@ -9,12 +9,15 @@ batched path `kvledger check` uses (`Ledger.apply_many`), and the core step by
 step (`Ledger.apply`, what the in-engine raise mode uses).
 
     python bench/replay_throughput.py [--steps N] [--repeat R]
-    python bench/replay_throughput.py --baseline DIR [--pairs P]
+    python bench/replay_throughput.py --baseline DIR [--pairs P] [--without-chains]
 
 With --baseline, the same measurements run on another checkout of the
 project (DIR, e.g. `git worktree add /tmp/base main`) and on this one, in
 alternating processes, P pairs: the median ratio of each figure is printed
-(a change to the core must not slow replay down).
+(a change to the core must not slow replay down). Each replays its own
+producer's stream; --without-chains leaves the new requests' prefix chains
+out of this checkout's (as producers before them wrote), so that a baseline
+that predates them is compared on what both record.
 """
 
 from __future__ import annotations
@@ -83,8 +86,9 @@ def _best(fn, repeat: int) -> float:
     return min(times)
 
 
-def measure(name: str, steps: int, repeat: int) -> dict:
-    config = SimConfig(seed=1, steps=steps, snapshot_interval=500, health_interval=500, **STREAMS[name])
+def measure(name: str, steps: int, repeat: int, chains: bool = True) -> dict:
+    extra = {} if chains else {"prefix_chains": False}
+    config = SimConfig(seed=1, steps=steps, snapshot_interval=500, health_interval=500, **STREAMS[name], **extra)
     sim = simulate(config)
     step_events = sum(e["body"][0] == "kvledger.Step" for e in sim.events)
     reqs = [
@@ -140,11 +144,11 @@ def measure(name: str, steps: int, repeat: int) -> dict:
 _FIGURES = ("check", "decode", "core", "stepwise")
 
 
-def _measure_in(checkout: Path, steps: int, repeat: int) -> dict:
+def _measure_in(checkout: Path, steps: int, repeat: int, chains: bool = True) -> dict:
     """The measurements of one process importing kvledger from `checkout`."""
     with tempfile.TemporaryDirectory() as root:
         cmd = [sys.executable, str(checkout / "bench" / "replay_throughput.py"), "--json"]
-        cmd += ["--steps", str(steps), "--repeat", str(repeat)]
+        cmd += ["--steps", str(steps), "--repeat", str(repeat)] + ([] if chains else ["--without-chains"])
         env = env_importing(checkout, Path(root))
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0:
@@ -152,12 +156,12 @@ def _measure_in(checkout: Path, steps: int, repeat: int) -> dict:
         return json.loads(done.stdout)
 
 
-def compare(baseline: Path, steps: int, repeat: int, pairs: int) -> None:
+def compare(baseline: Path, steps: int, repeat: int, pairs: int, chains: bool = True) -> None:
     here = Path(__file__).resolve().parents[1]
     ratios: dict[tuple[str, str], list[float]] = {}
     for i in range(pairs):
         order = [(baseline, "base"), (here, "this")] if i % 2 == 0 else [(here, "this"), (baseline, "base")]
-        got = {label: _measure_in(path, steps, repeat) for path, label in order}
+        got = {label: _measure_in(path, steps, repeat, chains or label == "base") for path, label in order}
         for base, this in zip(got["base"], got["this"], strict=True):
             for figure in _FIGURES:
                 ratios.setdefault((base["stream"], figure), []).append(this[figure] / base[figure])
@@ -176,14 +180,16 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--baseline", type=Path, help="another checkout to measure side by side with this one")
     parser.add_argument("--pairs", type=int, default=5, help="alternating process pairs, with --baseline")
+    parser.add_argument("--without-chains", action="store_true", help="this checkout's streams without prefix chains")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one process of --baseline
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, as the target says
     if args.baseline is not None:
-        return compare(args.baseline, args.steps, args.repeat, args.pairs)
+        return compare(args.baseline, args.steps, args.repeat, args.pairs, not args.without_chains)
     if args.json:
-        return print(json.dumps([measure(name, args.steps, args.repeat) for name in STREAMS]))
+        chains = not args.without_chains
+        return print(json.dumps([measure(name, args.steps, args.repeat, chains) for name in STREAMS]))
     columns = ("stream", "steps", "req/step", "B/event", "check/s", "decode/s", "core/s", "stepwise/s", "tokens/s")
     print(" ".join(f"{c:>14}" if i else f"{c:<14}" for i, c in enumerate(columns)))
     for name in STREAMS:

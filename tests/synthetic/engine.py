@@ -143,6 +143,8 @@ class SimConfig:
     # (vLLM's layouts); with `byte_alias` every group past the first strides it by twice the bytes,
     # so its block b shares bytes with blocks 2b and 2b+1 of group 0 (vllm-ascend 16490).
     byte_alias: bool = False
+    # New requests carry their prompts' prefix chains (False: as producers before they were recorded).
+    prefix_chains: bool = True
 
 
 @dataclass(frozen=True)
@@ -664,7 +666,7 @@ class SyntheticEngine:
         for req, n_new, appended, kind in scheduled:
             if kind == "new":
                 req.seen = True
-                chains = self.chains(req.tokens[: req.num_prompt], ())
+                chains = self.chains(req.tokens[: req.num_prompt], ()) if self.cfg.prefix_chains else None
                 new_reqs.append(
                     records.new_request(req.index, req.req_id, req.blocks, req.computed, req.num_prompt, n_new, chains)
                 )
