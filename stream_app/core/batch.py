@@ -7,7 +7,7 @@ after it), so what a row held at step b is "its blocks before the run plus
 those appended at steps <= b", found with one sorted search for all tokens.
 
 All or nothing: `plan_run` either proves that the step-by-step path would
-report no violation and count exactly the checks returned, and hands back a
+report no violation and count exactly the coverage returned, and hands back a
 commit, or returns None and has changed nothing that path reads. Anything
 unusual (a violation, preemption, resume, sliding window, an unknown
 request, a drafter's KV writes) sends the run down the step-by-step path,
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvledger.schemas.events import Step
-from kvledger.schemas.kinds import Check, KvGroupKind, StepKind
+from kvledger.schemas.kinds import Check, KvGroupKind, StepKind, Unchecked
 from kvledger.schemas.packing import (
     block_terms,
     expand_slot_runs,
@@ -49,6 +49,7 @@ from kvledger.stream_app.core.checks import (
 )
 from kvledger.stream_app.core.rank_tables import IN_FLIGHT_KEPT, RankTables, shared_blocks
 from kvledger.stream_app.core.tables import NULL_BLOCK, UNKNOWN_FILL, last_of_runs, positions_differ, written_from
+from kvledger.stream_app.core.violations import Coverage
 
 _FAST_KINDS = (KvGroupKind.FULL_ATTENTION, KvGroupKind.MLA)
 
@@ -104,8 +105,8 @@ def _step_of(sizes: list[int]) -> np.ndarray:
     return np.repeat(np.arange(len(sizes)), sizes)
 
 
-def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], Counter] | None:
-    """Check `steps` (consecutive, all with a plan) of one rank; a commit and the checks run, or None."""
+def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], Coverage] | None:
+    """Check `steps` (consecutive, all with a plan) of one rank; a commit and the coverage counted, or None."""
     ng = len(state.groups)
     if state.pending_reads:  # a step path's reads wait for a plan the run does not have
         return None
@@ -253,14 +254,14 @@ def plan_run(state: RankTables, steps: list[Step]) -> tuple[Callable[[], None], 
             return None
 
     n, padded = indices.size, len(steps) * ng
-    checks = Counter({Check.POSITION: n, Check.WRITE: n * ng, Check.READ: n * ng, Check.PADDING: padded})
+    cov = Coverage(Counter({Check.POSITION: n, Check.WRITE: n * ng, Check.READ: n * ng, Check.PADDING: padded}))
     state.grow_rows(num_rows)  # room for rows opened in the run; unused cells are invisible
     final_row_of = row_of.copy()
     final_row_of[list(died)] = -1
     run.steps = len(steps)
     if num_rows * run.steps > _MAX_CELLS:
         return None
-    return _check_and_commit(state, run, checks, final_row_of, index_of, req_id_of, free, num_rows)
+    return _check_and_commit(state, run, cov, final_row_of, index_of, req_id_of, free, num_rows)
 
 
 _INPUT_COLUMNS = (
@@ -286,7 +287,7 @@ def _latest_per_cell(rows: np.ndarray, steps: np.ndarray, shape: tuple[int, int]
     return np.maximum.accumulate(last, axis=1, out=last)
 
 
-def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num_rows):
+def _check_and_commit(state, run, cov, row_of, index_of, req_id_of, free, num_rows):
     shape = (num_rows, run.steps)
     # -- positions: plan vs the latest input of each row ------------------------------------------
     p_rows, p_b = run.p_rows, run.p_b
@@ -305,7 +306,7 @@ def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num
 
     commits, groups = [], []
     for gid, g in enumerate(state.groups):
-        result = _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, checks)
+        result = _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, cov)
         if result is None:
             return None
         facts, apply = result
@@ -331,10 +332,10 @@ def _check_and_commit(state, run, checks, row_of, index_of, req_id_of, free, num
         for step in run.dispatched:  # async scheduling's window: the run's last steps, as the step path keeps them
             state.note_dispatched(step.step, step.input)
 
-    return commit, checks
+    return commit, cov
 
 
-def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, checks):
+def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, cov):
     """One group over the run: its plan facts (the rows as they stood at each step) and the commit of
     its grants, or None when a grant breaks a rule (or the run is one the fast path does not take)."""
     bs = g.block_size
@@ -346,7 +347,7 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
     if null_grant_failures(blocks, g.kind.null_free).any():
         return None
     if g.kind.null_free and blocks.size:
-        checks[Check.NULL_GRANT] += int(blocks.size)
+        cov.checks[Check.NULL_GRANT] += int(blocks.size)
     if rows_e.size and np.unique(rows_e * shape[1] + b_e).size != rows_e.size:
         return None
     appended = np.zeros(shape, np.int64)
@@ -394,7 +395,7 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
     # -- exclusivity: holders of each granted block right after its step's grants -------------------
     rel_blocks, rel_cols, rel_time = _released_blocks(g, run.rel_row, run.rel_b, appended)
     real_block = blocks > NULL_BLOCK
-    checks[Check.EXCLUSIVITY] += int(real_block.sum())
+    cov.checks[Check.EXCLUSIVITY] += int(real_block.sum())
     ev_block = np.concatenate([rel_blocks, blocks[real_block]])
     ev_col = np.concatenate([rel_cols, cols[real_block]])
     ev_time = np.concatenate([rel_time, 2 * np.repeat(b_e, cnt)[real_block] + 1])
@@ -422,7 +423,7 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, ch
     reads = real_block & ~written
     if reads.any():
         chains = state.chains_at(gid, blk_rows[reads], cols[reads], run.new_chains)
-        if not _reads_clean(state, g, run.steps, content, _ReadRun(blocks[reads], grant_b[reads], chains), checks):
+        if not _reads_clean(state, g, run.steps, content, _ReadRun(blocks[reads], grant_b[reads], chains), cov):
             return None
 
     touched = np.unique(rows_e)
@@ -470,7 +471,7 @@ def _epochs(content: _Content, blocks: np.ndarray, b: np.ndarray, steps: int) ->
     return np.where(hit, order[np.maximum(at, 0)], -1)
 
 
-def _reads_clean(state, g, steps: int, content: _Content, read: _ReadRun, checks) -> bool:
+def _reads_clean(state, g, steps: int, content: _Content, read: _ReadRun, cov: Coverage) -> bool:
     """The run's reads, judged as the step path judges each at its step (RankTables._grant_content,
     settle_reads): the prefix the block was handed out to compute, and how far the steps since, up to
     the reader's own, wrote it. False where the step path would report or count something unknown."""
@@ -488,7 +489,7 @@ def _reads_clean(state, g, steps: int, content: _Content, read: _ReadRun, checks
     epoch = _epochs(content, read.blocks, read.b, steps)
     fresh = epoch >= 0
     facts = ReadFacts(np.where(fresh, content.fresh_chains[epoch], g.chain[read.blocks]), read.reader_chains)
-    if not prefix_known(facts).all() or prefix_failures(facts).any():
+    if prefix_failures(facts).any():
         return False
     fill = np.where(fresh, 0, g.fill[read.blocks])
     if (fill == UNKNOWN_FILL).any():
@@ -506,8 +507,12 @@ def _reads_clean(state, g, steps: int, content: _Content, read: _ReadRun, checks
         fill = np.maximum(fill, np.where(segs[at] == read_seg, highest[at], 0))
     if unwritten_failures(fill, g.block_size).any():
         return False
-    checks[Check.PREFIX_IDENTITY] += int(read.blocks.size)
-    checks[Check.READ_WRITTEN] += int(read.blocks.size)
+    known = int(prefix_known(facts).sum())  # as RankTables._grant_content counts them
+    if known:
+        cov.checks[Check.PREFIX_IDENTITY] += known
+    if known < read.blocks.size:
+        cov.unchecked[Unchecked.PREFIX_UNKNOWN] += int(read.blocks.size) - known
+    cov.checks[Check.READ_WRITTEN] += int(read.blocks.size)
     return True
 
 

@@ -211,9 +211,9 @@ class Ledger:
             if result is None:
                 return False
             planned.append(result)
-        for commit, checks in planned:
+        for commit, counted in planned:
             commit()
-            self.coverage.checks.update(checks)
+            self.coverage.merge(counted)
         # What `apply` does around a clean step, in order.
         self.events += len(seen)
         self.steps += len(seen)

@@ -69,10 +69,18 @@ def fast_runs(monkeypatch):
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
-@given(configs(), st.sampled_from((None, *FAULTS)), st.integers(5, 35), st.sampled_from([2, 7, 64]), st.booleans())
-def test_batched_equals_stepwise(config, fault, step, batch_steps, byte_alias):
-    # byte_alias: groups whose blocks share bytes at other block ids (layout_alias), where there are two
-    config = dataclasses.replace(config, byte_alias=byte_alias)
+@given(
+    configs(),
+    st.sampled_from((None, *FAULTS)),
+    st.integers(5, 35),
+    st.sampled_from([2, 7, 64]),
+    st.booleans(),
+    st.sampled_from([True, True, False]),
+)
+def test_batched_equals_stepwise(config, fault, step, batch_steps, byte_alias, chains):
+    # byte_alias: groups whose blocks share bytes at other block ids (layout_alias), where there are two;
+    # without chains: what a prefix hit read was computed from is unknown (older producers, embeddings)
+    config = dataclasses.replace(config, byte_alias=byte_alias, prefix_chains=chains)
     if fault is not None:
         tp = 1 if fault in MULTI_RANK_FAULTS and config.tp_size > 1 else 0
         config = dataclasses.replace(config, faults=(FaultSpec(fault, step, tp_rank=tp),))
@@ -99,6 +107,21 @@ def test_fast_path_judges_prefix_hits(fast_runs):
     assert many.coverage.checks[Check.PREFIX_IDENTITY] > 100
     assert many.coverage.checks[Check.READ_WRITTEN] == many.coverage.checks[Check.PREFIX_IDENTITY]
     assert sum(fast_runs) > 0.9 * len(steps)
+
+
+def test_fast_path_takes_prefix_hits_of_unknown_prefix(fast_runs):
+    """A stream without prefix chains (an older producer, prompts given as embeddings): hits stay in runs,
+    each counted unchecked prefix_unknown as the step path counts it, and their fill still judged."""
+    config = dataclasses.replace(
+        DECODE_HEAVY, prefix_caching=True, shared_prefix_prob=0.6, output_len=(20, 60), prefix_chains=False
+    )
+    events = simulate(config).events
+    (stepwise, one), (batched, many) = both(events)
+    assert batched == stepwise == []
+    assert (many.coverage.checks, many.coverage.unchecked) == (one.coverage.checks, one.coverage.unchecked)
+    assert Check.PREFIX_IDENTITY not in many.coverage.checks and many.coverage.unchecked["prefix_unknown"] > 100
+    assert many.coverage.checks[Check.READ_WRITTEN] == many.coverage.unchecked["prefix_unknown"]
+    assert sum(fast_runs) > 0.5 * len(events)
 
 
 @pytest.mark.parametrize("fault", FAULTS)
