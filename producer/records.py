@@ -71,10 +71,6 @@ def kv_group(
     return KvGroup(group_id, KvGroupKind(kind), block_size, num_blocks, sliding_window, layout)
 
 
-def kv_placement(tensor: int, offset: int, layer_stride: int, block_stride: int, layers: int, page_bytes: int):
-    return KvPlacement(tensor, offset, layer_stride, block_stride, layers, page_bytes)
-
-
 def rank_info(
     *,
     dp_size: int,

@@ -56,7 +56,7 @@ from kvledger.producer.records import RankIdentity
 from kvledger.producer.ring_writer import SUPERVISE_EVERY, RingWriter
 from kvledger.producer.staging import Staged, StagingFull, StagingPool
 from kvledger.producer.vllm_connector import attach_connector_probe
-from kvledger.schemas.events import RankInfo
+from kvledger.schemas.events import KvPlacement, RankInfo
 from kvledger.schemas.kinds import CONTENT_DIGESTS, STEP_INPUT, Declaration, Runner, StepKind
 
 log = logging.getLogger("kvledger.producer")
@@ -105,18 +105,17 @@ def kv_layouts(kv_config: Any, bound: dict | None = None) -> list[list | None]:
             return [None] * len(groups)
         spec = groups[gid].kv_cache_spec
         spec = getattr(spec, "kv_cache_specs", {}).get(names[0], spec)  # one spec of a uniform-type group
-        if layouts[gid] is None or not getattr(spec, "has_layer_views", True):
-            layouts[gid] = None
-            continue
-        if not _view_agrees((bound or {}).get(names[0]), tensor, kv_config.num_blocks):
+        layout = layouts[gid]
+        if (
+            layout is None
+            or not getattr(spec, "has_layer_views", True)
+            or not _view_agrees((bound or {}).get(names[0]), tensor, kv_config.num_blocks)
+        ):
             layouts[gid] = None
             continue
         where = 1 if getattr(tensor, "host_resident", False) else 0  # a host pool is an allocation of its own
-        layouts[gid].append(
-            records.kv_placement(
-                where, tensor.offset, tensor.layer_stride, tensor.block_stride, len(names), spec.page_size_bytes
-            )
-        )
+        stride, page = tensor.block_stride, spec.page_size_bytes
+        layout.append(KvPlacement(where, tensor.offset, tensor.layer_stride, stride, len(names), page))
     return [layout or None for layout in layouts]
 
 

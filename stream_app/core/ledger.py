@@ -33,7 +33,7 @@ from kvledger.stream_app.core import batch
 from kvledger.stream_app.core.content import ContentLedger
 from kvledger.stream_app.core.declarations import Declared, check_declared_plan, content_voided
 from kvledger.stream_app.core.fingerprints import input_fingerprint, plan_fingerprint
-from kvledger.stream_app.core.layout import describe, layout_of
+from kvledger.stream_app.core.layout import Layout, describe, layout_of
 from kvledger.stream_app.core.rank_tables import RankTables
 from kvledger.stream_app.core.step_groups import LeadStep, StepGroup, rekeyed
 from kvledger.stream_app.core.transfers import DEFAULT_DEADLINE_STEPS, TransferJoin, TransferUse
@@ -347,8 +347,8 @@ class Ledger:
 
     # -- bodies ------------------------------------------------------------------------------
     def _rank_info(self, key: RankKey, slot: TrackedRank, info: RankInfo, out: list[Violation]) -> None:
-        if slot.info is None or slot.info.kv_groups != info.kv_groups:
-            self._layout(key, info, out)
+        regrouped = slot.info is None or slot.info.kv_groups != info.kv_groups
+        layout = self._layout(key, info, out) if regrouped else None
         gkey = (key.engine_id, key.dp)
         expected = frozenset((t, p) for t in range(info.tp_size) for p in range(info.pp_size))
         group = self.step_groups.get(gkey)
@@ -356,8 +356,8 @@ class Ledger:
             self.step_groups[gkey] = StepGroup(expected)
         if self.follower(key):
             slot.state = None  # compared with the lead, never replayed
-        elif slot.info is None or slot.info.kv_groups != info.kv_groups:
-            slot.state = None if slot.desynced else RankTables(key, info)
+        elif regrouped:
+            slot.state = None if slot.desynced else RankTables(key, info, layout)
         elif slot.state is None:  # it just became its group's lead: its tables come with a snapshot
             slot.desynced = True
         changed = slot.info is None or slot.info.capabilities != info.capabilities
@@ -368,9 +368,10 @@ class Ledger:
             slot.state.content_voided = content_voided(info)
         slot.declared = Declared.of(info)
 
-    def _layout(self, key: RankKey, info: RankInfo, out: list[Violation]) -> None:
-        """A rank's layout, once per layout: groups whose blocks share bytes at other block ids are
-        reported at once (no step: every grant may collide); one that did not say is counted."""
+    def _layout(self, key: RankKey, info: RankInfo, out: list[Violation]) -> Layout:
+        """A rank's layout, judged once per layout (its tables take it): groups whose blocks share bytes
+        at other block ids are reported at once (no step: every grant may collide); one that did not say
+        is counted."""
         layout = layout_of(info.kv_groups)
         if not layout.known:
             self.coverage.unchecked[Unchecked.LAYOUT_UNKNOWN] += 1
@@ -378,6 +379,7 @@ class Ledger:
             for meeting in meetings:
                 if meeting.group < meeting.other:
                     out.append(Violation.at(ViolationKind.LAYOUT_ALIAS, key, None, describe(meeting), group=gid))
+        return layout
 
     def follower(self, key: RankKey) -> bool:
         """A rank compared with its group's lead rather than replayed (not the lowest TP/PP rank)."""

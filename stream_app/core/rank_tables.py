@@ -55,7 +55,7 @@ from kvledger.stream_app.core.checks import (
     token_positions,
     unwritten_failures,
 )
-from kvledger.stream_app.core.layout import Meeting, layout_of
+from kvledger.stream_app.core.layout import Layout, Meeting, layout_of
 from kvledger.stream_app.core.tables import NULL_BLOCK, UNKNOWN_FILL, GroupTable, written_from
 from kvledger.stream_app.core.violations import Coverage, RankKey, Violation
 
@@ -111,14 +111,15 @@ class PlanFacts:
 
 
 class RankTables:
-    def __init__(self, key: RankKey, info: RankInfo):
+    def __init__(self, key: RankKey, info: RankInfo, layout: Layout | None = None):
         self.key = key
         self.groups = [
             GroupTable(g.group_id, g.kind, g.block_size, g.num_blocks, g.sliding_window) for g in info.kv_groups
         ]
-        # Where the groups' blocks live, judged once: where groups meet at other block ids, every block
-        # handed out is checked against them (nothing to do on the layouts vLLM builds).
-        self.layout = layout_of(info.kv_groups)
+        # Where the groups' blocks live, judged once (`layout`: already judged from these groups): where
+        # groups meet at other block ids, every block handed out is checked against them (nothing to do
+        # on the layouts vLLM builds).
+        self.layout = layout if layout is not None else layout_of(info.kv_groups)
         self.row_of = np.full(64, -1, np.int64)  # req_index -> row, -1 when not live
         self.index_of: dict[str, int] = {}  # req_id -> req_index
         self.req_id_of: dict[int, str] = {}
@@ -399,9 +400,14 @@ class RankTables:
         """A live request's prefix chains as a transfer's side states them (None: not on record)."""
         index = self.index_of.get(req_id)
         chains = None if index is None else self.chains.get(int(self.row_of[index]))
-        if chains is None:
+        return None if chains is None else self.transfer_prefix([pack_u64(c) for c in chains])
+
+    def transfer_prefix(self, chains: list[bytes] | None) -> TransferPrefix | None:
+        """Recorded prefix chains (per group, packed) as a transfer's side states them, at these tables'
+        block sizes (None: none recorded)."""
+        if not chains:
             return None
-        return TransferPrefix([g.block_size for g in self.groups], [pack_u64(c) for c in chains])
+        return TransferPrefix([g.block_size for g in self.groups], chains[: len(self.groups)])
 
     def unpack_chains(self, chains: list[bytes] | None) -> list[np.ndarray] | None:
         """A request's recorded prefix chains, one array per group of these tables; None: not recorded."""
@@ -488,7 +494,8 @@ class RankTables:
             sending=g.in_transfer(mine),
         )
         if facts.sending.any():
-            self._note_send_reuse(step, g, mine[facts.sending & written], owner[real][facts.sending & written])
+            taken = facts.sending & written
+            self._note_send_reuse(step, g, mine[taken], owner[real][taken])
         suspect = ~inside
         suspect[real] = grant_failures(facts)
         cov.checks[Check.EXCLUSIVITY] += int(real.sum())
@@ -994,9 +1001,9 @@ class RankTables:
                     self.loads.append((event.step, event.req_id, blocks))
             elif ends and tid in pending:
                 hold = pending.pop(tid)
-                for g, b in zip(self.groups, hold.blocks, strict=False):
-                    g.hold_for_transfer(receive, b, -1)
-                    if kind == ConnectorKind.RECV_DONE:  # written by the transfer, from a prefix known elsewhere
+                self._release(receive, hold)
+                if kind == ConnectorKind.RECV_DONE:  # written by the transfer, from a prefix known elsewhere
+                    for g, b in zip(self.groups, hold.blocks, strict=False):
                         g.mark_received(b[g.in_pool(b) & (b != NULL_BLOCK)])
                 if kind == ConnectorKind.SEND_DONE:
                     cov.checks[Check.SEND_HOLD] += 1
@@ -1009,6 +1016,10 @@ class RankTables:
         (self.pending_recvs if receive else self.pending_sends)[tid] = hold
         for g, b in zip(self.groups, hold.blocks, strict=False):
             g.hold_for_transfer(receive, b, +1)
+
+    def _release(self, receive: bool, hold: TransferHold) -> None:
+        for g, b in zip(self.groups, hold.blocks, strict=False):
+            g.hold_for_transfer(receive, b, -1)
 
     def _shipped(self, tid: str, hold: TransferHold, done_step: int) -> Violation:
         reuse = hold.reused
@@ -1023,8 +1034,7 @@ class RankTables:
         n = len(self.pending_sends) + len(self.pending_recvs)
         for receive, pending in ((False, self.pending_sends), (True, self.pending_recvs)):
             for hold in pending.values():
-                for g, b in zip(self.groups, hold.blocks, strict=False):
-                    g.hold_for_transfer(receive, b, -1)
+                self._release(receive, hold)
             pending.clear()
         return n
 

@@ -507,7 +507,7 @@ class TransferUse:
         derived, self.derived = self.derived, []
         return derived
 
-    def _derive(self, event: LedgerEvent, kind: ConnectorKind, req_id: str, tid: str, prefix) -> None:
+    def _derive(self, event: LedgerEvent, kind: ConnectorKind, req_id: str, tid: str, prefix: TransferPrefix | None):
         """A side's prefix for the join, on the envelope of the event that revealed it."""
         if prefix is None:
             self.coverage.unchecked[Unchecked.TRANSFER_PREFIX_UNKNOWN] += 1
@@ -553,8 +553,7 @@ class TransferUse:
         for req in inp.new_reqs:  # a received request's first step: the prefix it reads the KV as
             recv = state.recvs.get(req.req_id)
             if recv is not None and recv.done_step is not None and recv.done_step < step:
-                chains = req.prefix_chains
-                prefix = TransferPrefix(state.block_sizes, chains) if chains and state.block_sizes else None
+                prefix = tables.transfer_prefix(req.prefix_chains) if tables is not None else None
                 self._derive(event, ConnectorKind.RECV_PREFIX, req.req_id, recv.transfer_id, prefix)
         self._check_reads(event.rank, state, step, inp, tables.req_id if tables is not None else None, out)
         return out

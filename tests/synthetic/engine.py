@@ -23,7 +23,7 @@ import numpy as np
 from kvledger.producer import records
 from kvledger.producer.chains import PrefixChains
 from kvledger.producer.records import RankIdentity
-from kvledger.schemas.events import ConnectorEvent
+from kvledger.schemas.events import ConnectorEvent, KvPlacement
 from kvledger.schemas.kinds import KvGroupKind
 
 FAULTS = (
@@ -314,7 +314,7 @@ class SyntheticEngine:
     def _layout(self, group: int) -> list:
         """One layer of the group in allocation 0 from byte 0, a page of 64 bytes per token."""
         page = self.bs * 64 * (2 if self.cfg.byte_alias and group > 0 else 1)
-        return [records.kv_placement(0, 0, page * self.cfg.num_blocks, page, 1, page)]
+        return [KvPlacement(0, 0, page * self.cfg.num_blocks, page, 1, page)]
 
     def _snapshot(self, step: int) -> tuple[str, dict]:
         reqs = []

@@ -10,7 +10,7 @@ import numpy as np
 
 from kvledger.producer import records
 from kvledger.producer.records import RankIdentity
-from kvledger.schemas.events import event_of, events_of
+from kvledger.schemas.events import KvPlacement, event_of, events_of
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.core.checks import layout_alias_failures, overlapping_blocks
 from kvledger.stream_app.core.layout import Pages, layout_of, meeting_pairs
@@ -23,7 +23,7 @@ TOKEN = 64  # bytes per token of a layer
 def placement(block_size: int, offset: int = 0, stride: int | None = None, tensor: int = 0):
     page = block_size * TOKEN
     stride = stride or page
-    return [records.kv_placement(tensor, offset, stride * NUM_BLOCKS, stride, 1, page)]
+    return [KvPlacement(tensor, offset, stride * NUM_BLOCKS, stride, 1, page)]
 
 
 class Stream:
@@ -147,7 +147,7 @@ def test_a_layout_not_recorded_is_counted_once_never_reported():
     s._add(s.info)
     violations, ledger = s.check()
     assert violations == [] and ledger.coverage.unchecked == {"layout_unknown": 1}
-    broken = Stream(layouts=[placement(4), [records.kv_placement(0, 0, 0, 0, 1, 256)]])
+    broken = Stream(layouts=[placement(4), [KvPlacement(0, 0, 0, 0, 1, 256)]])
     assert broken.check()[1].coverage.unchecked == {"layout_unknown": 1}  # a stride of 0: not judged
     alone = Ledger()
     group = records.kv_group(0, "FULL_ATTENTION", 4, NUM_BLOCKS)

@@ -32,6 +32,19 @@ def check(events, **ledger_args) -> tuple[list[Violation], Ledger]:
     return found + ledger.finish(), ledger
 
 
+def one_rank(engine_id: str):
+    """A rank of one full-attention group (block size 4, 16 blocks) after its RankInfo: its events, and
+    the function that appends the next one."""
+    rank, seq, events = records.RankIdentity(engine_id, incarnation=1), iter(range(100)), []
+
+    def add(body) -> None:
+        events.append(records.envelope(rank, next(seq), 0, body))
+
+    kv = [records.kv_group(0, "FULL_ATTENTION", 4, 16)]
+    add(records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=kv, vllm_version="t", runner="v1"))
+    return events, add
+
+
 def transfer_of(v: Violation) -> str | None:
     found = re.match(r"transfer (\S+):", v.detail)
     return found[1] if found else None
@@ -251,10 +264,7 @@ def test_a_send_that_ended_releases_its_blocks_and_one_still_pending_holds_them(
     """Request p0 prefilled blocks 1-2 and finished; its send held them. Once the send ended, however it
     ended (done, expired, cancelled because the prefill request was aborted), the blocks are free: a
     later request granted them writes its own. While it is pending, that write is a foreign one."""
-    rank, seq, events = records.RankIdentity("p", incarnation=1), iter(range(100)), []
-
-    def add(body) -> None:
-        events.append(records.envelope(rank, next(seq), 0, body))
+    events, add = one_rank("p")
 
     def prefill(step: int, index: int, blocks: list[int], finished=()) -> None:
         inp = records.step_input(
@@ -263,8 +273,6 @@ def test_a_send_that_ended_releases_its_blocks_and_one_still_pending_holds_them(
         group = records.group_plan(0, np.arange(8) + blocks[0] * 4, 8, [np.array(blocks)])
         add(records.step(step, "REAL", inp, records.step_plan([index], [8], [0], [group])))
 
-    kv = [records.kv_group(0, "FULL_ATTENTION", 4, 16)]
-    add(records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=kv, vllm_version="t", runner="v1"))
     prefill(0, 0, [1, 2])
     add(records.connector_event(0, "test", "SEND_INTENT", req_id="p0", transfer_id="t0", block_ids=[[1, 2]]))
     if ending is not None:
@@ -283,13 +291,7 @@ def test_a_pending_receive_holds_its_blocks_until_it_ends(ending):
     """A decode rank pulls into blocks 1-2 (the transfer writes them). A request granted them to write
     while the pull is in flight writes under a late transfer (SGLang 32564: an abort freed them early);
     once the receive ended, done or failed, they are the scheduler's to hand out again."""
-    rank, seq, events = records.RankIdentity("d", incarnation=1), iter(range(100)), []
-
-    def add(body) -> None:
-        events.append(records.envelope(rank, next(seq), 0, body))
-
-    kv = [records.kv_group(0, "FULL_ATTENTION", 4, 16)]
-    add(records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=kv, vllm_version="t", runner="v1"))
+    events, add = one_rank("d")
     add(records.connector_event(0, "test", "RECV_INTENT", req_id="d0", transfer_id="t0", block_ids=[[1, 2]]))
     inp = records.step_input()
     add(records.step(0, "REAL", inp, None))
@@ -312,13 +314,7 @@ def test_a_transfer_pending_at_a_gap_is_forgotten_and_counted(lost):
     the resync the scheduler hands the blocks out again: were the receive still held, that would read
     as a foreign write the ledger cannot prove. Forgotten at the gap, counted. Without the gap the end
     arrives and releases them the same way."""
-    rank, seq, events = records.RankIdentity("d", incarnation=1), iter(range(100)), []
-
-    def add(body) -> None:
-        events.append(records.envelope(rank, next(seq), 0, body))
-
-    kv = [records.kv_group(0, "FULL_ATTENTION", 4, 16)]
-    add(records.rank_info(dp_size=1, tp_size=1, pp_size=1, kv_groups=kv, vllm_version="t", runner="v1"))
+    events, add = one_rank("d")
     add(records.connector_event(0, "test", "RECV_INTENT", req_id="d0", transfer_id="t0", block_ids=[[1, 2]]))
     add(records.step(0, "REAL", records.step_input(), None))
     add(records.connector_event(0, "test", "RECV_DONE", req_id="d0", transfer_id="t0"))
