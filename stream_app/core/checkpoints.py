@@ -23,7 +23,7 @@ from kvledger.schemas.events import RankInfo, TransferPrefix
 from kvledger.schemas.packing import pack_i32, unpack_i32
 from kvledger.stream_app.core.declarations import Declared, content_voided
 from kvledger.stream_app.core.ledger import Ledger, TrackedRank
-from kvledger.stream_app.core.rank_tables import RankTables, Reuse, TransferHold
+from kvledger.stream_app.core.rank_tables import RankTables, TransferHold
 from kvledger.stream_app.core.step_groups import LeadStep, StepGroup
 from kvledger.stream_app.core.transfers import (
     PendingRecv,
@@ -149,27 +149,12 @@ def table_record(state: RankTables) -> ck.Table:
 
 
 def _hold_record(tid: str, hold: TransferHold) -> ck.PendingSend:
-    reuse = hold.reused
-    return ck.PendingSend(
-        transfer_id=tid,
-        block_ids=[_i32(b) for b in hold.blocks],
-        req_id=hold.req_id,
-        intent_step=hold.intent_step,
-        reused=None
-        if reuse is None
-        else ck.Reuse(step=reuse.step, group=reuse.group, req_id=reuse.req_id, block=reuse.block),
-    )
+    blocks = [_i32(b) for b in hold.blocks]
+    return ck.PendingSend(tid, blocks, req_id=hold.req_id, intent_step=hold.intent_step, reused=hold.reused)
 
 
 def _hold_from_record(rec: ck.PendingSend) -> TransferHold:
-    reuse = rec.reused
-    blocks = [_ints(b) for b in rec.block_ids]
-    return TransferHold(
-        rec.req_id,
-        rec.intent_step,
-        blocks,
-        None if reuse is None else Reuse(reuse.step, reuse.group, reuse.req_id, reuse.block),
-    )
+    return TransferHold(rec.req_id, rec.intent_step, [_ints(b) for b in rec.block_ids], rec.reused)
 
 
 def table_from_record(key: RankKey, info: RankInfo, rec: ck.Table) -> RankTables:

@@ -15,6 +15,7 @@ from typing import ClassVar
 import msgspec
 import numpy as np
 
+from kvledger.schemas.checkpoint import Reuse
 from kvledger.schemas.events import (
     ConnectorEvent,
     DraftPass,
@@ -78,16 +79,6 @@ class Dispatched:
 
 
 @dataclass(slots=True)
-class Reuse:
-    """A block of a pending send the scheduler handed to another request to write."""
-
-    step: int  # step of the grant
-    group: int  # KV cache group
-    req_id: str  # the request the block went to
-    block: int
-
-
-@dataclass(slots=True)
 class TransferHold:
     """A pending transfer's blocks on its rank, from its intent to its end: a send reads them, a
     receive writes them (the one tracker of a rank's pending transfers: holds, reuse, checkpoints)."""
@@ -95,7 +86,8 @@ class TransferHold:
     req_id: str | None  # the request transferred, when the connector named it
     intent_step: int  # step of the intent
     blocks: list[np.ndarray]  # per group
-    # A send's first block handed to another request meanwhile: it is damaged if the send completes.
+    # A send's first block handed to another request meanwhile (the checkpoint's record of it): it is
+    # damaged if the send completes.
     reused: Reuse | None = None
 
 
@@ -549,7 +541,7 @@ class RankTables:
                 req_id = self._req_of_row(row)
                 if req_id != hold.req_id:
                     block = int(blocks[taken & (rows == row)].min())
-                    hold.reused = Reuse(step, g.group_id, req_id, block)
+                    hold.reused = Reuse(step=step, group=g.group_id, req_id=req_id, block=block)
                     break
 
     def _check_layout(self, step, meeting: Meeting, blocks, owner, out, cov) -> None:
