@@ -44,7 +44,6 @@ from kvledger.stream_app.core.checks import (
     prefix_failures,
     prefix_known,
     slot_targets,
-    token_positions,
     unwritten_failures,
 )
 from kvledger.stream_app.core.rank_tables import IN_FLIGHT_KEPT, RankTables, shared_blocks
@@ -301,12 +300,9 @@ def _check_and_commit(state, run, cov, row_of, index_of, req_id_of, free, num_ro
     sched = np.where(seen, sched_m[p_rows, last], state.scheduled[p_rows])
     requests = RequestFacts(run.p_first, run.p_ntok, comp, sched)
 
-    tok_req, tok_pos = token_positions(run.p_first, run.p_ntok)
-    tok_rows, tok_b = (p_rows, p_b) if tok_req is None else (p_rows[tok_req], p_b[tok_req])
-
     commits, groups = [], []
     for gid, g in enumerate(state.groups):
-        result = _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, cov)
+        result = _check_group(state, g, run, gid, shape, comp_m, cov)
         if result is None:
             return None
         facts, apply = result
@@ -335,7 +331,7 @@ def _check_and_commit(state, run, cov, row_of, index_of, req_id_of, free, num_ro
     return commit, cov
 
 
-def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, cov):
+def _check_group(state, g, run, gid, shape, comp_m, cov):
     """One group over the run: its plan facts (the rows as they stood at each step) and the commit of
     its grants, or None when a grant breaks a rule (or the run is one the fast path does not take)."""
     bs = g.block_size
@@ -368,7 +364,8 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, co
 
     # -- the plan's facts: every token and row against its row as it stood at its step ----------------
     p_rows, p_b = run.p_rows, run.p_b
-    expected, in_row, block = slot_targets(g.table, g.lens[tok_rows] + appended[tok_rows, tok_b], tok_rows, tok_pos, bs)
+    p_lens = g.lens[p_rows] + appended[p_rows, p_b]
+    expected, in_row, block, spans = slot_targets(g.table, p_rows, p_lens, run.p_first, run.p_ntok, bs)
     with np.errstate(over="ignore"):
         digest_at = g.digests[p_rows] + digest_inc[p_rows, p_b]
     facts = GroupFacts(
@@ -381,15 +378,16 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, co
         padding=run.padding[gid],
         plan_lens=run.p_lens[gid],
         plan_digests=run.p_digests[gid],
-        ledger_lens=g.lens[p_rows] + appended[p_rows, p_b],
+        ledger_lens=p_lens,
         ledger_digests=digest_at,
         # As the blocks stood before the run; a block two requests or more held then and the run writes
         # goes step by step (below: whether it was full at the write is known only there), as does one
         # handed out to be read in the run and written after (_reads_clean).
-        shared=shared_blocks(g, block),
+        shared=np.repeat(shared_blocks(g, spans.block), spans.count),
     )
-    wrote = np.flatnonzero(in_row & (block > NULL_BLOCK) & (block < g.num_blocks))  # as settle_reads marks
-    if (g.hold_count[block[wrote]] >= 2).any():
+    # The blocks the run writes, a span (its tokens in one block) at a time; as settle_reads marks.
+    wrote = np.flatnonzero(spans.in_row & (spans.block > NULL_BLOCK) & (spans.block < g.num_blocks))
+    if (g.hold_count[spans.block[wrote]] >= 2).any():
         return None
 
     # -- exclusivity: holders of each granted block right after its step's grants -------------------
@@ -410,15 +408,16 @@ def _check_group(state, g, run, gid, shape, tok_rows, tok_b, tok_pos, comp_m, co
     grant_b = np.repeat(b_e, cnt)
     fresh = real_block & written
     # The run's writes, the last (highest) of each run of one block in one row and step: how far it filled it.
-    w_block, w_b = block[wrote], tok_b[wrote]
-    last = last_of_runs(w_block, w_b, tok_rows[wrote])
+    w_req = spans.req[wrote]
+    w_block, w_b = spans.block[wrote], p_b[w_req]
+    last = last_of_runs(w_block, w_b, p_rows[w_req])
     content = _Content(
         fresh_blocks=blocks[fresh],
         fresh_b=grant_b[fresh],
         fresh_chains=state.chains_at(gid, blk_rows[fresh], cols[fresh], run.new_chains),
         w_block=w_block[last],
         w_b=w_b[last],
-        w_offset=tok_pos[wrote[last]] % bs,
+        w_offset=spans.last[wrote[last]] % bs,
     )
     reads = real_block & ~written
     if reads.any():

@@ -19,6 +19,7 @@ that needs a new one adds it to the facts, and both builders fill it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -100,16 +101,42 @@ def token_positions(first: np.ndarray, ntok: np.ndarray) -> tuple[np.ndarray | N
     return tok_req, first[tok_req] + (np.arange(tok_req.size) - (np.cumsum(ntok) - ntok)[tok_req])
 
 
-def slot_targets(
-    table: np.ndarray, row_lens: np.ndarray, tok_rows: np.ndarray, pos: np.ndarray, block_size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Where the ledger says each token's KV goes: (slot, whether the position is inside the row, block).
+class TokenSpans(NamedTuple):
+    """The plan's tokens cut where their request or its row position changes: one entry per request and
+    block it writes into, in token order. What holds for a block holds for each of its tokens."""
 
-    `row_lens` is each token's row length at its step; cells of `table` past it are never trusted.
+    req: np.ndarray  # the request (index into the plan's requests)
+    count: np.ndarray  # how many of its tokens fall in this block
+    last: np.ndarray  # the position of the last of them
+    block: np.ndarray  # the ledger's block there (the row's cell, if the position is inside the row)
+    in_row: np.ndarray  # the position lies inside the row
+
+
+def slot_targets(
+    table: np.ndarray, rows: np.ndarray, row_lens: np.ndarray, first: np.ndarray, ntok: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, TokenSpans]:
+    """Where the ledger says each token's KV goes: (slot, whether the position is inside the row, block),
+    per token, and the same per block written (TokenSpans).
+
+    Per request: its row, the row's length at its step (cells of `table` past it are never trusted), the
+    first position it writes and how many. Looked up once per block, not per token: a prefill chunk's
+    tokens share their blocks.
     """
-    col = pos // block_size
-    block = table[tok_rows, np.minimum(col, table.shape[1] - 1)]
-    return block * block_size + (pos - col * block_size), col < row_lens, block
+    first = first.astype(np.int64)
+    c0, c1 = first // block_size, (first + ntok - 1) // block_size
+    nspan = np.where(ntok > 0, c1 - c0 + 1, 0)
+    req = np.repeat(np.arange(nspan.size), nspan)
+    col = c0[req] + (np.arange(req.size) - (np.cumsum(nspan) - nspan)[req])
+    lo = np.maximum(col * block_size, first[req])
+    last = np.minimum(col * block_size + block_size, (first + ntok)[req]) - 1
+    count = last - lo + 1
+    block = table[rows[req], np.minimum(col, table.shape[1] - 1)]
+    in_row = col < row_lens[req]
+    # A token's slot is its block's base plus its offset: along a span, one more per token.
+    start = block * block_size + (lo - col * block_size) - (np.cumsum(count) - count)
+    expected = np.arange(int(count.sum())) + np.repeat(start, count)
+    spans = TokenSpans(req, count, last, block, in_row)
+    return expected, np.repeat(in_row, count), np.repeat(block, count), spans
 
 
 # -- the rules ---------------------------------------------------------------------------------------------

@@ -714,7 +714,6 @@ class RankTables:
         )
         tok_req, pos = token_positions(first_pos, num_tokens)
         total = pos.size
-        tok_rows = rows if tok_req is None else rows[tok_req]
         tok_known = None if all_known else (known if tok_req is None else known[tok_req])
 
         groups: list[GroupFacts] = []
@@ -743,21 +742,24 @@ class RankTables:
                     cov.unchecked[Unchecked.TOKENS_WITHOUT_SLOT] += total - num_real
                 n = min(num_real, total)
                 # Real entries beyond the scheduled tokens are owned by nobody, like padding.
-                self._token_facts(facts, g, slots[:n], tok_req, tok_rows, tok_known, pos)
+                self._token_facts(facts, g, slots[:n], rows, first_pos, num_tokens, tok_req, tok_known, pos)
                 facts.padding = slots[n:]
             self._read_facts(facts, g, gp, rows, None if all_known else known, cov)
             groups.append(facts)
         return PlanFacts(indices, rows, known, requests, groups)
 
-    def _token_facts(self, facts: GroupFacts, g: GroupTable, real, tok_req, tok_rows, tok_known, pos) -> None:
+    def _token_facts(self, facts: GroupFacts, g: GroupTable, real, rows, first, ntok, tok_req, tok_known, pos) -> None:
+        """Each token's facts from its request's (`rows`, `first`, `ntok`: per request); the first
+        `real.size` tokens, those the plan gives a slot."""
+        expected, in_row, block, spans = slot_targets(g.table, rows, g.lens[rows], first, ntok, g.block_size)
         n = real.size
         if n < pos.size:
-            pos, tok_rows = pos[:n], tok_rows[:n]
+            pos = pos[:n]
             tok_req = tok_req[:n] if tok_req is not None else None
             tok_known = tok_known[:n] if tok_known is not None else None
-        facts.expected, facts.in_row, facts.block = slot_targets(g.table, g.lens[tok_rows], tok_rows, pos, g.block_size)
+        facts.expected, facts.in_row, facts.block = expected[:n], in_row[:n], block[:n]
         facts.real, facts.tok_known, facts.tok_req, facts.pos = real, tok_known, tok_req, pos
-        facts.shared = shared_blocks(g, facts.block)
+        facts.shared = np.repeat(shared_blocks(g, spans.block), spans.count)[:n]
 
     def _read_facts(self, facts: GroupFacts, g: GroupTable, gp: GroupPlan, rows, known, cov: Coverage) -> None:
         row_lens = unpack_i32(gp.row_lens)
@@ -972,7 +974,7 @@ class RankTables:
                     self.req_id(int(indices[r])),
                 )
             )
-        self._token_facts(facts, g, real, tok_req, rows[tok_req], tok_known, pos)
+        self._token_facts(facts, g, real, rows, first, num_tokens, tok_req, tok_known, pos)
 
     # -- connector and snapshots ---------------------------------------------------------
     def apply_connector(self, event: ConnectorEvent, cov: Coverage) -> list[Violation]:

@@ -193,7 +193,8 @@ def test_slot_formula():
     for case in vector("slots.json")["cases"]:
         row, bs, pos = np.array([case["row"]], np.int64), case["block_size"], np.array(case["positions"], np.int64)
         expected = [case["row"][p // bs] * bs + p % bs for p in case["positions"]]
-        slots, in_row, _ = slot_targets(row, np.full(pos.size, row.shape[1]), np.zeros(pos.size, np.int64), pos, bs)
+        ones, rows = np.ones(pos.size, np.int64), np.zeros(pos.size, np.int64)
+        slots, in_row, _, _ = slot_targets(row, rows, np.full(pos.size, row.shape[1]), pos, ones, bs)
         assert slots.tolist() == expected == case["slots"]
         assert in_row.all()
 
