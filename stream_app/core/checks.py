@@ -123,19 +123,25 @@ def slot_targets(
     tokens share their blocks.
     """
     first = first.astype(np.int64)
-    c0, c1 = first // block_size, (first + ntok - 1) // block_size
-    nspan = np.where(ntok > 0, c1 - c0 + 1, 0)
-    req = np.repeat(np.arange(nspan.size), nspan)
-    col = c0[req] + (np.arange(req.size) - (np.cumsum(nspan) - nspan)[req])
-    lo = np.maximum(col * block_size, first[req])
-    last = np.minimum(col * block_size + block_size, (first + ntok)[req]) - 1
-    count = last - lo + 1
+    decode = bool((ntok == 1).all())  # a token per request: a span each
+    if decode:
+        req, col, lo, last, count = np.arange(first.size), first // block_size, first, first, ntok
+    else:
+        c0, c1 = first // block_size, (first + ntok - 1) // block_size
+        nspan = np.where(ntok > 0, c1 - c0 + 1, 0)
+        req = np.repeat(np.arange(nspan.size), nspan)
+        col = c0[req] + (np.arange(req.size) - (np.cumsum(nspan) - nspan)[req])
+        lo = np.maximum(col * block_size, first[req])
+        last = np.minimum(col * block_size + block_size, (first + ntok)[req]) - 1
+        count = last - lo + 1
     block = table[rows[req], np.minimum(col, table.shape[1] - 1)]
     in_row = col < row_lens[req]
-    # A token's slot is its block's base plus its offset: along a span, one more per token.
-    start = block * block_size + (lo - col * block_size) - (np.cumsum(count) - count)
-    expected = np.arange(int(count.sum())) + np.repeat(start, count)
     spans = TokenSpans(req, count, last, block, in_row)
+    slot = block * block_size + (lo - col * block_size)  # each span's first token's
+    if decode:
+        return slot, in_row, block, spans
+    # Along a span, one slot more per token.
+    expected = np.arange(int(count.sum())) + np.repeat(slot - (np.cumsum(count) - count), count)
     return expected, np.repeat(in_row, count), np.repeat(block, count), spans
 
 
