@@ -221,8 +221,7 @@ class Ledger:
         for key, (seq, step) in expect.items():
             slot = self.ranks[key]
             slot.next_seq, slot.last_step = seq, step - 1
-        for event in events:
-            self._transfers(event.rank, event, out)
+        self._run_transfers(events, expect, out)
         for key, _, body in seen:  # in order: a step's digests come before its writes
             if body.content is not None:
                 self._check_content(key, self.ranks[key], body, out)
@@ -233,6 +232,19 @@ class Ledger:
                 lead = None if self.follower(key) else (True, [], [])
                 self._cross_rank(key, body, out=out, lead=lead, fps=fps[key][body.step])
         return True
+
+    def _run_transfers(self, events: list[LedgerEvent], ends: dict[RankKey, tuple[int, int]], out) -> None:
+        """What `_transfers` does for each step of a run: at once, each rank's clocks moved to its last
+        step, where none of the run's steps matters to a receive or brings something due."""
+        join = self.transfer_join
+        if any(
+            self.transfer_use.waiting(k) or (join is not None and join.due_by(k, s - 1)) for k, (_, s) in ends.items()
+        ):
+            for event in events:
+                self._transfers(event.rank, event, out)
+        elif join is not None:
+            for key, (_, step) in ends.items():
+                join.advance(key, step - 1)
 
     def _agreeing_fingerprints(self, per_rank: dict[RankKey, list[Step]]) -> dict | None:
         """Fingerprints of the steps of ranks that have a group to agree with, per rank and step, when

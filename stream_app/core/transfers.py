@@ -190,6 +190,11 @@ class TransferJoin:
                 self._deadline(tid, role, key, at, step, out)
         return out
 
+    def due_by(self, key: RankKey, step: int) -> bool:
+        """Something of the rank falls due at or before `step` (a deadline, a retirement)."""
+        due = self._due.get(key)
+        return bool(due) and due[0][0] <= step
+
     def _schedule(self, key: RankKey, step: int, tid: str, what: str) -> None:
         heapq.heappush(self._due.setdefault(key, []), (step, tid, what))
 

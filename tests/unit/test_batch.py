@@ -14,8 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvledger.producer import records
 from kvledger.schemas.events import Step, event_of, events_of
-from kvledger.schemas.kinds import Check, ViolationKind
+from kvledger.schemas.kinds import Check, ConnectorKind, ViolationKind
 from kvledger.stream_app.core import Ledger, batch
 from tests.synthetic.engine import FAULTS, SHARING_FAULTS, FaultSpec, SimConfig, simulate
 
@@ -172,3 +173,28 @@ def test_a_block_shared_before_a_run_and_written_in_it_is_judged_step_by_step():
     config = _recycled_block_at_5(seed=2352, num_blocks=35, arrival_rate=0.5, prompt_len=(1, 128), output_len=(1, 3))
     violations = assert_same(simulate(config).events, batch_steps=2)
     assert ViolationKind.SHARED_BLOCK_WRITE in {v.kind for v in violations}
+
+
+@pytest.mark.parametrize("deadline", [25, 150])
+def test_a_transfer_falling_due_inside_a_run_is_reported_as_step_by_step(fast_runs, deadline):
+    """The fast path moves the transfer join's clocks a run at a time. A send no decode engine ever
+    pulls (stuck) falls due inside a run: reported as step by step, at the same step, and the runs around it
+    are still taken."""
+    events = simulate(DECODE_HEAVY).events
+    at = [i for i, e in enumerate(events) if e["body"][0] == "kvledger.Step"][10]
+    first = events[at]
+    intent = records.connector_event(
+        9, "sim", ConnectorKind.SEND_INTENT, req_id="lost", transfer_id="t-lost", block_ids=[[]]
+    )
+    keys = ("engine_id", "dp_rank", "tp_rank", "pp_rank", "incarnation")
+    events.insert(at, records.envelope_record(*(first[k] for k in keys), first["seq"], first["emitted_at_us"], intent))
+    for e in events[at + 1 :]:
+        e["seq"] += 1
+    one = Ledger(transfer_deadline_steps=deadline)
+    stepwise = [v for e in events for v in one.apply(event_of(e))] + one.finish()
+    many = Ledger(transfer_deadline_steps=deadline, batch_steps=64)
+    batched = many.apply_many(events_of(events)) + many.finish()
+    assert batched == stepwise
+    assert (many.coverage.checks, many.coverage.unchecked) == (one.coverage.checks, one.coverage.unchecked)
+    assert [(v.kind, v.step) for v in batched] == [(ViolationKind.TRANSFER_STUCK, 9 + deadline)]
+    assert sum(fast_runs) > 300
