@@ -134,8 +134,9 @@ def slot_targets(
         lo = np.maximum(col * block_size, first[req])
         last = np.minimum(col * block_size + block_size, (first + ntok)[req]) - 1
         count = last - lo + 1
-    block = table[rows[req], np.minimum(col, table.shape[1] - 1)]
-    in_row = col < row_lens[req]
+        rows, row_lens = rows[req], row_lens[req]
+    block = table[rows, np.minimum(col, table.shape[1] - 1)]
+    in_row = col < row_lens
     spans = TokenSpans(req, count, last, block, in_row)
     slot = block * block_size + (lo - col * block_size)  # each span's first token's
     if decode:
