@@ -448,7 +448,7 @@ class RankTables:
         if not ok.all():
             cov.unchecked[Unchecked.UNKNOWN_REQUEST] += int((~ok).sum())
         ends = np.cumsum(counts)
-        for gid in np.unique(gids[ok]).tolist():
+        for gid in sorted(set(gids[ok].tolist())):
             mine = ok & (gids == gid)
             grant = grants[gid] = grants[gid] or [[], [], []]
             grant[0] += rows[mine].tolist()
@@ -477,12 +477,16 @@ class RankTables:
             self._check_layout(step, meeting, flat[real], owner[real], out, cov)
         mine = flat[real]
         written = writes[real]
-        _, of, granted_now = np.unique(mine, return_inverse=True, return_counts=True)
+        if len(set(mine.tolist())) == mine.size:  # the usual: each block handed out once in the step
+            granted_now, writers = 1, written
+        else:
+            _, of, counts = np.unique(mine, return_inverse=True, return_counts=True)
+            granted_now, writers = counts[of], np.bincount(of, weights=written, minlength=counts.size)[of]
         facts = GrantFacts(
             elsewhere=g.held_elsewhere(mine, cols[real]),
             written=written,
-            prior=self.holders(mine) - granted_now[of],
-            writers=np.bincount(of, weights=written, minlength=granted_now.size)[of],
+            prior=self.holders(mine) - granted_now,
+            writers=writers,
             sending=g.in_transfer(mine),
         )
         if facts.sending.any():
@@ -1061,6 +1065,8 @@ class RankTables:
 def _in_order(rows: np.ndarray) -> list[int]:
     """The distinct rows of `rows` in the order they first appear, the order of the step's requests: a
     report's order never depends on the row numbers, which the fast path assigns its own way."""
+    if rows.size == 0:  # the common case: nothing to report
+        return []
     _, first = np.unique(rows, return_index=True)
     return rows[np.sort(first)].tolist()
 
