@@ -29,6 +29,17 @@ from kvledger.stream_app.core.tables import NULL_BLOCK, UNKNOWN_FILL
 # -- the facts ------------------------------------------------------------------------------------
 
 
+class TokenSpans(NamedTuple):
+    """The plan's tokens cut where their request or its row position changes: one entry per request and
+    block it writes into, in token order. What holds for a block holds for each of its tokens."""
+
+    req: np.ndarray  # the request (index into the plan's requests)
+    count: np.ndarray  # how many of its tokens fall in this block
+    last: np.ndarray  # the position of the last of them
+    block: np.ndarray  # the ledger's block there (the row's cell, if the position is inside the row)
+    in_row: np.ndarray  # the position lies inside the row
+
+
 @dataclass(slots=True)
 class RequestFacts:
     """The plan's requests, one entry each (on the fast path: each request at each step of the run)."""
@@ -59,6 +70,7 @@ class GroupFacts:
     pos: np.ndarray | None = None
     padding: np.ndarray | None = None  # slots past the scheduled tokens: owned by nobody
     shared: np.ndarray | None = None  # per token: its ledger block is full and held by two requests or more
+    spans: TokenSpans | None = None  # the tokens a block at a time, where all are known and have a slot
     # Per request, the row attention reads: as the plan says (length, wire digest), as the ledger has
     # it (length, digest); whether the ledger knows the request (None: all).
     plan_lens: np.ndarray | None = None
@@ -99,17 +111,6 @@ def token_positions(first: np.ndarray, ntok: np.ndarray) -> tuple[np.ndarray | N
         return None, first
     tok_req = np.repeat(np.arange(ntok.size), ntok)
     return tok_req, first[tok_req] + (np.arange(tok_req.size) - (np.cumsum(ntok) - ntok)[tok_req])
-
-
-class TokenSpans(NamedTuple):
-    """The plan's tokens cut where their request or its row position changes: one entry per request and
-    block it writes into, in token order. What holds for a block holds for each of its tokens."""
-
-    req: np.ndarray  # the request (index into the plan's requests)
-    count: np.ndarray  # how many of its tokens fall in this block
-    last: np.ndarray  # the position of the last of them
-    block: np.ndarray  # the ledger's block there (the row's cell, if the position is inside the row)
-    in_row: np.ndarray  # the position lies inside the row
 
 
 def slot_targets(

@@ -661,11 +661,16 @@ class RankTables:
             if f.real is None:
                 continue
             g = self.groups[f.group_id]
-            ok = (f.real == f.expected) & f.in_row & g.in_pool(f.block) & (f.block != NULL_BLOCK)
-            if f.tok_known is not None:
-                ok &= f.tok_known
+            if f.spans is not None and (f.real == f.expected).all():  # the usual: a block at a time
+                at, last = f.spans.block, f.spans.last
+                ok = f.spans.in_row & g.in_pool(at) & (at != NULL_BLOCK)
+            else:
+                at, last = f.block, f.pos
+                ok = (f.real == f.expected) & f.in_row & g.in_pool(at) & (at != NULL_BLOCK)
+                if f.tok_known is not None:
+                    ok &= f.tok_known
             if ok.any():
-                g.mark_written(f.block[ok], f.pos[ok] % g.block_size)
+                g.mark_written(at[ok], last[ok] % g.block_size)
         for g, blocks, readers, at in self.pending_reads:
             fill = g.fill[blocks]
             known = fill != UNKNOWN_FILL
@@ -764,6 +769,8 @@ class RankTables:
         facts.expected, facts.in_row, facts.block = expected[:n], in_row[:n], block[:n]
         facts.real, facts.tok_known, facts.tok_req, facts.pos = real, tok_known, tok_req, pos
         facts.shared = np.repeat(shared_blocks(g, spans.block), spans.count)[:n]
+        if n == pos.size and tok_known is None:
+            facts.spans = spans
 
     def _read_facts(self, facts: GroupFacts, g: GroupTable, gp: GroupPlan, rows, known, cov: Coverage) -> None:
         row_lens = unpack_i32(gp.row_lens)
