@@ -53,7 +53,9 @@ PAIR_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "KVLEDGER_WORKAROUND_CPU_DEVICE_INDEX": "1",  # see plugins/kvledger_workaround_cpu_device_index.py
 }
-CORES = {"prefill": "0", "decode": "1"}  # one core each (VLLM_CPU_OMP_THREADS_BIND)
+# One core each (VLLM_CPU_OMP_THREADS_BIND); two pairs run at once take them the other way round.
+CORES = {"prefill": "0", "decode": "1"}
+SWAPPED_CORES = {"KVLEDGER_PAIR_CORES": "1,0"}  # a pair's env: its prefill engine on core 1, decode on 0
 LOOPBACK_ONLY = ["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "pd-pair"]
 
 
@@ -144,11 +146,17 @@ def run_pd_pair(
 
 
 # -- driver (the vLLM interpreter, inside the namespace) --------------------------------------
+def _cores() -> dict[str, str]:
+    """The core each engine of the pair takes: CORES, or as KVLEDGER_PAIR_CORES says ("1,0")."""
+    given = os.environ.get("KVLEDGER_PAIR_CORES")
+    return CORES if given is None else dict(zip(CORES, given.split(","), strict=True))
+
+
 def _engine(model: str, role: str, engine_id: str, spec: dict):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = CORES[role]  # read by the engine's own processes
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _cores()[role]  # read by the engine's own processes
     kv_transfer = KVTransferConfig(
         kv_connector="MooncakeConnector",
         kv_role="kv_producer" if role == "prefill" else "kv_consumer",

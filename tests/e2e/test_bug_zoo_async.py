@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,16 +92,22 @@ class InFlightPair:
 
 
 def pair_runs(tmp_path_factory, name: str, spec: dict, fault: dict[str, str]) -> InFlightPair:
-    """zoo_pair.py's in_flight mode twice, the decode engine asynchronous: with the fault, then without."""
+    """zoo_pair.py's in_flight mode twice at once, the decode engine asynchronous: with the fault and
+    without. Each pair has its own network namespace, ledger and markers, and its engines take the two
+    cores the other way round from the other's (a pair's engines work in turn)."""
+    from tests.e2e.pd_pair import SWAPPED_CORES
     from tests.e2e.test_pd_pair import _pair_ready
     from tests.e2e.zoo_pair import run_zoo_pair
 
-    python, runs, ledgers = _pair_ready(), [], []
-    for run, env in (("faulty", fault), ("clean", {})):
-        root = tmp_path_factory.mktemp(f"zoo-{name}-{run}")
-        paths = {"ledger_root": str(root / "ledger"), "markers": str(root)}
-        runs.append(run_zoo_pair(python, {"mode": "in_flight", **spec, **paths}, {**ASYNC_DECODE, **env}))
-        ledgers.append(root / "ledger")
+    python, jobs, ledgers = _pair_ready(), [], []
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for run, env in (("faulty", fault), ("clean", SWAPPED_CORES)):
+            root = tmp_path_factory.mktemp(f"zoo-{name}-{run}")
+            paths = {"ledger_root": str(root / "ledger"), "markers": str(root)}
+            spec_env = ({"mode": "in_flight", **spec, **paths}, {**ASYNC_DECODE, **env})
+            jobs.append(pool.submit(run_zoo_pair, python, *spec_env))
+            ledgers.append(root / "ledger")
+        runs = [job.result() for job in jobs]
     return InFlightPair(*runs, *ledgers)
 
 
