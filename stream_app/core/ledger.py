@@ -233,18 +233,20 @@ class Ledger:
                 self._cross_rank(key, body, out=out, lead=lead, fps=fps[key][body.step])
         return True
 
-    def _run_transfers(self, events: list[LedgerEvent], ends: dict[RankKey, tuple[int, int]], out) -> None:
+    def _run_transfers(
+        self, events: list[LedgerEvent], ends: dict[RankKey, tuple[int, int]], out: list[Violation]
+    ) -> None:
         """What `_transfers` does for each step of a run: at once, each rank's clocks moved to its last
-        step, where none of the run's steps matters to a receive or brings something due."""
+        step, where none of the run's steps matters to a receive or brings something due. `ends`: each
+        rank's next seq and step after the run."""
         join = self.transfer_join
-        if any(
-            self.transfer_use.waiting(k) or (join is not None and join.due_by(k, s - 1)) for k, (_, s) in ends.items()
-        ):
+        last = {key: step - 1 for key, (_, step) in ends.items()}
+        if any(self.transfer_use.waiting(k) or (join is not None and join.due_by(k, n)) for k, n in last.items()):
             for event in events:
                 self._transfers(event.rank, event, out)
         elif join is not None:
-            for key, (_, step) in ends.items():
-                join.advance(key, step - 1)
+            for key, step in last.items():
+                join.advance(key, step)
 
     def _agreeing_fingerprints(self, per_rank: dict[RankKey, list[Step]]) -> dict | None:
         """Fingerprints of the steps of ranks that have a group to agree with, per rank and step, when
