@@ -87,8 +87,9 @@ def _best(fn, repeat: int) -> float:
 
 
 def measure(name: str, steps: int, repeat: int, chains: bool = True) -> dict:
-    extra = {} if chains else {"prefix_chains": False}
-    config = SimConfig(seed=1, steps=steps, snapshot_interval=500, health_interval=500, **STREAMS[name], **extra)
+    config = SimConfig(
+        seed=1, steps=steps, snapshot_interval=500, health_interval=500, prefix_chains=chains, **STREAMS[name]
+    )
     sim = simulate(config)
     step_events = sum(e["body"][0] == "kvledger.Step" for e in sim.events)
     reqs = [

@@ -46,7 +46,7 @@ from kvledger.stream_app.core.checks import (
     slot_targets,
     unwritten_failures,
 )
-from kvledger.stream_app.core.rank_tables import IN_FLIGHT_KEPT, RankTables, shared_blocks
+from kvledger.stream_app.core.rank_tables import IN_FLIGHT_KEPT, RankTables, shared_tokens, written_spans
 from kvledger.stream_app.core.tables import NULL_BLOCK, UNKNOWN_FILL, last_of_runs, positions_differ, written_from
 from kvledger.stream_app.core.violations import Coverage
 
@@ -383,10 +383,10 @@ def _check_group(state, g, run, gid, shape, comp_m, cov):
         # As the blocks stood before the run; a block two requests or more held then and the run writes
         # goes step by step (below: whether it was full at the write is known only there), as does one
         # handed out to be read in the run and written after (_reads_clean).
-        shared=np.repeat(shared_blocks(g, spans.block), spans.count),
+        shared=shared_tokens(g, spans),
     )
-    # The blocks the run writes, a span (its tokens in one block) at a time; as settle_reads marks.
-    wrote = np.flatnonzero(spans.in_row & (spans.block > NULL_BLOCK) & (spans.block < g.num_blocks))
+    # The blocks the run writes, a span (its tokens in one block) at a time.
+    wrote = np.flatnonzero(written_spans(g, spans))
     if (g.hold_count[spans.block[wrote]] >= 2).any():
         return None
 
@@ -573,5 +573,5 @@ def _released_blocks(g, rel_rows, rel_b, appended):
     row_of_blk = np.repeat(rel_rows, n)
     cols = np.repeat(starts, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
     blocks = g.table[row_of_blk, cols]
-    held = (blocks > NULL_BLOCK) & (blocks < g.num_blocks)  # as GroupTable.hold counts them
+    held = g.ownable(blocks)  # as GroupTable.hold counts them
     return blocks[held], cols[held], np.repeat(2 * rel_b, n)[held]

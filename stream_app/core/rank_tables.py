@@ -42,6 +42,7 @@ from kvledger.stream_app.core.checks import (
     GroupFacts,
     ReadFacts,
     RequestFacts,
+    TokenSpans,
     draft_position_failures,
     grant_failures,
     in_flight_reuse_failures,
@@ -262,9 +263,7 @@ class RankTables:
         freed = set(inp.finished_req_ids) | set(inp.preempted_req_ids)
         for _, req_id, blocks in loads:
             # Block ids name one pool: a load into any group's block races a use in any group.
-            dest = np.concatenate(
-                [b[g.in_pool(b) & (b != NULL_BLOCK)] for g, b in zip(self.groups, blocks, strict=False)]
-            )
+            dest = np.concatenate([b[g.ownable(b)] for g, b in zip(self.groups, blocks, strict=False)])
             if dest.size:
                 cov.checks[Check.IN_FLIGHT_LOAD] += 1
                 for d in window:
@@ -303,7 +302,7 @@ class RankTables:
     @staticmethod
     def _copied(g: GroupTable, copies: np.ndarray) -> None:
         """Whole-block copies (source, destination) of the worker: what each destination holds now."""
-        inside = g.in_pool(copies).all(axis=1) & (copies != NULL_BLOCK).all(axis=1)
+        inside = g.ownable(copies).all(axis=1)
         if inside.any():
             g.copy_content(copies[inside, 0], copies[inside, 1])
 
@@ -311,7 +310,7 @@ class RankTables:
         """Live holders of each block, counted across groups: block ids name one pool."""
         count = np.zeros(blocks.size, np.int64)
         for g in self.groups:
-            inside = g.in_pool(blocks) & (blocks != NULL_BLOCK)
+            inside = g.ownable(blocks)
             count[inside] += g.hold_count[blocks[inside]]
         return count
 
@@ -340,7 +339,7 @@ class RankTables:
         holders = self.holders(blocks)
         sending = np.zeros(blocks.size, bool)
         for g in self.groups:
-            inside = g.in_pool(blocks) & (blocks != NULL_BLOCK)
+            inside = g.ownable(blocks)
             sending[inside] |= g.send_hold[blocks[inside]] > 0  # a receive's blocks are its request's to zero
         outside = ~self.groups[0].in_pool(blocks) if self.groups else np.zeros(blocks.size, bool)
         bad = outside | sending | (holders > 1)
@@ -662,11 +661,10 @@ class RankTables:
                 continue
             g = self.groups[f.group_id]
             if f.spans is not None and (f.real == f.expected).all():  # the usual: a block at a time
-                at, last = f.spans.block, f.spans.last
-                ok = f.spans.in_row & g.in_pool(at) & (at != NULL_BLOCK)
+                at, last, ok = f.spans.block, f.spans.last, written_spans(g, f.spans)
             else:
                 at, last = f.block, f.pos
-                ok = (f.real == f.expected) & f.in_row & g.in_pool(at) & (at != NULL_BLOCK)
+                ok = (f.real == f.expected) & f.in_row & g.ownable(at)
                 if f.tok_known is not None:
                     ok &= f.tok_known
             if ok.any():
@@ -768,7 +766,7 @@ class RankTables:
             tok_known = tok_known[:n] if tok_known is not None else None
         facts.expected, facts.in_row, facts.block = expected[:n], in_row[:n], block[:n]
         facts.real, facts.tok_known, facts.tok_req, facts.pos = real, tok_known, tok_req, pos
-        facts.shared = np.repeat(shared_blocks(g, spans.block), spans.count)[:n]
+        facts.shared = shared_tokens(g, spans)[:n]
         if n == pos.size and tok_known is None:
             facts.spans = spans
 
@@ -1009,7 +1007,7 @@ class RankTables:
                 self._release(receive, hold)
                 if kind == ConnectorKind.RECV_DONE:  # written by the transfer, from a prefix known elsewhere
                     for g, b in zip(self.groups, hold.blocks, strict=False):
-                        g.mark_received(b[g.in_pool(b) & (b != NULL_BLOCK)])
+                        g.mark_received(b[g.ownable(b)])
                 if kind == ConnectorKind.SEND_DONE:
                     cov.checks[Check.SEND_HOLD] += 1
                     if hold.reused is not None:
@@ -1084,13 +1082,19 @@ def _count(counter, key, n: int) -> None:
         counter[key] += n
 
 
-def shared_blocks(g: GroupTable, blocks: np.ndarray) -> np.ndarray:
-    """Per token's block (the ledger's): full and held by two live requests or more (see
+def shared_tokens(g: GroupTable, spans: TokenSpans) -> np.ndarray:
+    """Per token: its ledger block is full and held by two live requests or more (see
     `GroupTable.sealed_and_shared`); blocks outside the pool and the null block are nobody's."""
-    shared = np.zeros(blocks.size, bool)
-    inside = g.in_pool(blocks) & (blocks != NULL_BLOCK)
-    shared[inside] = g.sealed_and_shared(blocks[inside])
-    return shared
+    shared = np.zeros(spans.block.size, bool)
+    inside = g.ownable(spans.block)
+    shared[inside] = g.sealed_and_shared(spans.block[inside])
+    return np.repeat(shared, spans.count)
+
+
+def written_spans(g: GroupTable, spans: TokenSpans) -> np.ndarray:
+    """The spans whose tokens land, inside their row, in a block a write fills: what a plan's writes
+    mark (a clean plan's; the fast path judges its runs by the same)."""
+    return spans.in_row & g.ownable(spans.block)
 
 
 def _req(token: int, tok_req) -> int:

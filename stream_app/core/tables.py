@@ -114,10 +114,14 @@ class GroupTable:
     def in_pool(self, blocks: np.ndarray) -> np.ndarray:
         return (blocks >= 0) & (blocks < self.num_blocks)
 
+    def ownable(self, blocks: np.ndarray) -> np.ndarray:
+        """Ids a request can hold and a write can fill: in the pool, not the null block."""
+        return (blocks > NULL_BLOCK) & (blocks < self.num_blocks)
+
     def hold(self, blocks: np.ndarray, positions: np.ndarray, sign: int) -> None:
         """Blocks (at their row positions) gain (+1) or lose (-1) a holder; ids outside the pool and the
         null block are nobody's."""
-        keep = (blocks > NULL_BLOCK) & (blocks < self.num_blocks)
+        keep = self.ownable(blocks)
         if not keep.all():
             blocks, positions = blocks[keep], positions[keep]
         np.add.at(self.hold_count, blocks, sign)
@@ -129,7 +133,7 @@ class GroupTable:
         return positions_differ(self.hold_count[blocks], self.hold_sum[blocks], self.hold_sumsq[blocks], positions)
 
     def hold_for_transfer(self, receive: bool, blocks: np.ndarray, sign: int) -> None:
-        blocks = blocks[(blocks > NULL_BLOCK) & (blocks < self.num_blocks)]
+        blocks = blocks[self.ownable(blocks)]
         np.add.at(self.recv_hold if receive else self.send_hold, blocks, sign)
 
     def in_transfer(self, blocks: np.ndarray) -> np.ndarray:
