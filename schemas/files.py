@@ -42,6 +42,7 @@ import fastavro
 from fastavro.schema import to_parsing_canonical_form
 from fastavro.write import Writer
 
+from kvledger.schemas.kinds import ReadFailure
 from kvledger.schemas.registry import LEDGER_EVENT, RANK_INFO, SNAPSHOT
 
 log = logging.getLogger("kvledger.producer")  # the writer runs in the producer
@@ -316,7 +317,7 @@ class SegmentWriter:
 @dataclass(frozen=True)
 class ReadProblem:
     path: str
-    reason: str  # short machine-readable reason, e.g. 'truncated', 'not_avro'
+    reason: ReadFailure
     detail: str
     events_read: int
 
@@ -330,6 +331,13 @@ class RankStream:
     tp: int
     pp: int
     segments: list[Path] = field(default_factory=list)
+    # The engine and rank its directories name, where its events name another (a directory renamed or
+    # copied): the stream is read as its events say, this is kept to say so. None where they agree.
+    laid_out_as: tuple[str, int, int, int] | None = None
+
+    @property
+    def identity(self) -> tuple[str, int, int, int]:
+        return self.engine_id, self.dp, self.tp, self.pp
 
 
 class LedgerPathError(ValueError):
@@ -407,13 +415,25 @@ def _first_event(path: Path) -> dict[str, Any] | None:
     return None
 
 
+def _as_its_events_say(stream: RankStream) -> RankStream:
+    """`stream` under the engine and rank its first readable event names, where its directories name
+    another (renamed or copied): it is read, checked and listed once, as the events' own."""
+    first = next(filter(None, map(_first_event, stream.segments)), None)
+    if first is None:
+        return stream  # nothing readable: the layout is all there is to go by
+    told = (first["engine_id"], first["dp_rank"], first["tp_rank"], first["pp_rank"])
+    if told == stream.identity:
+        return stream
+    return RankStream(*told, stream.segments, laid_out_as=stream.identity)
+
+
 def _stream_of_file(path: Path) -> RankStream:
-    """A single segment's stream: its engine and rank from the layout above it (its rank directory
-    and that one's engine directory), else from its first event."""
+    """A single segment's stream: its engine and rank from its first event, else from the layout
+    above it (its rank directory and that one's engine directory)."""
     match = _RANK_DIR.match(path.parent.name)
     if match and path.parent.parent.name:
         dp, tp, pp = (int(x) for x in match.groups())
-        return RankStream(unquote(path.parent.parent.name), dp, tp, pp, [path])
+        return _as_its_events_say(RankStream(unquote(path.parent.parent.name), dp, tp, pp, [path]))
     event = _first_event(path)
     if event is None:
         return RankStream("?", -1, -1, -1, [path])
@@ -434,7 +454,9 @@ def _rank_dirs(directory: Path, depth: int) -> Iterator[Path]:
 def discover(path: str | Path) -> list[RankStream]:
     """The rank streams at `path`: a ledger root, any directory inside one (an engine's, a rank's), a
     directory of roots, or a single segment file. Engine and rank come from the layout, upward from
-    a rank directory or a segment (`ROOT/<engine_id>/dp<D>-tp<T>-pp<P>/`).
+    a rank directory or a segment (`ROOT/<engine_id>/dp<D>-tp<T>-pp<P>/`), unless the stream's first
+    readable event names others (a directory renamed or copied): then they are the events' own, and
+    `laid_out_as` keeps what the directories named.
 
     A directory without that layout is read as a flat set of segments, one stream each (engine and
     rank from each one's first event). Raises LedgerPathError, one line naming the path, for a path
@@ -462,7 +484,7 @@ def discover(path: str | Path) -> list[RankStream]:
             dp, tp, pp = (int(x) for x in _RANK_DIR.match(rdir.name).groups())
             # The paths as given (relative stays relative): messages name what the user typed.
             shown = [given / p.relative_to(where) for p in segments]
-            streams.append(RankStream(unquote(rdir.parent.name), dp, tp, pp, _checked(shown)))
+            streams.append(_as_its_events_say(RankStream(unquote(rdir.parent.name), dp, tp, pp, _checked(shown))))
     if streams:
         return streams
     # No rank directories: a flat directory of segments, read as they are, one stream each.
@@ -519,7 +541,7 @@ def read_segment(
     count = 0
     try:
         if os.path.getsize(path) == 0:
-            problems.append(ReadProblem(str(path), "empty_file", "file is empty", 0))
+            problems.append(ReadProblem(str(path), ReadFailure.EMPTY, "file is empty", 0))
             return
         with open(path, "rb") as fo:
             try:
@@ -537,7 +559,7 @@ def read_segment(
                     if _AVRO_MAGIC.startswith(fo.read(len(_AVRO_MAGIC)))
                     else "not an Avro object container file"
                 )
-                problems.append(ReadProblem(str(path), "not_avro", f"{what} ({type(exc).__name__})", 0))
+                problems.append(ReadProblem(str(path), ReadFailure.NOT_AVRO, f"{what} ({type(exc).__name__})", 0))
                 return
             whole_end = fo.tell()  # the end of the header, then of the last whole block
             try:
@@ -554,9 +576,9 @@ def read_segment(
                 problems.append(_block_problem(path, blocks._header["sync"], whole_end, exc, count))
     except FileNotFoundError:
         # Listed, then gone: deleted by the writer's retention (the oldest segments go first).
-        problems.append(ReadProblem(str(path), "deleted", "the segment was deleted while being read", count))
+        problems.append(ReadProblem(str(path), ReadFailure.DELETED, "the segment was deleted while being read", count))
     except (OSError, ValueError) as exc:
-        problems.append(ReadProblem(str(path), "corrupt", f"{type(exc).__name__}: {exc}", count))
+        problems.append(ReadProblem(str(path), ReadFailure.CORRUPT, f"{type(exc).__name__}: {exc}", count))
 
 
 def _block_problem(path: Path, sync: bytes, start: int, exc: Exception, events_read: int) -> ReadProblem:
@@ -566,8 +588,9 @@ def _block_problem(path: Path, sync: bytes, start: int, exc: Exception, events_r
         rest = fo.read()
     if sync not in rest:
         detail = f"torn last block: {len(rest)} byte(s) after the last whole block at offset {start}"
-        return ReadProblem(str(path), "truncated", detail, events_read)
-    return ReadProblem(str(path), "corrupt", f"block at offset {start}: {type(exc).__name__}: {exc}", events_read)
+        return ReadProblem(str(path), ReadFailure.TRUNCATED, detail, events_read)
+    detail = f"block at offset {start}: {type(exc).__name__}: {exc}"
+    return ReadProblem(str(path), ReadFailure.CORRUPT, detail, events_read)
 
 
 def incarnation_of(segment: Path) -> int | None:
@@ -590,7 +613,7 @@ def unconfirmed_end(segment: Path, last_seq: int, events_read: int) -> ReadProbl
         )
     else:
         detail = f"the writer confirmed the stream through seq {marker.seq}, the file ends at seq {last_seq}"
-    return ReadProblem(str(segment), "truncated", detail, events_read)
+    return ReadProblem(str(segment), ReadFailure.TRUNCATED, detail, events_read)
 
 
 def _continued(segment: Path) -> bool:

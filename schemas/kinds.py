@@ -330,6 +330,40 @@ class Unchecked(StrEnum):
     # Async scheduling's window.
     IN_FLIGHT_UNMODELLED = "in_flight_unmodelled"  # a load beside a step in flight, in a group of a kind not modelled
     IN_FLIGHT_UNKNOWN = "in_flight_unknown"  # a load beside steps in flight the tables no longer know
+    # Input lost before any check could see it (LOST_INPUT): a report with any of these is never clean.
+    DROPPED_BY_PRODUCER = "dropped_by_producer"  # events the engine's probes dropped (its Health says how many)
+    TRUNCATED_FILE = "truncated_file"  # a file ledger's segment whose tail is lost
+    CORRUPT_FILE = "corrupt_file"
+    NOT_AVRO_FILE = "not_avro_file"
+    DELETED_FILE = "deleted_file"
+    EMPTY_FILE = "empty_file"
+
+
+class ReadFailure(StrEnum):
+    """Why (part of) a segment of a file ledger could not be read (ReadProblem.reason)."""
+
+    TRUNCATED = "truncated"  # its tail is lost: a torn last block, or more than its writer confirmed
+    CORRUPT = "corrupt"  # bad block data with whole blocks after it
+    NOT_AVRO = "not_avro"  # no readable Avro header
+    DELETED = "deleted"  # listed, then gone (a writer's retention)
+    EMPTY = "empty"  # zero bytes: its writer never wrote its header
+
+    @property
+    def unchecked(self) -> Unchecked:
+        """What the events it held count as: never a check that ran."""
+        return _READ_UNCHECKED[self]
+
+
+_READ_UNCHECKED = {
+    ReadFailure.TRUNCATED: Unchecked.TRUNCATED_FILE,
+    ReadFailure.CORRUPT: Unchecked.CORRUPT_FILE,
+    ReadFailure.NOT_AVRO: Unchecked.NOT_AVRO_FILE,
+    ReadFailure.DELETED: Unchecked.DELETED_FILE,
+    ReadFailure.EMPTY: Unchecked.EMPTY_FILE,
+}
+
+# Input that never reached a check: whatever else a report says, it is not clean.
+LOST_INPUT = frozenset({Unchecked.DROPPED_BY_PRODUCER, *_READ_UNCHECKED.values()})
 
 
 def group_unchecked(kind: KvGroupKind) -> Unchecked:

@@ -13,7 +13,7 @@ import sys
 import textwrap
 from collections import Counter
 from dataclasses import asdict
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from pathlib import Path
 from typing import NoReturn
 
@@ -23,10 +23,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 from rich.table import Table
 
-from kvledger.schemas.files import unread_peers
-from kvledger.schemas.kinds import Check
+from kvledger.schemas.files import RankStream, ReadProblem, unread_peers
+from kvledger.schemas.kinds import Check, ReadFailure
 from kvledger.stream_app.core import RankKey, Violation
-from kvledger.stream_app.replay import PlanWrites, Replay, RequestView, UnusableLedger, replay
+from kvledger.stream_app.replay import PlanWrites, Replay, RequestView, UnusableLedger, renamed, replay
 
 
 class ExitCode(IntEnum):
@@ -35,7 +35,9 @@ class ExitCode(IntEnum):
     CLEAN = 0  # nothing wrong found, everything asked for was checked or shown
     VIOLATIONS = 1  # violations found (query: the step's plan broke a rule for the request)
     INPUT_ERROR = 2  # unusable input, unknown id, unreachable broker; click's usage errors exit 2 too
-    NOTHING_CHECKED = 3  # read, but no check ran on the ledger or on one of its ranks: never "clean"
+    # Read, but not all of it checked: no check ran on the ledger or on one of its ranks, or input was
+    # lost before any check (a cut tail, a torn block, an unreadable file, events the producer dropped).
+    NOT_ALL_CHECKED = 3  # never "clean"
 
 
 _INPUT_ERROR_HELP = "input error, one line on stderr: a path that is missing, unreadable or no ledger, "
@@ -67,7 +69,7 @@ def main() -> None:
 
     A ledger PATH may be a ledger root, an engine's or a rank's directory inside one, or a
     single segment file (*.avro). Exit statuses, the same for every command: 0 clean, 1
-    violations, 2 input error (a usage error too), 3 nothing checked (see each command's --help).
+    violations, 2 input error (a usage error too), 3 not all checked (see each command's --help).
     """
 
 
@@ -132,22 +134,59 @@ def unchecked_ranks(result: Replay) -> list[dict]:
     return out
 
 
-def check_status(result: Replay, unchecked: list[dict]) -> ExitCode:
-    if result.violations:
-        return ExitCode.VIOLATIONS
-    if unchecked or not _kv_checks(result):
-        return ExitCode.NOTHING_CHECKED
-    return ExitCode.CLEAN
+class CheckStatus(StrEnum):
+    """What `check` concluded (its JSON summary's "status"), the first that holds in this order."""
+
+    VIOLATIONS = "violations"
+    NOTHING_CHECKED = "nothing_checked"  # no check ran on the ledger, or on one of its ranks
+    INCOMPLETE = "incomplete"  # checked, but input was lost before any check (Replay.lost)
+    CLEAN = "clean"
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return _STATUS_EXIT[self]
 
 
-_STATUS_NAMES = {
-    ExitCode.CLEAN: "clean",
-    ExitCode.VIOLATIONS: "violations",
-    ExitCode.NOTHING_CHECKED: "nothing_checked",
+_STATUS_EXIT = {
+    CheckStatus.VIOLATIONS: ExitCode.VIOLATIONS,
+    CheckStatus.NOTHING_CHECKED: ExitCode.NOT_ALL_CHECKED,
+    CheckStatus.INCOMPLETE: ExitCode.NOT_ALL_CHECKED,
+    CheckStatus.CLEAN: ExitCode.CLEAN,
 }
 
 
-def _print_text_summary(console: Console, result: Replay, unchecked: list[dict], status: ExitCode) -> None:
+def check_status(result: Replay, unchecked: list[dict]) -> CheckStatus:
+    if result.violations:
+        return CheckStatus.VIOLATIONS
+    if unchecked or not _kv_checks(result):
+        return CheckStatus.NOTHING_CHECKED
+    if result.lost:
+        return CheckStatus.INCOMPLETE
+    return CheckStatus.CLEAN
+
+
+def _problem_line(p: ReadProblem) -> str:
+    # A truncated tail lost only its end (every whole block before it was read).
+    label = "tail lost" if p.reason is ReadFailure.TRUNCATED else "unreadable"
+    return f"[yellow]{label}:[/] {escape(p.path)}: {p.reason} after {p.events_read} event(s) ({escape(p.detail)})"
+
+
+def _renamed_lines(streams: list[RankStream], done: str) -> list[str]:
+    """Each rank directory whose events name another engine or rank than its path (renamed, copied):
+    what its events are, and that they were `done` ("checked", "listed") as such, once."""
+    return [
+        f"[yellow]renamed:[/] {escape(r['path'])} holds the events of engine [cyan]{escape(_rank_of(r))}[/] "
+        f"(its path names {escape(_rank_of(r['path_names']))}): {done} as that engine's"
+        for r in renamed(streams)
+    ]
+
+
+def _rank_of(r: dict) -> str:
+    """The rank a JSON entry names (engine_id, dp_rank, tp_rank, pp_rank)."""
+    return _rank_label(r["engine_id"], r["dp_rank"], r["tp_rank"], r["pp_rank"])
+
+
+def _print_text_summary(console: Console, result: Replay, unchecked: list[dict], status: CheckStatus) -> None:
     s = result.summary()
     console.print()
     console.print(
@@ -158,13 +197,8 @@ def _print_text_summary(console: Console, result: Replay, unchecked: list[dict],
     if s["unchecked"]:
         not_checked = ", ".join(f"{k} {n}" for k, n in s["unchecked"].items())
         console.print(f"[yellow]not checked:[/] {not_checked}")
-    for p in s["problems"]:
-        # A truncated tail lost only its end (every whole block before it was replayed).
-        label = "tail lost" if p["reason"] == "truncated" else "unreadable"
-        console.print(
-            f"[yellow]{label}:[/] {escape(p['path'])}: {p['reason']} after {p['events_read']} event(s) "
-            f"({escape(p['detail'])})"
-        )
+    for line in [*map(_problem_line, result.problems), *_renamed_lines(result.streams, "checked")]:
+        console.print(line, soft_wrap=True)  # a path whole
     for (engine_id, dp), peers in sorted(unread_peers(result.streams).items()):
         names = ", ".join(f"dp{dp}-tp{tp}-pp{pp}" for tp, pp in peers)
         console.print(
@@ -173,9 +207,8 @@ def _print_text_summary(console: Console, result: Replay, unchecked: list[dict],
             soft_wrap=True,
         )
     for r in unchecked:
-        where = _rank_label(r["engine_id"], r["dp_rank"], r["tp_rank"], r["pp_rank"])
         console.print(
-            f"[bold yellow]nothing checked on[/] [cyan]{escape(where)}[/]: {escape(r['reason'])}", soft_wrap=True
+            f"[bold yellow]nothing checked on[/] [cyan]{escape(_rank_of(r))}[/]: {escape(r['reason'])}", soft_wrap=True
         )
     if s["violations"]:
         table = Table(title="violations", show_edge=False)
@@ -184,25 +217,34 @@ def _print_text_summary(console: Console, result: Replay, unchecked: list[dict],
         for kind, n in s["violations"].items():
             table.add_row(kind, str(n))
         console.print(table)
-    elif status is ExitCode.NOTHING_CHECKED:
-        checked = len(result.ledger.ranks) - len(unchecked)
-        if not _kv_checks(result) or checked <= 0:
+    elif status is CheckStatus.NOTHING_CHECKED:
+        left_out = {(r["engine_id"], r["dp_rank"], r["tp_rank"], r["pp_rank"]) for r in unchecked}
+        checked = sum(1 for key in result.ledger.ranks if key not in left_out)
+        if not _kv_checks(result) or checked == 0:
             console.print("[bold yellow]nothing checked:[/] no check of the KV cache ran on what could be read")
         else:
             console.print(
                 f"[bold yellow]not clean:[/] nothing checked on {len(unchecked)} rank(s); "
                 f"no violations on the {checked} rank(s) checked"
             )
+    elif status is CheckStatus.INCOMPLETE:
+        lost = ", ".join(f"{k} {n}" for k, n in sorted(result.lost.items()))
+        console.print(
+            f"[bold yellow]incomplete:[/] no violations in what was read, but input was lost before "
+            f"any check ({lost}): not clean"
+        )
     else:
         console.print("[bold green]no violations[/]")
 
 
 CHECK_EXIT = _exit_help(
-    CLEAN="clean: every rank read was checked, and no violation found",
+    CLEAN="clean: every rank read was checked, no input was lost, and no violation found",
     VIOLATIONS="violations found",
     INPUT_ERROR=_INPUT_ERROR_HELP + "a foreign file in it, nothing readable",
-    NOTHING_CHECKED="nothing checked: no check ran on the ledger, or on one of its ranks (a stream that ends "
-    "after its first event, a rank read without its group's lead): not clean",
+    NOT_ALL_CHECKED="not clean, no violation found in what was checked: status nothing_checked, no check ran "
+    "on the ledger or on one of its ranks (a stream that ends after its first event, a rank read without its "
+    "group's lead); status incomplete, input was lost before any check (a cut tail, a torn block, an "
+    "unreadable or empty file, events the engine's probes dropped)",
 )
 
 
@@ -260,11 +302,11 @@ def check(paths: tuple[str, ...], fmt: str) -> None:
     unchecked = unchecked_ranks(result)
     status = check_status(result, unchecked)
     if fmt == "json":
-        summary = result.summary() | {"unchecked_ranks": unchecked, "status": _STATUS_NAMES[status]}
+        summary = result.summary() | {"unchecked_ranks": unchecked, "status": status}
         click.echo(json.dumps(summary))
     else:
         _print_text_summary(out, result, unchecked, status)
-    sys.exit(status)
+    sys.exit(status.exit_code)
 
 
 def _os_error(exc: OSError) -> str:
@@ -414,12 +456,12 @@ def query_cmd(path: str, engine_id: str | None, req_id: str, step: int | None, r
             if view.plan is not None:
                 broke = broke or _plan_lines(view.plan, view.rows)[1]
     else:
-        console = Console(highlight=False)
+        out = Console(highlight=False)
         for view in views:
             lines, wrong = _view_lines(view, req_id, step, engine.requests[req_id])
             broke = broke or wrong
             for line in lines:
-                console.print(line, soft_wrap=True)
+                out.print(line, soft_wrap=True)
     sys.exit(ExitCode.VIOLATIONS if broke else ExitCode.CLEAN)
 
 
@@ -464,11 +506,8 @@ def _print_inventory(console: Console, inventory, all_requests: bool, source: st
             more = len(engine.requests) - len(ids)
             tail = f" ... and {more} more (--all-requests lists them)" if more else ""
             console.print(f"  requests: {escape(', '.join(ids))}{tail}", soft_wrap=True)
-    for p in inventory.problems:
-        label = "tail lost" if p.reason == "truncated" else "unreadable"
-        console.print(
-            f"[yellow]{label}:[/] {escape(p.path)}: {p.reason} after {p.events_read} event(s) ({escape(p.detail)})"
-        )
+    for line in [*map(_problem_line, inventory.problems), *_renamed_lines(inventory.streams, "listed")]:
+        console.print(line, soft_wrap=True)
     if inventory.undecodable:
         console.print(f"[yellow]{inventory.undecodable} record(s) of the topic are no ledger events[/]")
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvledger.schemas.events import Body, ConnectorEvent, Health, LedgerEvent, Snapshot, Step, event_of
 from kvledger.schemas.files import LedgerPathError, RankStream, ReadProblem, discover, read_stream
-from kvledger.stream_app.replay import RequestTrace, RequestView, StreamLost, UnusableLedger, iter_ledger
+from kvledger.stream_app.replay import RequestTrace, RequestView, StreamLost, UnusableLedger, iter_ledger, renamed
 
 
 def rank_name(dp: int, tp: int, pp: int) -> str:
@@ -129,6 +129,7 @@ class Inventory:
     events: int = 0
     undecodable: int = 0  # records of the events topic that are no ledger events
     problems: list[ReadProblem] = field(default_factory=list)
+    streams: list[RankStream] = field(default_factory=list)  # of a file ledger: its rank streams found
 
     def engine(self, engine_id: str) -> EngineSeen:
         if engine_id not in self.engines:
@@ -137,6 +138,7 @@ class Inventory:
 
     def add_stream(self, stream: RankStream) -> None:
         """A rank stream found on disk, with its files (listed even when no event of it can be read)."""
+        self.streams.append(stream)
         rank = self.engine(stream.engine_id).rank(stream.dp, stream.tp, stream.pp)
         rank.segments = (rank.segments or 0) + len(stream.segments)
         rank.bytes = (rank.bytes or 0) + sum(_size(p) for p in stream.segments)
@@ -173,6 +175,7 @@ class Inventory:
                 {"path": p.path, "reason": p.reason, "detail": p.detail, "events_read": p.events_read}
                 for p in self.problems
             ],
+            "renamed": renamed(self.streams),
         }
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvledger.schemas.events import LedgerEvent, RankInfo, Step, StepPlan, event_of
 from kvledger.schemas.files import LedgerPathError, RankStream, ReadProblem, discover, read_stream, unread_peers
+from kvledger.schemas.kinds import LOST_INPUT, Unchecked
 from kvledger.schemas.packing import unpack_i32, wire_digests
 from kvledger.stream_app.core import Coverage, Ledger, RankKey, Violation
 from kvledger.stream_app.core.checks import (
@@ -48,10 +49,15 @@ class Replay:
     def unchecked(self) -> Counter:
         out = Counter(self.ledger.coverage.unchecked)
         for problem in self.problems:
-            out[f"{problem.reason}_file"] += 1
+            out[problem.reason.unchecked] += 1
         if self.ledger.producer_dropped:
-            out["dropped_by_producer"] += self.ledger.producer_dropped
+            out[Unchecked.DROPPED_BY_PRODUCER] += self.ledger.producer_dropped
         return out
+
+    @property
+    def lost(self) -> Counter:
+        """What of `unchecked` is input lost before any check (LOST_INPUT): never clean."""
+        return Counter({reason: n for reason, n in self.unchecked.items() if reason in LOST_INPUT})
 
     def summary(self) -> dict:
         return {
@@ -66,7 +72,26 @@ class Replay:
                 {"path": p.path, "reason": p.reason, "detail": p.detail, "events_read": p.events_read}
                 for p in self.problems
             ],
+            "renamed": renamed(self.streams),
         }
+
+
+def renamed(streams: list[RankStream]) -> list[dict]:
+    """The rank directories whose events name another engine or rank than their path (renamed or
+    copied): read as the events say, each with what its path names."""
+    return [
+        {
+            "path": str(Path(s.segments[0]).parent),
+            **_rank_json(*s.identity),
+            "path_names": _rank_json(*s.laid_out_as),
+        }
+        for s in streams
+        if s.laid_out_as is not None and s.segments
+    ]
+
+
+def _rank_json(engine_id: str, dp: int, tp: int, pp: int) -> dict:
+    return {"engine_id": engine_id, "dp_rank": dp, "tp_rank": tp, "pp_rank": pp}
 
 
 @dataclass(frozen=True)

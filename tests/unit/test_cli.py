@@ -231,8 +231,9 @@ def test_truncated_segment_reports_what_was_read(clean, tmp_path):
     segment.write_bytes(data[: len(data) // 2])  # cut in the middle of a block
 
     proc, violations, summary = check_json(root)
-    # What could not be read is unchecked, not the rank's fault: the clean ledger stays clean.
-    assert proc.returncode == 0 and violations == [], (proc.returncode, summary)
+    # What could not be read is unchecked, not the rank's fault: no violation, and never clean.
+    assert proc.returncode == 3 and violations == [], (proc.returncode, summary)
+    assert summary["status"] == "incomplete"
     assert summary["unchecked"]["rank_records_lost"] > 0
     assert proc.stderr == ""
     assert 0 < summary["events"] < len(sim.events)
@@ -240,8 +241,9 @@ def test_truncated_segment_reports_what_was_read(clean, tmp_path):
     (problem,) = summary["problems"]
     assert Path(problem["path"]).name == segment.name and str(segment) in problem["path"]
     assert problem["events_read"] > 0
+    assert problem["reason"] == "truncated" and "torn last block" in problem["detail"]
     file_keys = [k for k in summary["unchecked"] if k.endswith("_file")]
-    assert file_keys == [f"{problem['reason']}_file"], summary["unchecked"]
+    assert file_keys == ["truncated_file"], summary["unchecked"]
 
     text = run("check", root)
     assert text.returncode == proc.returncode
@@ -551,9 +553,10 @@ def test_several_ledgers_are_checked_together(tmp_path, faulty, faulty_check):
 def test_every_command_documents_its_exit_statuses():
     from click.testing import CliRunner
 
-    from kvledger.stream_app.cli import ExitCode, main
+    from kvledger.stream_app.cli import CheckStatus, ExitCode, main
 
     assert [int(c) for c in ExitCode] == [0, 1, 2, 3]
+    assert {s.exit_code for s in CheckStatus} == {0, 1, 3}
     uses = {
         "check": {0, 1, 2, 3},
         "query": {0, 1, 2},
@@ -569,7 +572,9 @@ def test_every_command_documents_its_exit_statuses():
         documented = {int(m) for m in re.findall(r"^ +(\d)  \S", epilog, re.M)}
         assert documented == codes, (command, epilog)
     top = CliRunner().invoke(main, ["--help"]).output
-    assert "0 clean, 1 violations, 2 input error (a usage error too), 3 nothing checked" in " ".join(top.split())
+    assert "0 clean, 1 violations, 2 input error (a usage error too), 3 not all checked" in " ".join(top.split())
+    epilog = " ".join(CliRunner().invoke(main, ["check", "--help"]).output.split())
+    assert "status incomplete, input was lost before any check" in epilog
 
 
 def test_exit_statuses_are_named_once():
@@ -636,6 +641,132 @@ def test_one_rank_where_nothing_was_checked_is_not_clean(clean, tmp_path):
     assert text.returncode == 3
     assert "no violations" not in text.stdout.replace("no violations on the 1 rank(s) checked", "")
     assert f"nothing checked on {ENGINE} dp0/tp1/pp0" in text.stdout
+
+
+# -- input lost: never clean ----------------------------------------------------------------------------
+
+
+def block_ends(segment: Path) -> list[int]:
+    """File offsets just after each sync marker: the end of the header, then of every block."""
+    import fastavro
+
+    data = segment.read_bytes()
+    with open(segment, "rb") as fo:
+        sync = fastavro.reader(fo)._header["sync"]
+    ends, at = [], 0
+    while (at := data.find(sync, at)) != -1:
+        at += len(sync)
+        ends.append(at)
+    return ends
+
+
+def cut_at_a_block_boundary(segment: Path) -> None:
+    ends = block_ends(segment)
+    assert len(ends) > 3, "a segment of several blocks"
+    segment.write_bytes(segment.read_bytes()[: ends[len(ends) // 2]])
+
+
+def cut_inside_a_block(segment: Path) -> None:
+    ends = block_ends(segment)
+    segment.write_bytes(segment.read_bytes()[: ends[len(ends) // 2] + 30])
+
+
+def garble_a_block(segment: Path) -> None:
+    ends = block_ends(segment)
+    data = bytearray(segment.read_bytes())
+    at = ends[len(ends) // 2] + 8
+    data[at : at + 64] = bytes(64)
+    segment.write_bytes(bytes(data))
+
+
+def damage_the_header(segment: Path) -> None:
+    """A second segment beside the first, whose header is unreadable."""
+    segment.with_name(segment.name.replace("000001", "000002")).write_bytes(b"Obj\x01" + bytes(40))
+
+
+def empty_segment_after(segment: Path) -> None:
+    segment.with_name(segment.name.replace("000001", "000002")).write_bytes(b"")
+
+
+@pytest.mark.parametrize(
+    ("damage", "unchecked"),
+    [
+        (cut_at_a_block_boundary, "truncated_file"),  # the writer's end marker says more was written
+        (cut_inside_a_block, "truncated_file"),
+        (garble_a_block, "corrupt_file"),
+        (damage_the_header, "not_avro_file"),
+        (empty_segment_after, "empty_file"),
+    ],
+)
+def test_a_ledger_that_lost_input_is_never_clean(clean, tmp_path, damage, unchecked):
+    """A clean ledger with part of one rank's stream lost or unreadable: no violation, and exit 3
+    (status incomplete), never 0, in text and in JSON alike."""
+    sim, _ = clean
+    root = record(tmp_path / "ledger", sim.events, chunk=40)  # many blocks, the writer's end marker beside
+    [segment] = (root / ENGINE / "dp0-tp1-pp0").glob("*.avro")
+    damage(segment)
+    proc, violations, summary = check_json(root)
+    assert (proc.returncode, violations, summary["status"]) == (3, [], "incomplete"), summary
+    assert summary["unchecked"][unchecked] == 1 and summary["unchecked_ranks"] == []
+    text = run("check", root)
+    assert text.returncode == 3
+    assert "no violations\n" not in text.stdout
+    assert f"incomplete: no violations in what was read, but input was lost before any check ({unchecked} 1)" in (
+        text.stdout
+    )
+
+
+def test_a_tail_cut_where_its_writer_confirmed_more_says_so(clean, tmp_path):
+    sim, _ = clean
+    root = record(tmp_path / "ledger", sim.events, chunk=40)
+    [segment] = (root / ENGINE / "dp0-tp1-pp0").glob("*.avro")
+    cut_at_a_block_boundary(segment)
+    text = run("check", root)
+    assert text.returncode == 3
+    [lost] = [line for line in text.stdout.splitlines() if line.startswith("tail lost:")]
+    assert re.search(r"the writer confirmed the stream through seq \d+, the file ends at seq \d+", lost), lost
+
+
+def test_a_zero_byte_rank_beside_a_checked_one_is_named_as_such(tmp_path):
+    sim = simulate(config(tp_size=1, steps=60))
+    root = record(tmp_path / "ledger", sim.events)
+    empty = root / ENGINE / "dp0-tp1-pp0"
+    empty.mkdir()
+    (empty / "1-000001.avro").write_bytes(b"")
+    proc, _, summary = check_json(root)
+    assert (proc.returncode, summary["status"]) == (3, "nothing_checked"), summary
+    assert summary["unchecked"]["empty_file"] == 1 and "empty_file_file" not in summary["unchecked"]
+    [problem] = summary["problems"]
+    assert problem["reason"] == "empty"
+    text = run("check", root).stdout
+    assert f"nothing checked on {ENGINE} dp0/tp1/pp0: no event of it could be read" in text
+    assert "not clean: nothing checked on 1 rank(s); no violations on the 1 rank(s) checked" in text
+    assert "no check of the KV cache ran" not in text  # the other rank's were run: said above
+
+
+def test_a_renamed_engine_directory_is_checked_and_listed_as_its_events_engine(clean, tmp_path):
+    sim, root = clean
+    renamed = tmp_path / "renamed"
+    shutil.copytree(root / ENGINE, renamed)
+    proc, _, summary = check_json(renamed)
+    assert (proc.returncode, summary["status"], summary["ranks"]) == (0, "clean", 2), summary
+    assert summary["unchecked_ranks"] == []
+    assert [(r["engine_id"], r["path_names"]["engine_id"]) for r in summary["renamed"]] == [(ENGINE, "renamed")] * 2
+    text = run("check", renamed).stdout
+    assert "nothing checked" not in text and "no violations" in text
+    line = (
+        f"renamed: {renamed / 'dp0-tp0-pp0'} holds the events of engine {ENGINE} dp0/tp0/pp0 "
+        "(its path names renamed dp0/tp0/pp0): checked as that engine's"
+    )
+    assert line in text.splitlines()
+    listed = json.loads(run("ls", renamed, "--format", "json").stdout)
+    assert [e["engine_id"] for e in listed["engines"]] == [ENGINE]
+    assert all(r["events"] > 0 and r["segments"] == 1 for r in listed["engines"][0]["ranks"])
+    assert "listed as that engine's" in run("ls", renamed).stdout
+    # `query` finds the engine under its own id too.
+    req_id = first_steps(sim.events).popitem()[0]
+    queried = run("query", renamed, "--engine", ENGINE, "--req", req_id)
+    assert queried.returncode == 0 and req_id in queried.stdout, queried.stdout + queried.stderr
 
 
 # -- ls ------------------------------------------------------------------------------------------------

@@ -98,13 +98,13 @@ def test_a_rank_directory_inside_the_working_directory(ledger):
 def test_a_follower_rank_alone_is_not_clean(ledger):
     """A TP follower's steps are checked against its lead's tables: alone, nothing of it is checked."""
     proc, violations, summary = check_json(ledger / ENGINE / FOLLOWER)
-    assert proc.returncode == ExitCode.NOTHING_CHECKED, (proc.stdout[-2000:], proc.stderr)
+    assert proc.returncode == ExitCode.NOT_ALL_CHECKED, (proc.stdout[-2000:], proc.stderr)
     assert violations == [] and summary["status"] == "nothing_checked"
     [unchecked] = summary["unchecked_ranks"]
     assert (unchecked["tp_rank"], unchecked["engine_id"]) == (1, ENGINE)
     assert LEAD in unchecked["reason"]
     text = run("check", ledger / ENGINE / FOLLOWER)
-    assert text.returncode == ExitCode.NOTHING_CHECKED
+    assert text.returncode == ExitCode.NOT_ALL_CHECKED
     assert "no violations" not in text.stdout and "nothing checked" in text.stdout
 
 
@@ -154,7 +154,7 @@ def test_a_single_segment_of_several_is_not_a_lost_tail(tmp_path):
     # The first holds the rank's RankInfo: checked. One from the middle of the stream has no RankInfo
     # before its steps (without retention, segments are not cut at snapshots): nothing checked.
     assert check_json(segments[0])[0].returncode == ExitCode.CLEAN
-    assert check_json(segments[1])[0].returncode == ExitCode.NOTHING_CHECKED
+    assert check_json(segments[1])[0].returncode == ExitCode.NOT_ALL_CHECKED
 
 
 # -- what is no ledger: one line, exit 2 ------------------------------------------------------------------

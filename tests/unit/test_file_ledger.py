@@ -30,6 +30,7 @@ from kvledger.schemas.files import (
     read_segment,
     read_stream,
 )
+from kvledger.schemas.kinds import ReadFailure, Unchecked
 from kvledger.stream_app.replay import replay
 from tests.synthetic.engine import SimConfig, simulate
 
@@ -46,6 +47,11 @@ def write(root, events, engine_id="eng", dp=0, tp=0, pp=0, incarnation=7, batch=
     for i in range(0, len(events), batch):
         writer.write(events[i : i + batch])
     writer.close()
+
+
+def of_rank(events: list[dict], engine_id: str, dp: int = 0, tp: int = 0, pp: int = 0) -> list[dict]:
+    """`events` as the rank's own writer records them: discovery reads a stream as its events name it."""
+    return [{**e, "engine_id": engine_id, "dp_rank": dp, "tp_rank": tp, "pp_rank": pp} for e in events]
 
 
 def read_all(paths) -> tuple[list[dict], list[ReadProblem]]:
@@ -80,11 +86,23 @@ def header_size(tmp_path: Path, events) -> int:
 
 
 def test_layout(tmp_path, events):
-    write(tmp_path, events, engine_id="e1", dp=2, tp=1, pp=3, incarnation=42)
+    own = [{**e, "engine_id": "e1", "dp_rank": 2, "tp_rank": 1, "pp_rank": 3} for e in events]
+    write(tmp_path, own, engine_id="e1", dp=2, tp=1, pp=3, incarnation=42)
     assert (tmp_path / "e1" / "dp2-tp1-pp3" / "42-000001.avro").is_file()
     assert rank_dir(tmp_path, "e1", 2, 1, 3) == tmp_path / "e1" / "dp2-tp1-pp3"
     [stream] = discover(tmp_path)
-    assert (stream.engine_id, stream.dp, stream.tp, stream.pp) == ("e1", 2, 1, 3)
+    assert stream.identity == ("e1", 2, 1, 3) and stream.laid_out_as is None
+
+
+def test_a_directory_renamed_holds_the_stream_its_events_name(tmp_path, events):
+    """Events under directories that name another engine and rank (renamed, copied) are read as theirs."""
+    write(tmp_path, events, engine_id="e1", dp=2, tp=1, pp=3, incarnation=42)
+    first = events[0]
+    told = (first["engine_id"], first["dp_rank"], first["tp_rank"], first["pp_rank"])
+    for path in (tmp_path, tmp_path / "e1", tmp_path / "e1" / "dp2-tp1-pp3" / "42-000001.avro"):
+        [stream] = discover(path)
+        assert stream.identity == told != ("e1", 2, 1, 3), path
+        assert stream.laid_out_as == ("e1", 2, 1, 3), path
 
 
 def test_blocks_are_deflated_at_the_writers_level_and_read_back_whole(tmp_path, events):
@@ -127,9 +145,9 @@ def test_segments_sort_numerically(tmp_path, events):
 
 
 def test_several_ranks_and_engines(tmp_path, events):
-    write(tmp_path, events, engine_id="a", tp=0)
-    write(tmp_path, events[:10], engine_id="a", tp=1)
-    write(tmp_path, events[:3], engine_id="b", dp=1)
+    write(tmp_path, of_rank(events, "a"), engine_id="a", tp=0)
+    write(tmp_path, of_rank(events[:10], "a", tp=1), engine_id="a", tp=1)
+    write(tmp_path, of_rank(events[:3], "b", dp=1), engine_id="b", dp=1)
     streams = discover(tmp_path)
     assert [(s.engine_id, s.dp, s.tp, s.pp) for s in streams] == [
         ("a", 0, 0, 0),
@@ -144,19 +162,21 @@ def test_several_ranks_and_engines(tmp_path, events):
     ["prefill/node-1", "decode node 2", "a/b c/../d", "100%/x", "%2F", "décode-ü", " lead and trail "],
 )
 def test_engine_ids_survive_the_directory_layout(tmp_path, events, engine_id):
-    write(tmp_path, events[:4], engine_id=engine_id)
-    write(tmp_path, events[:2], engine_id="other")
+    own = of_rank(events[:4], engine_id)
+    write(tmp_path, own, engine_id=engine_id)
+    write(tmp_path, of_rank(events[:2], "other"), engine_id="other")
     assert len([p for p in tmp_path.iterdir()]) == 2, "one directory per engine, nothing nested"
     streams = {s.engine_id: s for s in discover(tmp_path)}
     assert set(streams) == {engine_id, "other"}
-    assert read_all(streams[engine_id].segments) == (events[:4], [])
+    assert all(s.laid_out_as is None for s in streams.values())  # the layout names what the events do
+    assert read_all(streams[engine_id].segments) == (own, [])
 
 
 @pytest.mark.parametrize("engine_id", [".", ".."])
 def test_dot_engine_ids_stay_inside_the_root(tmp_path, events, engine_id):
     root = tmp_path / "ledger"
-    write(root, events[:2], engine_id=engine_id)
-    assert [s.engine_id for s in discover(root)] == [engine_id]
+    write(root, of_rank(events[:2], engine_id), engine_id=engine_id)
+    assert [(s.engine_id, s.laid_out_as) for s in discover(root)] == [(engine_id, None)]
 
 
 def test_negative_incarnation_is_not_skipped_silently(tmp_path, events):
@@ -243,7 +263,8 @@ def test_empty_file(tmp_path):
     path.write_bytes(b"")
     got, problems = read_one(path)
     assert got == []
-    assert [(p.reason, p.events_read) for p in problems] == [("empty_file", 0)]
+    assert [(p.reason, p.events_read) for p in problems] == [(ReadFailure.EMPTY, 0)]
+    assert problems[0].reason.unchecked == Unchecked.EMPTY_FILE == "empty_file"
 
 
 def test_header_only_segment_is_fine(tmp_path, events):
@@ -316,7 +337,7 @@ def test_read_segment_never_raises(tmp_path, small_segment, events, data):
     assert len(problems) <= 1
     if problems:
         assert problems[0].events_read == len(got)
-        assert problems[0].reason in ("truncated", "corrupt", "not_avro", "empty_file")
+        assert isinstance(problems[0].reason, ReadFailure)
 
 
 # -- torn tails and shutdown -------------------------------------------------------------------
