@@ -57,6 +57,14 @@ def _fail(message: str) -> NoReturn:
     sys.exit(ExitCode.INPUT_ERROR)
 
 
+def output_console(*, stderr: bool = False) -> Console:
+    """Where a command prints: wrapped to a terminal's width; piped or redirected, never wrapped nor
+    cut, so that a script or a CI log gets each line whole (a path, a list of checks)."""
+    out = Console(stderr=stderr, highlight=False)
+    out.soft_wrap = not out.is_terminal
+    return out
+
+
 def _listed(items: list[str], limit: int = 10) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
@@ -216,7 +224,7 @@ def _print_text_summary(console: Console, result: Replay, unchecked: list[dict],
         table.add_column("count", justify="right")
         for kind, n in s["violations"].items():
             table.add_row(kind, str(n))
-        console.print(table)
+        console.print(table, soft_wrap=False)  # laid out to the width, its title centred over it
     elif status is CheckStatus.NOTHING_CHECKED:
         left_out = {(r["engine_id"], r["dp_rank"], r["tp_rank"], r["pp_rank"]) for r in unchecked}
         checked = sum(1 for key in result.ledger.ranks if key not in left_out)
@@ -266,8 +274,8 @@ def check(paths: tuple[str, ...], fmt: str) -> None:
     are replayed together, so transfers join across them.
     """
     path = paths[0] if len(paths) == 1 else list(paths)
-    err = Console(stderr=True)
-    out = Console(highlight=False)
+    err = output_console(stderr=True)
+    out = output_console()
     if fmt == "json":
 
         def emit(v: Violation) -> None:
@@ -456,7 +464,7 @@ def query_cmd(path: str, engine_id: str | None, req_id: str, step: int | None, r
             if view.plan is not None:
                 broke = broke or _plan_lines(view.plan, view.rows)[1]
     else:
-        out = Console(highlight=False)
+        out = output_console()
         for view in views:
             lines, wrong = _view_lines(view, req_id, step, engine.requests[req_id])
             broke = broke or wrong
@@ -641,7 +649,7 @@ def ls(
     if fmt == "json":
         click.echo(json.dumps(inventory.to_json(None if all_requests else REQUESTS_SHOWN)))
     else:
-        _print_inventory(Console(highlight=False), inventory, all_requests, source)
+        _print_inventory(output_console(), inventory, all_requests, source)
     sys.exit(ExitCode.CLEAN)
 
 
@@ -823,7 +831,7 @@ def violations(
 
     security, bootstrap = _kafka(kafka_config, bootstrap)
     registry = _registry(schema_registry)
-    out = Console(highlight=False)
+    out = output_console()
     stats = ViolationsRead()
     shown: Counter = Counter()  # what was printed (with --engine, that engine's only)
     shown_engines: set[str] = set()

@@ -769,6 +769,37 @@ def test_a_renamed_engine_directory_is_checked_and_listed_as_its_events_engine(c
     assert queried.returncode == 0 and req_id in queried.stdout, queried.stdout + queried.stderr
 
 
+# -- output into a pipe or a file: whole lines ------------------------------------------------------------
+
+
+def test_piped_output_is_never_wrapped(tmp_path):
+    """Into a pipe, whatever the width a terminal would have, each line comes whole: a long path, the
+    list of checks run, an incarnation of `ls` (ids as long as real ones)."""
+    engine = "vllm-" + "7" * 40
+    incarnation = 1_700_000_000_123_456_789  # a worker's start, in ns
+    sim = simulate(config(engine_id=engine, tp_size=1, steps=60, close_at_end=True, incarnation=incarnation))
+    deep = tmp_path / ("a-directory-with-a-name-long-enough-to-pass-eighty-columns-on-its-own-" * 2)
+    whole, cut = record_blocks(deep / "whole", sim.events), record_blocks(deep / "cut", sim.events)
+    [segment] = (cut / engine / "dp0-tp0-pp0").glob("*.avro")
+    cut_inside_a_block(segment)
+    env = {k: v for k, v in ENV.items() if k not in ("COLUMNS", "LINES")}
+
+    def piped(*args: str | Path) -> list[str]:
+        proc = subprocess.run([KVLEDGER, *map(str, args)], capture_output=True, text=True, env=env, timeout=60)
+        return proc.stdout.splitlines()
+
+    lines = piped("check", cut)
+    [checks] = [line for line in lines if line.startswith("checks run: ")]
+    assert re.fullmatch(r"checks run: (\w+ \d+, )+write \d+", checks), checks
+    [lost] = [line for line in lines if line.startswith("tail lost: ")]
+    assert lost.startswith(f"tail lost: {segment}: truncated after ") and lost.endswith(")"), lost
+    assert any(line.startswith("incomplete: ") and line.endswith(": not clean") for line in lines), lines
+    listing = piped("ls", whole)
+    assert f"engine {engine}: 1 rank(s), steps 0..59, " in listing[0], listing
+    assert f"    incarnation {incarnation}: steps 0..59, {len(sim.events)} event(s) " in "\n".join(listing)
+    assert any(line.endswith(", shut down") and f"incarnation {incarnation}" in line for line in listing), listing
+
+
 # -- ls ------------------------------------------------------------------------------------------------
 
 
