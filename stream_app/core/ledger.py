@@ -61,6 +61,13 @@ class TrackedRank:
         """The rank said it shut down (Health.closing): nothing more comes from it."""
         return self.closed_step is not None
 
+    @property
+    def in_sync(self) -> bool:
+        """Its tables follow the rank and none of its events were lost to its probes (whose Health
+        counts them, for the incarnation): what its checks say is about all it did. Events lost on the
+        way (a sequence gap) are a violation of their own, and leave it out of sync until a snapshot."""
+        return not self.desynced and self.events_dropped == 0
+
 
 class Ledger:
     """Replays ledger events of any number of engines and ranks."""
@@ -314,6 +321,10 @@ class Ledger:
     @property
     def producer_dropped(self) -> int:
         return sum(s.events_dropped for s in self.ranks.values())
+
+    @property
+    def ranks_out_of_sync(self) -> int:
+        return sum(not s.in_sync for s in self.ranks.values())
 
     # -- sequence -------------------------------------------------------------------------
     def _sequence(self, key: RankKey, event: LedgerEvent, out: list[Violation]) -> TrackedRank | None:

@@ -415,6 +415,8 @@ class StreamWorker:
             m.producer_dropped.labels(health.engine_id, health.rank).set(health.events_dropped)
         for engine_id, n in outcome.events.items():
             m.engine_events(engine_id, n)
+            if (projection := self.engines.get(engine_id)) is not None:
+                m.ranks_out_of_sync.labels(engine_id).set(projection.ledger.ranks_out_of_sync)
         for reason, n in outcome.unchecked.items():
             m.unchecked.labels(reason).inc(n)
 

@@ -43,6 +43,13 @@ class WorkerMetrics:
             ["engine", "rank"],
             registry=r,
         )
+        self.ranks_out_of_sync = Gauge(
+            "kvledger_ranks_out_of_sync",
+            "Ranks whose checks miss some of what they did: tables waiting for a snapshot, or events "
+            "their probes dropped (for the rest of the incarnation).",
+            ["engine"],
+            registry=r,
+        )
 
         self.engines = Gauge("kvledger_engines", "Engines this worker holds state for.", registry=r)
         self.retired = Counter(
@@ -67,7 +74,7 @@ class WorkerMetrics:
             if deadline > now:
                 continue
             del self._retiring[engine_id]
-            series = [(self.events, (engine_id,))]
+            series = [(self.events, (engine_id,)), (self.ranks_out_of_sync, (engine_id,))]
             series += [(self.violations, (engine_id, kind)) for kind in ViolationKind]
             series += [(self.producer_dropped, (engine_id, rank)) for rank in ranks]
             for metric, labels in series:

@@ -57,7 +57,7 @@ def engines_view(worker: StreamWorker) -> list[dict]:
                 "incarnation": slot.incarnation,
                 "last_step": slot.last_step,
                 "events_dropped": slot.events_dropped,
-                "in_sync": not slot.desynced,
+                "in_sync": slot.in_sync,
             }
             for key, slot in sorted(ledger.ranks.items(), key=lambda kv: (kv[0].dp, kv[0].pp, kv[0].tp))
         ]

@@ -49,6 +49,7 @@ EXPORTED_METRICS = {
     "kvledger_unchecked_total": {"reason"},
     "kvledger_consumer_lag": {"topic", "partition"},
     "kvledger_producer_dropped_events": {"engine", "rank"},
+    "kvledger_ranks_out_of_sync": {"engine"},
     "kvledger_deadletter_total": {"reason"},
     "kvledger_engines": set(),
     "kvledger_engines_retired_total": {"reason"},
