@@ -11,7 +11,9 @@ option as soon as vLLM has read it (`kvledger.producer.plugin`), before any engi
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -22,6 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, fiel
 
 from kvledger.schemas.confluent import url_problem
 
+log = logging.getLogger("kvledger.producer")
+
+KEY = "kv_trace"  # the engine's additional_config key this plugin reads
 DEFAULT_TOPIC = "kvledger.events"
 DEFAULT_SEGMENT_BYTES = 64 << 20
 # The SchedulerOutput attribute the engine core's batch queue sets (`plugin.note_in_flight`): the
@@ -86,8 +91,12 @@ class TraceConfig:
     engine_id: str | None = None
 
     @classmethod
-    def from_additional_config(cls, additional_config: dict | None) -> TraceConfig:
-        raw = (additional_config or {}).get("kv_trace")
+    def from_additional_config(cls, additional_config: dict | None, *, warn: bool = False) -> TraceConfig:
+        """The option's config; TraceConfigError for a bad value. With `warn` (once per engine, where
+        its options are parsed), a WARNING when options look meant to trace and do not (`untraced`)."""
+        if warn and (why := untraced(additional_config)) is not None:
+            log.warning(why)
+        raw = (additional_config or {}).get(KEY)
         if raw is None:
             return cls()
         if not isinstance(raw, dict):
@@ -97,6 +106,21 @@ class TraceConfig:
         except ValidationError as exc:
             raise TraceConfigError(invalid_options(exc)) from None
         return options.config()
+
+
+def untraced(additional_config: dict | None) -> str | None:
+    """Why options that look meant to trace the engine trace nothing, in one line: a key close to
+    `kv_trace` (a typo: vLLM passes additional_config's keys through unread), or `kv_trace` options
+    without `enabled`. None when nothing looks amiss (no option at all, or `enabled` said either way)."""
+    options = additional_config if isinstance(additional_config, dict) else {}
+    others = {k.lower(): k for k in options if isinstance(k, str) and k != KEY}
+    near = difflib.get_close_matches(KEY, others, n=1, cutoff=0.8)
+    if near:
+        return f'kv_trace: additional_config has "{others[near[0]]}", not "{KEY}": nothing is traced'
+    raw = options.get(KEY)
+    if isinstance(raw, dict) and raw and "enabled" not in raw:
+        return f'kv_trace: options given without "enabled": true ({", ".join(sorted(raw))}): nothing is traced'
+    return None
 
 
 class TraceOptions(BaseModel):

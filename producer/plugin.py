@@ -12,8 +12,10 @@ Engines without the option run untouched code.
 An invalid option fails the engine start at once, in one line naming every bad key
 and its value: `register()` also wraps `EngineArgs.create_engine_config`, the first
 place vLLM hands a plugin the engine's options (in the process that parsed them,
-before any engine process starts); the worker checks them again, for engines
-configured without `EngineArgs`.
+before any engine process starts), which logs that line and exits with status 2; the
+worker checks them again, for engines configured without `EngineArgs`, and raises. The
+same wrapper warns, once, of options that look meant to trace and trace nothing: a key
+close to `kv_trace`, or `kv_trace` options without `enabled`.
 
 Each rank says, once, at INFO in vLLM's log, where it records: `kv_trace: rank
 dp0-tp0-pp0 of engine E: recording to kafka://HOST:PORT/TOPIC (action record, ring
@@ -54,10 +56,11 @@ import threading
 import time
 from typing import Any
 
-from kvledger.producer.config import IN_FLIGHT_ATTR, SinkSpec, TraceConfig
+from kvledger.producer.config import IN_FLIGHT_ATTR, SinkSpec, TraceConfig, TraceConfigError
 
 log = logging.getLogger("kvledger.producer")
 _probes: list = []
+BAD_OPTION_EXIT = 2  # a process whose `kv_trace` option is invalid exits so, as a usage error does
 SIGNAL_FLUSH_S = 0.25  # how long a SIGTERM/SIGINT may wait for the probes' flush before vLLM's handler
 _exit_hooks_installed = False
 V1_MODULE = "vllm.v1.worker.gpu_model_runner"
@@ -120,7 +123,13 @@ def check_options_first() -> None:
     def check_options_then_create(self, *args, **kwargs):
         options = getattr(self, "additional_config", None)
         if isinstance(options, dict):
-            TraceConfig.from_additional_config(options)  # TraceConfigError: one line, every bad key
+            try:
+                TraceConfig.from_additional_config(options, warn=True)
+            except TraceConfigError as exc:
+                # The one line, and an exit: raised, it would end the server under a traceback
+                # through vLLM's and the event loop's frames, its line last of dozens.
+                log.error("%s", exc)
+                raise SystemExit(BAD_OPTION_EXIT) from None
         return create(self, *args, **kwargs)
 
     check_options_then_create._kvledger_checks = True

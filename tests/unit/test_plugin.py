@@ -31,7 +31,9 @@ def stand_in(monkeypatch, name: str, **attrs) -> types.ModuleType:
     return module
 
 
-def test_a_bad_option_fails_where_the_engine_config_is_made_before_any_engine(monkeypatch):
+@pytest.fixture
+def engine_args(monkeypatch):
+    """A stand-in for vLLM's EngineArgs, its create_engine_config wrapped by the plugin; what it made."""
     made = []
 
     class EngineArgs:
@@ -45,15 +47,74 @@ def test_a_bad_option_fails_where_the_engine_config_is_made_before_any_engine(mo
     stand_in(monkeypatch, "vllm.engine.arg_utils", EngineArgs=EngineArgs)
     plugin.check_options_first()
     plugin.check_options_first()  # vLLM loads plugins in several places: wrapped once
+    return EngineArgs, made
+
+
+def test_a_bad_option_ends_the_process_that_parsed_it_in_one_line_and_status_2(engine_args, caplog):
+    EngineArgs, made = engine_args
     bad = {"kv_trace": {"enabled": True, "ring_bytes": 4096, "sink": "s3://bucket"}}
-    with pytest.raises(TraceConfigError) as caught:
+    with caplog.at_level(logging.WARNING, logger="kvledger"), pytest.raises(SystemExit) as caught:
         EngineArgs(bad).create_engine_config("serve")
-    assert made == [] and "\n" not in str(caught.value)
-    assert str(caught.value).startswith("kv_trace: 2 invalid settings: kv_trace.sink: unsupported scheme 's3'")
-    assert "kv_trace.ring_bytes: input should be greater than or equal to 1048576, got 4096" in str(caught.value)
+    # An exit, not an exception that would unwind through vLLM and the event loop as a traceback.
+    assert caught.value.code == 2 and caught.value.__suppress_context__
+    [line] = [r for r in caplog.records if r.name.startswith("kvledger")]
+    message = line.getMessage()
+    assert line.levelno == logging.ERROR and made == [] and "\n" not in message
+    assert message.startswith("kv_trace: 2 invalid settings: kv_trace.sink: unsupported scheme 's3'")
+    assert "kv_trace.ring_bytes: input should be greater than or equal to 1048576, got 4096" in message
+    with caplog.at_level(logging.WARNING, logger="kvledger"), pytest.raises(SystemExit):
+        EngineArgs({"kv_trace": {"enabled": True, "snapshot_intervall": 10}}).create_engine_config("serve")
+    assert caplog.records[-1].getMessage().startswith("kv_trace.snapshot_intervall: unknown key, got 10")
     assert EngineArgs({"kv_trace": {"enabled": True}}).create_engine_config("serve") == "vllm-config"
     assert EngineArgs({}).create_engine_config() == "vllm-config"  # untraced engines: nothing to check
     assert made == ["serve", None]
+
+
+def test_a_worker_still_raises_on_a_bad_option():
+    """Where no options were parsed (a worker of an engine made without EngineArgs), the error is raised."""
+    with pytest.raises(TraceConfigError, match=r"kv_trace\.snapshot_intervall: unknown key"):
+        TraceConfig.from_additional_config({"kv_trace": {"enabled": True, "snapshot_intervall": 10}})
+
+
+@pytest.mark.parametrize(
+    ("additional_config", "warning"),
+    [
+        ({"kvtrace": {"on": 1}}, 'kv_trace: additional_config has "kvtrace", not "kv_trace": nothing is traced'),
+        ({"KV-Trace": {"enabled": True}}, 'has "KV-Trace", not "kv_trace"'),
+        ({"kv_traces": {}, "other_plugin": 1}, 'has "kv_traces", not "kv_trace"'),
+        (
+            {"kv_trace": {"sink": "file:///tmp/ledger", "action": "log"}},
+            'kv_trace: options given without "enabled": true (action, sink): nothing is traced',
+        ),
+    ],
+)
+def test_options_that_look_meant_to_trace_and_do_not_are_warned_of_once(
+    engine_args, caplog, additional_config, warning
+):
+    EngineArgs, made = engine_args
+    with caplog.at_level(logging.DEBUG, logger="kvledger"):
+        assert EngineArgs(additional_config).create_engine_config("serve") == "vllm-config"
+        TraceConfig.from_additional_config(additional_config)  # a worker's own read: said once already
+    [line] = [r for r in caplog.records if r.name.startswith("kvledger")]
+    assert line.levelno == logging.WARNING and warning in line.getMessage(), line.getMessage()
+    assert made == ["serve"]
+
+
+@pytest.mark.parametrize(
+    "additional_config",
+    [
+        {},
+        {"kv_trace": {"enabled": True, "sink": "file:///tmp/ledger"}},
+        {"kv_trace": {"enabled": False, "sink": "file:///tmp/ledger"}},  # off on purpose
+        {"kv_trace": {}},
+        {"kv_cache_extra": 1, "kv_tracing_other": 2, "trace": 3},  # not close enough to be a typo
+    ],
+)
+def test_options_that_say_what_they_mean_are_not_warned_of(engine_args, caplog, additional_config):
+    EngineArgs, _ = engine_args
+    with caplog.at_level(logging.DEBUG, logger="kvledger"):
+        EngineArgs(additional_config).create_engine_config("serve")
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("kvledger")] == []
 
 
 def test_no_check_where_no_engine_config_is_made(monkeypatch):
