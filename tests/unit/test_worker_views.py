@@ -1,9 +1,16 @@
-"""What the worker's views say of its engines' ranks, without Kafka: a rank is "in sync" only while
-its checks cover all it did."""
+"""What the worker's views and its status page say, without Kafka: a rank is "in sync" only while
+its checks cover all it did; the page says "none" of violations only where it lists none."""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from kvledger.schemas.events import events_of
 from kvledger.stream_app.worker.metrics import WorkerMetrics
@@ -46,3 +53,29 @@ def test_the_out_of_sync_gauge_goes_with_a_retired_engine():
     metrics.forget_engine("lossy", [])
     metrics.clock = lambda: 2e9
     assert "lossy" not in metrics.exposition().decode()
+
+
+PAGE = Path(__file__).resolve().parents[2] / "stream_app" / "worker" / "status.html"
+
+
+def page_function(name: str) -> str:
+    """One top-level function of the status page's script, as written."""
+    found = re.search(rf"^function {name}\(.*?^\}}$", PAGE.read_text(), re.M | re.S)
+    assert found, f"no function {name} in {PAGE.name}"
+    return found[0]
+
+
+def test_the_page_says_none_of_violations_only_where_it_lists_none():
+    """The plots are this worker's last 30 minutes; the table below lists the fleet's recent violations.
+    With one listed and none plotted, the page said "none" above it."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node to run the page's script")
+    script = page_function("violationPlotsNote") + "\nconsole.log(JSON.stringify([0, 1, 3].map(violationPlotsNote)));"
+    out = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=30, check=True).stdout
+    none, one, three = json.loads(out)
+    assert none == "none"
+    assert one.startswith("none in this worker's last 30 minutes; the 1 violation(s) listed below"), one
+    assert "the 3 violation(s) listed below" in three
+    assert "violationPlotsNote(listed)" in page_function("renderPlots")
+    assert "shown.length" in page_function("renderOverview").split("renderPlots(", 1)[1].split("\n", 1)[0]
