@@ -743,7 +743,8 @@ def test_read_segment_resolves_a_segment_written_with_v2(tmp_path, events):
     with open(seg, "wb") as fo:
         fastavro.writer(fo, V2, [as_v2(e) for e in events], codec="deflate")
     [stream] = discover(tmp_path)
-    assert stream.engine_id == "eng v2"
+    # Read as the engine its events name (written with v2's schema too), the directory's name kept.
+    assert (stream.engine_id, stream.laid_out_as) == (events[0]["engine_id"], ("eng v2", 0, 0, 0))
     problems = []
     assert list(read_segment(stream.segments[0], problems)) == events
     assert problems == []
