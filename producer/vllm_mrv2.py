@@ -30,8 +30,8 @@ import numpy as np
 from kvledger.producer.capture import PlanCapture, SnapshotCapture
 from kvledger.producer.frames import as_array
 from kvledger.producer.staging import PlanGather, Staged, StagingFull
-from kvledger.producer.vllm_v1 import AttachPoint, V1RunnerProbe
-from kvledger.schemas.kinds import CONTENT_DIGESTS, Declaration, Runner, StepKind
+from kvledger.producer.vllm_v1 import AttachPoint, V1RunnerProbe, content_unmodelled
+from kvledger.schemas.kinds import Declaration, Runner, StepKind
 
 log = logging.getLogger("kvledger.producer")
 
@@ -101,6 +101,7 @@ class MRV2RunnerProbe(V1RunnerProbe):
             slots = [slot_mappings[gid, :padded] for gid in gids]
             self._plan = PlanCapture.of_dummy_run(gids, self._copy(PlanCapture.dummy_parts(slots)))
             return
+        self._digest_content(input_batch)
         # The host mirror of the device's row lengths, by request state.
         lens_by_group = self.runner.block_tables.num_blocks.np[:, input_batch.idx_mapping_np[:num_reqs]]
         qsl = (input_batch.query_start_loc_np, num_reqs + 1)
@@ -160,13 +161,32 @@ class MRV2RunnerProbe(V1RunnerProbe):
             rows.append(device_rows.index_select(0, index)[:, :width])
         return self.staging.stage_all(rows)
 
+    # -- content digests: MRV2's rows live on the device; the digests read a host mirror of them --
+    def _content_unmodelled(self) -> str | None:
+        return content_unmodelled(self.runner, list(self.runner.block_tables.block_sizes))
+
     def _attach_content(self) -> list[tuple[str, bool, str | None]]:
-        """MRV2 keeps its block tables and computed tokens on the device: not digested yet."""
-        if self.config.content_digests <= 0.0:
-            return []
-        why = "Model Runner V2: sealed blocks are not tracked on this runner yet"
-        log.warning("kv_trace: %s not recorded: %s", CONTENT_DIGESTS, why)
-        return [(CONTENT_DIGESTS, False, why)]
+        found = super()._attach_content()
+        if self.content is not None:
+            self._rows = HostRows.attach(self.runner.block_tables)
+        return found
+
+    def _held(self, req_id: str) -> tuple[Any, int] | None:
+        states = self.runner.req_states
+        index = states.req_id_to_index.get(req_id)
+        if index is None:
+            return None
+        return self._rows.of(index), int(states.num_computed_tokens_np[index])
+
+    def _digest_content(self, input_batch) -> None:
+        """This step's sealed-block digests, from the host mirror of the batch's rows."""
+        if self.content is None or self._input is None or self._content is not None:
+            return
+        num_reqs = input_batch.num_reqs
+        indices = input_batch.idx_mapping_np[:num_reqs]
+        tables = self._rows.batch(indices, len(self.content.groups))
+        computed = self.runner.req_states.num_computed_tokens_np[indices]
+        self._content = self.content.digest_rows(tables, computed, list(input_batch.req_ids[:num_reqs]), self.staging)
 
     def capabilities(self) -> list[tuple[str, bool, str | None]]:
         found = super().capabilities()
@@ -180,3 +200,48 @@ class MRV2RunnerProbe(V1RunnerProbe):
                 )
             )
         return found
+
+
+class HostRows:
+    """MRV2's block-table rows as it stages them (`BlockTables.append_block_ids`: a new or
+    resumed request's rows replaced, a running one's appended), kept on the host for the
+    content digests: MRV2 holds the rows themselves on the device only. One list per request
+    state and group; a state's rows are replaced when the next request takes it."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, list[list[int]]] = {}
+
+    @classmethod
+    def attach(cls, block_tables) -> HostRows:
+        mirror = cls()
+        append = block_tables.append_block_ids
+
+        def append_block_ids(req_index: int, new_block_ids, overwrite: bool):
+            mirror.stage(req_index, new_block_ids, overwrite)
+            return append(req_index, new_block_ids, overwrite)
+
+        block_tables.append_block_ids = append_block_ids
+        return mirror
+
+    def stage(self, req_index: int, new_block_ids, overwrite: bool) -> None:
+        rows = self.rows.get(req_index)
+        if rows is None or overwrite:
+            self.rows[req_index] = [list(ids) for ids in new_block_ids]
+        else:
+            for row, ids in zip(rows, new_block_ids, strict=True):
+                row.extend(ids)
+
+    def of(self, req_index: int) -> list[list[int]]:
+        return self.rows.get(req_index, [])
+
+    def batch(self, indices: np.ndarray, num_groups: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per group the rows of these request states `[requests, longest]` and their lengths."""
+        rows = [self.rows.get(int(i)) or [[]] * num_groups for i in indices]
+        tables = []
+        for gid in range(num_groups):
+            lens = np.fromiter((len(r[gid]) for r in rows), np.int64, len(rows))
+            table = np.zeros((len(rows), int(lens.max()) if len(rows) else 0), np.int32)
+            for i, r in enumerate(rows):
+                table[i, : lens[i]] = r[gid]
+            tables.append((table, lens))
+        return tables

@@ -405,7 +405,7 @@ class V1RunnerProbe:
                 self.content.stale = True
             return
         if self.content is not None:
-            self.content.before_step(scheduler_output, self.runner.requests)
+            self.content.before_step(scheduler_output, self._held)
         self._input = scheduler_output  # its fields are encoded with the step's frame
         # Set by the engine core's batch queue (`plugin.note_in_flight`); absent on a synchronous one.
         self._in_flight = getattr(scheduler_output, IN_FLIGHT_ATTR, -1)
@@ -561,7 +561,7 @@ class V1RunnerProbe:
         """Digest sealed blocks (kv_trace.content_digests), or say why this rank cannot."""
         if self.config.content_digests <= 0.0:
             return []
-        why = content_unmodelled(self.runner)
+        why = self._content_unmodelled()
         if why is None:
             try:
                 self.content = ContentProbe.of(self.runner, self.config)
@@ -571,6 +571,16 @@ class V1RunnerProbe:
             log.warning("kv_trace: %s not recorded: %s", CONTENT_DIGESTS, why)
             return [(CONTENT_DIGESTS, False, why)]
         return [(CONTENT_DIGESTS, True, None)]
+
+    def _content_unmodelled(self) -> str | None:
+        """Why this runner's sealed blocks cannot be told from those still written, or None."""
+        tables = self.runner.input_batch.block_table
+        return content_unmodelled(self.runner, [table.block_size for table in tables])
+
+    def _held(self, req_id: str) -> tuple[Any, int] | None:
+        """A live request's block ids per group and computed tokens, as the runner holds them."""
+        state = self.runner.requests.get(req_id)
+        return None if state is None else (state.block_ids, state.num_computed_tokens)
 
     # -- the drafter's KV writes -------------------------------------------------------------
     def drafter_attach_points(self, drafter: Any) -> list[tuple[Any, AttachPoint, Callable]]:
@@ -785,8 +795,9 @@ def unmodelled_drafter(drafter: Any) -> str | None:
     return None
 
 
-def content_unmodelled(runner: Any) -> str | None:
-    """Why the V1 runner's sealed blocks cannot be told from those still written here, or None."""
+def content_unmodelled(runner: Any, kernel_block_sizes: list[int]) -> str | None:
+    """Why a runner's sealed blocks cannot be told from those still written here, or None;
+    `kernel_block_sizes`: per group, the block size its rows address."""
     vllm_config = runner.vllm_config
     if vllm_config.kv_transfer_config is not None:
         return "a KV connector writes blocks outside the runner's plan (loads, offloads): not modelled"
@@ -795,16 +806,15 @@ def content_unmodelled(runner: Any) -> str | None:
         return "async scheduling with speculative decoding: a request's computed tokens run ahead of its KV"
     if not getattr(runner, "kv_caches", None):
         return "the runner holds no KV cache tensors"
-    tables = runner.input_batch.block_table
     for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
-        if tables[gid].block_size != group.kv_cache_spec.block_size:
-            return f"group {gid}'s kernel blocks ({tables[gid].block_size} tokens) split the scheduler's"
+        if kernel_block_sizes[gid] != group.kv_cache_spec.block_size:
+            return f"group {gid}'s kernel blocks ({kernel_block_sizes[gid]} tokens) split the scheduler's"
     return None
 
 
 class ContentProbe:
-    """What the V1 runner's sealed-block digests read: its block tables, computed tokens and
-    KV pages; the rules are content.SealTracker's."""
+    """What a runner's sealed-block digests read: its block tables, computed tokens and KV pages
+    (each runner's adapter says where it holds them); the rules are content.SealTracker's."""
 
     def __init__(self, tracker: SealTracker, groups: list[tuple[int, int, bool, bool]], pages: dict[int, list]):
         self.tracker = tracker
@@ -827,9 +837,10 @@ class ContentProbe:
         tracker = SealTracker(kv_config.num_blocks, config.content_digests, config.content_sweep)
         return cls(tracker, groups, pages)
 
-    def before_step(self, so: Any, states: dict) -> None:
+    def before_step(self, so: Any, held: Callable[[str], tuple[Any, int] | None]) -> None:
         """Before the runner applies the step: who reads sealed blocks again, and what finished or
-        preempted requests let go (their states are gone once the runner has applied it)."""
+        preempted requests let go (their states are gone once the runner has applied it);
+        `held(req_id)`: a live request's block ids per group and computed tokens, or None."""
         if self.stale:
             self.tracker.reset()
             self.stale = False
@@ -837,12 +848,13 @@ class ContentProbe:
         self._reading += list(getattr(so.scheduled_cached_reqs, "resumed_req_ids", None) or ())
         released: dict[int, list] = {}
         for req_id in (*so.finished_req_ids, *(getattr(so, "preempted_req_ids", None) or ())):
-            state = states.get(req_id)
+            state = held(req_id)
             if state is None:
                 continue
+            block_ids, computed = state
             for gid, block_size, seals, _ in self.groups:
                 if seals:
-                    released.setdefault(gid, []).extend(state.block_ids[gid][: state.num_computed_tokens // block_size])
+                    released.setdefault(gid, []).extend(block_ids[gid][: computed // block_size])
         self._released = released
         copies = getattr(so, "kv_cache_block_copies", None) or ()
         dsts = [c.dst if hasattr(c, "dst") else tuple(c)[1] for c in copies]
@@ -851,26 +863,39 @@ class ContentProbe:
         self._zeroed = sorted(set(zero) - set(dsts))  # a copy's destination is written after zeroing
 
     def digest(self, batch: Any, num_reqs: int, staging) -> ContentCapture | None:
-        """The step's digests, once the runner has applied it and before its forward pass."""
-        import torch
-
-        rows = []
-        for gid, block_size, seals, state in self.groups:
+        """The step's digests from the V1 runner's input batch (its rows' host mirrors)."""
+        tables = []
+        for gid, *_ in self.groups:
             table = batch.block_table[gid]
             lens = table.num_blocks_per_row[:num_reqs]
             width = int(lens.max()) if num_reqs else 0
-            rows.append(GroupRows(gid, block_size, seals, state, table.block_table.np[:num_reqs, :width], lens))
-        index = batch.req_id_to_index
+            tables.append((table.block_table.np[:num_reqs, :width], lens))
+        computed = batch.num_computed_tokens_cpu[:num_reqs]
+        return self.digest_rows(tables, computed, batch.req_ids[:num_reqs], staging)
+
+    def digest_rows(
+        self, tables: list[tuple[np.ndarray, np.ndarray]], computed: np.ndarray, req_ids: list[str], staging
+    ) -> ContentCapture | None:
+        """The step's digests, once the runner has applied it and before its forward pass: per
+        group the batch's rows `[requests, widest]` and their lengths, each request's computed
+        tokens and id, in batch order."""
+        import torch
+
+        rows = [
+            GroupRows(gid, block_size, seals, state, row, lens)
+            for (gid, block_size, seals, state), (row, lens) in zip(self.groups, tables, strict=True)
+        ]
+        index = {req_id: i for i, req_id in enumerate(req_ids)}
         reading = np.fromiter((index[r] for r in self._reading if r in index), np.int64)
         released = {gid: np.asarray(b, np.int64) for gid, b in self._released.items()}
         due = self.tracker.due(
             rows,
-            batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64),
+            np.asarray(computed, np.int64),
             reading,
             released,
             np.asarray(self._overwritten, np.int64),
             np.asarray(self._zeroed, np.int64),
-            batch.req_ids[:num_reqs],
+            req_ids,
         )
         if not due:
             return None

@@ -23,12 +23,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_SCRIPT = Path(__file__).with_name("engine_run.py")
 TEST_PLUGINS = Path(__file__).with_name("plugins")
+# On an engine's PYTHONPATH: Model Runner V2's CPU runner, its Triton kernels interpreted (see there).
+MRV2_CPU = ROOT / "infra" / "mrv2-cpu"
+RUNNERS = ("v1", "v2")  # the model runners a test of both runs on: V1's, Model Runner V2's
 
 
-def plugins_path() -> str:
-    """PYTHONPATH for an engine: the test plugins, then what the caller's PYTHONPATH holds (a
-    directory whose `kvledger` is another checkout's, as bench/checkouts.py makes)."""
-    return os.pathsep.join(p for p in (str(TEST_PLUGINS), os.environ.get("PYTHONPATH", "")) if p)
+def plugins_path(runner: str = "v1") -> str:
+    """PYTHONPATH for an engine: the test plugins (and, for `runner` "v2", the switch to Model
+    Runner V2), then what the caller's PYTHONPATH holds (a directory whose `kvledger` is another
+    checkout's, as bench/checkouts.py makes)."""
+    switch = str(MRV2_CPU) if runner == "v2" else ""
+    return os.pathsep.join(p for p in (switch, str(TEST_PLUGINS), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def vllm_python() -> str:
@@ -72,7 +77,8 @@ def run_engine(
     expect_failure: bool = False,
     env: dict[str, str] | None = None,
 ) -> EngineRun:
-    env = {**os.environ, "PYTHONPATH": plugins_path(), "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+    path = plugins_path(spec.get("runner", "v1"))
+    env = {**os.environ, "PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     if spec.get("tp", 1) * spec.get("pp", 1) > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     if fault:
@@ -137,6 +143,25 @@ def step_inputs(ledger_root) -> Iterator[dict]:
                 name, body = event["body"]
                 if name == "kvledger.Step" and body["input"] is not None:
                     yield body["input"]
+
+
+def assert_runner(log: str, ledger_root, runner: str) -> None:
+    """The engine's worker really ran `runner` ("v1" or "v2"), and every rank's probes attached to
+    it as such (the adapter is chosen by the runner's class); MRV2's kernels ran interpreted."""
+    from kvledger.schemas.files import discover, read_segment
+
+    infos = [
+        event["body"][1]
+        for stream in discover(ledger_root)
+        for path in stream.segments
+        for event in read_segment(path, [])
+        if event["body"][0] == "kvledger.RankInfo"
+    ]
+    assert infos and {info["runner"] for info in infos} == {runner}, {info["runner"] for info in infos}
+    assert f"{runner} runner)" in log  # each rank's first line: "recording to ... (..., v2 runner)"
+    v2 = "Using V2 Model Runner" in log  # vLLM's CPU worker, as it builds MRV2's CPUModelRunner
+    interpreted = "mrv2-cpu: Model Runner V2 with its Triton kernels in Triton's interpreter" in log
+    assert v2 == interpreted == (runner == "v2"), (v2, interpreted)
 
 
 def assert_preempted_resumed_and_hit(inputs: list[dict]) -> None:

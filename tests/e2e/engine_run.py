@@ -4,6 +4,7 @@
 
 SPEC_JSON: {"kv_trace": {...} | null, "tp": 1, "pp": 1, "prompts": [[token ids], ...], "max_tokens": 8,
             "num_blocks": null, "plugins": "kvledger,...", "speculative_config": {...} | null,
+            "runner": "v1" | "v2" (Model Runner V2: conftest.run_engine puts infra/mrv2-cpu on PYTHONPATH),
             "model": {config.json} | null (default TINY_LLAMA),
             "draft_model": {config.json} | null (a random-weight drafter, e.g. EAGLE's: speculative_config's model),
             "kv_events": ZMQ endpoint | null (vLLM's KV events publisher on, to compare its cost),

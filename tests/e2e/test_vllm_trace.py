@@ -18,7 +18,7 @@ from kvledger.producer.config import TraceConfig
 from kvledger.producer.sinks import open_sink
 from kvledger.schemas.files import discover, read_segment, read_stream
 from kvledger.stream_app.replay import replay
-from tests.e2e.conftest import assert_preempted_resumed_and_hit, step_inputs
+from tests.e2e.conftest import RUNNERS, assert_preempted_resumed_and_hit, assert_runner, step_inputs
 
 pytestmark = pytest.mark.e2e
 
@@ -56,12 +56,17 @@ def traced(tmp_path, action="log", content_digests=0.0, **spec):
     return {**PRESSURE, **spec, "kv_trace": kv_trace}
 
 
-@pytest.fixture(scope="module")
-def clean_run(tmp_path_factory, engine):
-    root = tmp_path_factory.mktemp("clean")
+# Each test of a clean run runs on either runner: V1's and Model Runner V2's (its Triton kernels in
+# Triton's interpreter, infra/mrv2-cpu), one engine run each for the module.
+@pytest.fixture(scope="module", params=RUNNERS)
+def clean_run(request, tmp_path_factory, engine):
+    runner = request.param
+    root = tmp_path_factory.mktemp(f"clean-{runner}")
     # In raise mode: a false alarm in the engine itself would fail this run. Every sealed block's
     # content digested (test_content.py has the stray writes this catches).
-    return engine(traced(root, action="raise", content_digests=1.0)), replay(root / "ledger"), root / "ledger"
+    run = engine(traced(root, action="raise", content_digests=1.0, runner=runner))
+    assert_runner(run.log, root / "ledger", runner)
+    return run, replay(root / "ledger"), root / "ledger"
 
 
 @pytest.mark.parallel
@@ -120,7 +125,9 @@ def test_retention_keeps_a_bounded_tail_of_the_real_ledger_that_checks_silent(cl
 
 
 @pytest.mark.parallel
-def test_outputs_identical_with_tracing_on_and_off(clean_run, untraced):
+def test_outputs_identical_with_tracing_on_and_off_and_on_either_runner(clean_run, untraced):
+    """The traced run's greedy tokens are those of an untraced V1 engine: tracing changes nothing,
+    and Model Runner V2 generates V1's tokens on the same workload."""
     run, _, _ = clean_run
     assert untraced(PRESSURE) == run.outputs
 

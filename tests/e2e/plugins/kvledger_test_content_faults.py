@@ -87,15 +87,25 @@ def _stray_write(runner, step: int, group: int, only_tp) -> None:
         return
     spec = runner.kv_cache_config.kv_cache_groups[group]
     block_size = spec.kv_cache_spec.block_size
-    states = sorted(runner.requests.values(), key=lambda s: -s.num_computed_tokens)
-    full = [s for s in states if s.num_computed_tokens >= 2 * block_size]
+    states = sorted(_first_blocks(runner, group), key=lambda s: -s[1])
+    full = [s for s in states if s[1] >= 2 * block_size]
     if not full:
         print(f"STRAY step={step} none (no request holds a full block)", file=sys.stderr, flush=True)
         return
-    victim = full[0]
-    block = victim.block_ids[group][0]
+    req_id, _, block = full[0]
     layer = spec.layer_names[0]
-    kv = runner.compilation_config.static_forward_context[layer].kv_cache
+    kv = runner.vllm_config.compilation_config.static_forward_context[layer].kv_cache
     kv = kv[0] if isinstance(kv, list) else kv
     kv[block].view(-1)[:64].add_(1.0)
-    print(f"STRAY step={step} req={victim.req_id} group={group} block={block} tp={tp}", file=sys.stderr, flush=True)
+    print(f"STRAY step={step} req={req_id} group={group} block={block} tp={tp}", file=sys.stderr, flush=True)
+
+
+def _first_blocks(runner, group: int) -> list[tuple[str, int, int]]:
+    """(request, computed tokens, first block of `group`) of every live request: the V1 runner's
+    request states, or Model Runner V2's (its rows on the device)."""
+    if hasattr(runner, "requests"):
+        return [(s.req_id, s.num_computed_tokens, s.block_ids[group][0]) for s in runner.requests.values()]
+    states, rows = runner.req_states, runner.block_tables.block_tables[group].gpu
+    return [
+        (req_id, int(states.num_computed_tokens_np[i]), int(rows[i, 0])) for req_id, i in states.req_id_to_index.items()
+    ]
