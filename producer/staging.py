@@ -22,6 +22,9 @@ calls per step, whatever the number of KV groups and requests (`stage_all`
 costs a few per tensor, ~10-40 us each on some device hosts). The kernel is
 Triton's on CUDA; elsewhere (CPU tensors in tests, other backends) a fused
 torch gather fills the same layout in a constant number of torch calls.
+`KVLEDGER_GATHER=torch` takes the torch gather on CUDA too; `=triton` the kernel
+on any tensors Triton takes (CPU tensors in Triton's interpreter,
+`TRITON_INTERPRET=1`: how the tests run it on a CPU host).
 """
 
 from __future__ import annotations
@@ -430,8 +433,11 @@ class PlanGather:
     def _kernel_for(self, device_type: str, num_tables: int):
         """The Triton kernel where it applies, else None (the torch gather)."""
         use = self.use_kernel
-        if use is None:  # decided once: CUDA, unless KVLEDGER_GATHER=torch
-            use = self.use_kernel = device_type == "cuda" and os.environ.get("KVLEDGER_GATHER", "") != "torch"
+        if use is None:  # decided once: CUDA, unless KVLEDGER_GATHER=torch; anywhere with =triton
+            choice = os.environ.get("KVLEDGER_GATHER", "")
+            use = self.use_kernel = choice == "triton" or (device_type == "cuda" and choice != "torch")
+            if choice == "triton":
+                log.info("kv_trace: plans gathered by the Triton kernel on %s tensors (KVLEDGER_GATHER)", device_type)
         if not use or num_tables > MAX_KERNEL_GROUPS:
             return None
         return _kernel()

@@ -8,6 +8,7 @@ SPEC_JSON: {"kv_trace": {...} | null, "tp": 1, "pp": 1, "prompts": [[token ids],
             "model": {config.json} | null (default TINY_LLAMA),
             "draft_model": {config.json} | null (a random-weight drafter, e.g. EAGLE's: speculative_config's model),
             "kv_events": ZMQ endpoint | null (vLLM's KV events publisher on, to compare its cost),
+            "kv_transfer_config": {...} | null (a KV connector, as LLM(kv_transfer_config=...) takes it),
             "stop_file": path | null (generate round after round until that file exists or "max_seconds" (600)
             pass, idle "round_pause_s" (0) between rounds; each round appends a JSON line to "rounds_file":
             its wall-clock start and end, tokens and a digest of its outputs)}.
@@ -56,6 +57,8 @@ def start(spec: dict):
         extra["worker_extension_cls"] = "tracing_costs.TracingCosts"  # beside this file (see there)
     if spec.get("num_blocks"):
         extra["num_gpu_blocks_override"] = spec["num_blocks"]
+    if spec.get("kv_transfer_config"):  # a KV connector (e.g. plugins/kvledger_test_load_failure.py)
+        extra["kv_transfer_config"] = spec["kv_transfer_config"]
     if spec.get("speculative_config"):  # with stats on: the METRICS line reports vLLM's own spec counters
         extra.update(speculative_config=spec["speculative_config"], disable_log_stats=False)
     if spec.get("draft_model"):

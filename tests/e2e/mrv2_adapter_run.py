@@ -1,11 +1,12 @@
-"""Drive the Model Runner V2 adapter against MRV2's real classes, as far as they run on CPU.
+"""Drive the Model Runner V2 adapter against MRV2's real classes on a scripted schedule: what
+no CPU engine shows.
 
     python mrv2_adapter_run.py LEDGER_DIR [--pause FIRST:END] [--fault KIND@STEP[:REQ]]...
-                               [--recompute REQ@STEP:TOKENS [--recompute-fixed]]
 
-MRV2 needs Triton and a device, which this host lacks, so a real MRV2 engine
-cannot run here. This script keeps everything real that runs on CPU and says
-what stands in for the rest:
+Real MRV2 engines run in the tests (`"runner": "v2"`, infra/mrv2-cpu: its Triton kernels in
+Triton's interpreter). A CPU engine never pads a batch as a FULL CUDA graph does (it runs
+eager), so this script keeps that case, and a schedule exact enough to pause over and to
+compare every snapshot with the scheduler's truth:
 
 * real: the MRV2 `GPUModelRunner` class (an instance made without its
   device-bound `__init__`; the adapter's attach points are checked against
@@ -27,17 +28,6 @@ tokens. Ledger steps count the profile run as step 0, so real step i is
 ledger step i + 1. Faults: `slot_shift` moves REQ's first token one slot on
 (default: the batch's first request); `pad_stale` writes a live block's slot
 into the padding. It prints `RESULT {json}` with what the test asserts on.
-
-`--recompute REQ@STEP:TOKENS` (the bug zoo's entry 3, vLLM issue 49250): at ledger STEP the
-scheduler rewinds REQ's computed tokens to TOKENS and schedules it from there, as
-`kv_load_failure_policy="recompute"` does once a KV load failed. The runner then keeps MRV2's
-device copy of the computed counts (`RequestState.num_computed_tokens.gpu`): staged writes
-applied as its write kernel does, positions from the device count (`prepare_pos_seq_lens`),
-advanced by each step's query length (`post_update`); request bookkeeping is vLLM 0.32's own
-`GPUModelRunner.update_requests`, which writes a rewind to the host mirror only. With
-`--recompute-fixed` the rewind is staged to the device too (vLLM PR 49252's first part).
-The result adds "device_computed": per ledger step, the device count each request's
-positions started from.
 """
 
 from __future__ import annotations
@@ -132,35 +122,7 @@ def inject(fault: Fault, input_batch, slot_mappings) -> None:
         raise SystemExit(f"unknown fault {fault.kind}")
 
 
-@dataclasses.dataclass
-class Recompute:
-    req_id: str
-    step: int
-    tokens: int
-
-    @classmethod
-    def parse(cls, text: str) -> Recompute:
-        req_id, _, where = text.partition("@")
-        step, _, tokens = where.partition(":")
-        return cls(req_id, int(step), int(tokens))
-
-
-def apply_staged_count_writes(staged) -> None:
-    """StagedWriteTensor.apply_write with its Triton write kernel written out in torch."""
-    lo = 0
-    for row, start, hi in zip(
-        staged._staged_write_indices, staged._staged_write_starts, staged._staged_write_cu_lens, strict=True
-    ):
-        content = torch.tensor(staged._staged_write_contents[lo:hi], dtype=staged.gpu.dtype)
-        if staged.gpu.dim() > 1:
-            staged.gpu[row, start : start + hi - lo] = content
-        else:
-            staged.gpu[row + start : row + start + hi - lo] = content
-        lo = hi
-    staged.clear_staged_writes()
-
-
-def make_runner(faults: list[Fault], recompute: list[Recompute] | None = None, fixed: bool = False):
+def make_runner(faults: list[Fault]):
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.worker.gpu.block_table import BlockTables
@@ -179,7 +141,6 @@ def make_runner(faults: list[Fault], recompute: list[Recompute] | None = None, f
     runner.req_states = RequestState(MAX_REQS, 512, 256, 0, 512, cpu)
     buffers = InputBuffers(MAX_REQS, 256, cpu)
     step = {"ledger": 0}
-    device_computed = runner.device_computed = {}  # ledger step -> request -> device count used
 
     def execute_model(scheduler_output, intermediate_tensors=None, dummy_run=False, is_profile=False, **_):
         if dummy_run:
@@ -193,32 +154,18 @@ def make_runner(faults: list[Fault], recompute: list[Recompute] | None = None, f
             states.add_request(r.req_id, len(r.prompt_token_ids), r.prompt_token_ids, r.num_computed_tokens, 16)
             tables.append_block_ids(states.req_id_to_index[r.req_id], r.block_ids, overwrite=True)
         cached = so.scheduled_cached_reqs  # update_requests
-        if recompute:
-            mirror = states.num_computed_tokens_np.copy()
-            GPUModelRunner.update_requests(runner, so)  # vLLM 0.32's: a rewind reaches the mirror only
-            for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
-                index = states.req_id_to_index[req_id]
-                if fixed and computed < mirror[index]:  # PR 49252: the truncation staged to the device
-                    states.num_computed_tokens.stage_write_elem(index, computed)
-            apply_staged_count_writes(states.num_computed_tokens)
-        else:
-            for req_id, computed, new_ids in zip(
-                cached.req_ids, cached.num_computed_tokens, cached.new_block_ids, strict=True
-            ):
-                index = states.req_id_to_index[req_id]
-                states.num_computed_tokens_np[index] = computed
-                if new_ids is not None:
-                    tables.append_block_ids(index, new_ids, overwrite=False)
+        for req_id, computed, new_ids in zip(
+            cached.req_ids, cached.num_computed_tokens, cached.new_block_ids, strict=True
+        ):
+            index = states.req_id_to_index[req_id]
+            states.num_computed_tokens_np[index] = computed
+            if new_ids is not None:
+                tables.append_block_ids(index, new_ids, overwrite=False)
         for staged in (states.all_token_ids, states.total_len, states.num_computed_tokens):
             staged.clear_staged_writes()  # device-only request state the plan does not read
         apply_staged_writes(tables)
         batch = input_batch(so)
         runner.prepare_attn(batch)
-        if recompute:  # post_update: the device count advances by the query length
-            device = states.num_computed_tokens.gpu
-            device_computed[step["ledger"]] = {r: int(device[states.req_id_to_index[r]]) for r in batch.req_ids}
-            for i, r in enumerate(batch.req_ids):
-                device[states.req_id_to_index[r]] += int(batch.num_scheduled_tokens[i])
         return None
 
     def input_batch(so):
@@ -226,8 +173,6 @@ def make_runner(faults: list[Fault], recompute: list[Recompute] | None = None, f
         counts = np.array([so.num_scheduled_tokens[r] for r in req_ids], np.int32)
         index = runner.req_states.req_id_to_index
         computed = runner.req_states.num_computed_tokens_np
-        if recompute:  # prepare_pos_seq_lens: positions from the device count
-            computed = runner.req_states.num_computed_tokens.gpu.numpy()
         num_tokens = int(counts.sum())
         padded = (num_tokens // 8 + 1) * 8  # a FULL graph's capture size: padding always follows
         positions = torch.zeros(padded, dtype=torch.int64)
@@ -259,7 +204,7 @@ def make_runner(faults: list[Fault], recompute: list[Recompute] | None = None, f
     return runner
 
 
-def scheduler_outputs(truth: dict, rewinds: list[Recompute] | None = None):
+def scheduler_outputs(truth: dict):
     """A small schedule: prefills, decodes, late arrivals, a finish whose blocks are reused,
     crossing block boundaries. `truth` gets, per ledger step, each live request's blocks and
     computed tokens as the scheduler holds them."""
@@ -279,10 +224,6 @@ def scheduler_outputs(truth: dict, rewinds: list[Recompute] | None = None):
             first = req_id not in blocks
             n = PROMPTS[req_id] if first else 1
             done = computed.get(req_id, 0)
-            for rewind in rewinds or ():  # recompute: back to TOKENS, scheduled up to where it was
-                if (rewind.req_id, rewind.step) == (req_id, ledger_step):
-                    n, done = done - rewind.tokens + 1, rewind.tokens
-                    computed[req_id] = done
             mine = blocks.setdefault(req_id, [])
             added = [free.popleft() for _ in range(-(-(done + n) // BLOCK_SIZE) - len(mine))]
             mine += added
@@ -315,8 +256,6 @@ def main() -> None:
     parser.add_argument("ledger", type=Path)
     parser.add_argument("--pause", help="FIRST:END, ledger steps recorded as paused (END not)")
     parser.add_argument("--fault", action="append", default=[], type=Fault.parse)
-    parser.add_argument("--recompute", action="append", default=[], type=Recompute.parse)
-    parser.add_argument("--recompute-fixed", action="store_true")
     args = parser.parse_args()
     import vllm.v1.worker.cpu.shm  # noqa: F401  (CPU stand-ins for the UVA buffers BlockTables uses)
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
@@ -331,13 +270,13 @@ def main() -> None:
     # The adapter's attach points against MRV2's real methods and their real signatures.
     missing = {point.method: point.missing(bare) for point, _ in probe.attach_points()}
 
-    runner = make_runner(args.fault, args.recompute, args.recompute_fixed)
+    runner = make_runner(args.fault)
     config = TraceConfig(enabled=True, sink=parse_sink(f"file://{args.ledger}"), snapshot_interval=SNAPSHOT_INTERVAL)
     probe = plugin.attach(runner, config)
     pause = tuple(int(s) for s in args.pause.split(":")) if args.pause else (0, 0)
     runner.execute_model(None, dummy_run=True, is_profile=True)
     truth: dict = {}
-    for ledger_step, so in enumerate(scheduler_outputs(truth, args.recompute), start=1):
+    for ledger_step, so in enumerate(scheduler_outputs(truth), start=1):
         if ledger_step == pause[0]:
             plugin.pause_tracing()
         if ledger_step == pause[1]:
@@ -345,8 +284,6 @@ def main() -> None:
         runner.execute_model(so)
     plugin.close_all()
     result = {"adapter": adapter.__name__, "missing": missing, "steps": probe.step, "truth": truth}
-    if args.recompute:
-        result["device_computed"] = runner.device_computed
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -144,8 +144,10 @@ def serve(
     args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     startup_timeout: float = 600,
+    runner: str = "v1",
 ) -> Iterator[Server]:
-    """Start a traced server, wait until it answers /health, and kill whatever is left at the end."""
+    """Start a traced server on `runner`'s model runner ("v1", or "v2": Model Runner V2, see
+    conftest.plugins_path), wait until it answers /health, and kill whatever is left at the end."""
     python = vllm_python()
     model = workdir / "model"
     model.mkdir(parents=True, exist_ok=True)
@@ -182,7 +184,7 @@ def serve(
     ]
     environ = {
         **os.environ,
-        "PYTHONPATH": plugins_path(),
+        "PYTHONPATH": plugins_path(runner),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_HOST_IP": "127.0.0.1",
         **(env or {}),

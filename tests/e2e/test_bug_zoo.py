@@ -23,7 +23,7 @@ import pytest
 from kvledger.schemas.files import discover, read_segment
 from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.replay import replay
-from tests.e2e.conftest import ROOT, TEST_PLUGINS, vllm_python
+from tests.e2e.conftest import ROOT, assert_runner, plugins_path, vllm_python
 from tests.e2e.engine_run import TINY_LLAMA
 
 pytestmark = pytest.mark.e2e
@@ -45,7 +45,7 @@ class ZooRun:
 def run_zoo(spec: dict, env: dict[str, str] | None = None, timeout: float = 600) -> ZooRun:
     """Run zoo_run.py's rounds on a real engine (the plugins here on its path, before any
     PYTHONPATH the tests were given)."""
-    path = os.pathsep.join(p for p in (str(TEST_PLUGINS), os.environ.get("PYTHONPATH")) if p)
+    path = plugins_path(spec.get("runner", "v1"))
     run_env = {**os.environ, "PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     proc = subprocess.run(
         [vllm_python(), str(ZOO_SCRIPT), json.dumps(spec)],
@@ -610,68 +610,72 @@ def test_a_region_sending_another_groups_blocks_is_caught_in_both_groups(hybrid_
 
 
 # -- a recompute's rewind reaches MRV2's host mirror only (vllm 49250) --------------------------------
-MRV2_SCRIPT = Path(__file__).with_name("mrv2_adapter_run.py")
-REWIND = ("req-a", 4, 16)  # at ledger step 4 req-a (20-token prompt, 22 computed) goes back to 16
+RECOMPUTED = [3 + (7 * i) % 500 for i in range(100)]  # three full blocks and four tokens
 
 
-def run_mrv2(ledger: Path, *args: str) -> dict:
-    proc = subprocess.run(
-        [vllm_python(), str(MRV2_SCRIPT), str(ledger), *args], capture_output=True, text=True, timeout=600, cwd=ROOT
-    )
-    found = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
-    assert proc.returncode == 0 and found, (proc.stdout + proc.stderr)[-3000:]
-    return json.loads(found[1])
+def recompute_spec(root: Path) -> dict:
+    """A Model Runner V2 engine with a KV connector that loads synchronously and reports what
+    failed (plugins/kvledger_test_load_failure.py) under `kv_load_failure_policy="recompute"`:
+    the prompt computed and stored, its stored KV lost, the prompt again: the connector's lookup
+    hits, the load fails, the scheduler rewinds the request and recomputes it."""
+    store = root / "store"
+    return {
+        "runner": "v2",
+        "prefix_caching": False,  # the engine's own prefix cache would answer before the connector
+        "kv_transfer_config": {
+            "kv_connector": "LoadFailureReportingConnector",
+            "kv_connector_module_path": "kvledger_test_load_failure",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(store)},
+            "kv_load_failure_policy": "recompute",
+        },
+        "kv_trace": {"enabled": True, "sink": f"file://{root}/ledger", "action": "log"},
+        "rounds": [
+            {"prompts": [RECOMPUTED], "max_tokens": 8},
+            {"remove": f"{store}/*/*.safetensors"},  # the stored KV lost, its folder left
+            {"prompts": [RECOMPUTED], "max_tokens": 8},
+        ],
+    }
 
 
 @pytest.mark.parallel
 def test_recompute_with_a_stale_device_count_is_caught_at_the_rewind(tmp_path):
-    """vllm 49250 on Model Runner V2's real RequestState, BlockTables and `update_requests`
-    (mrv2_adapter_run.py: MRV2 needs Triton and a device): the scheduler rewinds a running
-    request for a recompute; vLLM 0.32's `update_requests` writes the rewind to the host mirror
-    only, the device count stays ahead, and the recompute's positions (and from the row's end on,
-    its slots) come from the wrong offset. Caught at the rewind as write_target_mismatch
-    (positions), then at every later step of the request; with PR 49252's fix, silent."""
-    req_id, at, tokens = REWIND
-    rewind = f"--recompute={req_id}@{at}:{tokens}"
-    faulty = run_mrv2(tmp_path / "faulty", rewind)
-    fixed = run_mrv2(tmp_path / "fixed", rewind, "--recompute-fixed")
-    # Fired: the scheduler's count went back to 16 (the truth both runs share); the faulty run's
-    # positions started from the device count, still 22, the fixed run's from 16.
-    assert faulty["truth"] == fixed["truth"] and faulty["truth"][str(at)][req_id]["computed"] == tokens
-    ahead = faulty["device_computed"][str(at)][req_id]
-    assert ahead == faulty["truth"][str(at - 1)][req_id]["computed"] + 1 == 22
-    assert fixed["device_computed"][str(at)][req_id] == tokens
-    scheduled = ahead - tokens + 1  # the rewound tokens and the next one
-    later = {int(s): c[req_id] for s, c in faulty["device_computed"].items() if int(s) > at}
-    assert all(c == faulty["truth"][str(s)][req_id]["computed"] + ahead - tokens for s, c in later.items()), later
-    # Caught at the rewind's step, the request named, on the rank's dp0/tp0/pp0 (positions: no group).
-    found = replay(tmp_path / "faulty").violations
+    """vllm 49250 on a real Model Runner V2 engine, vLLM 0.32's stock code: a synchronous KV load
+    fails for real (the stored files are gone), the scheduler rewinds the request to recompute it,
+    and MRV2's `update_requests` writes the rewind to the host mirror only: the device count stays
+    ahead and the recompute's positions come from the wrong offset. Caught at the rewind as
+    write_target_mismatch (positions); with PR 49252's fix (plugins/zoo_recompute_device_count.py),
+    silent and the answer is the stored prompt's."""
+    stock = run_zoo(recompute_spec(tmp_path / "stock"))
+    fixed = run_zoo(recompute_spec(tmp_path / "fixed"), env={"ZOO_RECOMPUTE_FIX": "1"})
+    for run, root in ((stock, tmp_path / "stock"), (fixed, tmp_path / "fixed")):
+        assert_runner(run.log, root / "ledger", "v2")
+        # Fired for real: the lookup hit, the load failed, the scheduler recovered by recomputing.
+        [failed] = re.findall(r"^LOADFAIL (.*)$", run.log, re.M)
+        assert "tokens=96 error=FileNotFoundError" in failed, failed
+        assert "Recovered from KV load failure: 1 request(s) rescheduled (96 tokens affected)" in run.log
+    [rewind] = [r for r in stock.records if r.get("what") == "rewind"]
+    [fixed_rewind] = [r for r in fixed.records if r.get("what") == "rewind"]
+    # The failed step ran 4 tokens past the 96 it believed loaded: the device count, 100, stays.
+    assert (rewind["computed"], rewind["device"]) == ("0", "100") and fixed_rewind["device"] == "0"
+    assert fixed.rounds[2] == fixed.rounds[0] and stock.rounds[2] != stock.rounds[0]  # the damage
+
+    found = replay(tmp_path / "stock" / "ledger").violations
+    assert found, "the stale device count was not reported"
     first = found[0]
-    assert (first.kind, first.step, first.req_id, first.group, rank_of(first)) == (
+    assert (first.kind, first.req_id, first.group, rank_of(first)) == (
         "write_target_mismatch",
-        at,
-        req_id,
+        rewind["req"],
         None,
         RANK,
     ), found
     assert first.detail == (
-        f"plan writes {scheduled} token(s) from position {ahead}; "
-        f"scheduler handed {scheduled} token(s) from computed position {tokens}"
+        "plan writes 100 token(s) from position 100; scheduler handed 100 token(s) from computed position 0"
     )
-    # Every later step of the request is off by as much; once the wrong positions pass the end of
-    # its two blocks (position 32, ledger step 8) each step also writes past its row: block 0.
-    assert {v.req_id for v in found} == {req_id}
-    positions = [v.step for v in found if v.group is None]
-    assert positions == list(range(at, 13)), positions
-    past_row = sorted({v.step for v in found if v.group is not None})
-    assert past_row == [s for s, c in later.items() if c >= 32] == list(range(8, 13)), past_row
-    assert all(
-        sorted(v.kind for v in found if v.step == s and v.group == 0)
-        == ["foreign_block_write", "write_target_mismatch"]
-        for s in past_row
-    )
-    assert replay(tmp_path / "fixed").violations == []
+    rewound_at = first.step
+    assert all(v.req_id == rewind["req"] and v.step >= rewound_at for v in found), found
+    assert replay(tmp_path / "fixed" / "ledger").violations == []
     print(
-        f"zoo 49250: {req_id} rewound to {tokens} at ledger step {at}, device count {ahead}: {first.kind} at step "
-        f"{first.step} ({first.detail}); {len(found)} violations in steps {at}..12; fixed: none"
+        f"zoo 49250 (real MRV2 engine): a failed load of 96 tokens recomputed; {first.kind} at step {rewound_at} "
+        f"({first.detail}); {len(found)} violations; tokens {stock.rounds[2]} vs {stock.rounds[0]}; fixed: none"
     )

@@ -14,6 +14,8 @@ import pytest
 
 from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.replay import replay
+from tests.e2e import test_eagle as eagle
+from tests.e2e import test_spec_decode as spec_decode
 from tests.e2e.conftest import assert_runner, step_inputs
 from tests.e2e.test_hybrid import GEMMA_PRESSURE, group_kinds, reused_while_in_a_row
 from tests.e2e.test_vllm_trace import PRESSURE
@@ -21,6 +23,10 @@ from tests.e2e.test_vllm_trace import PRESSURE
 pytestmark = pytest.mark.e2e
 
 V2 = {"runner": "v2"}
+# The probe's own device path (producer/staging.py: the plan gathered by its Triton kernel), run in
+# Triton's interpreter over the CPU engine's tensors, where the other tests take the torch gather.
+TRITON_GATHER = {"KVLEDGER_GATHER": "triton"}
+TRITON_GATHER_SAID = "kv_trace: plans gathered by the Triton kernel on cpu tensors"
 # One fault of each kind MRV2's kernels can be wrong in, apart, on the pressure workload: a slot
 # one off, a swapped row entry in the gathered table, a slot in another request's block, and
 # (last: that request's row stays wrong until it lets it go) an append staged one block early.
@@ -45,7 +51,10 @@ def traced(root, spec: dict, action: str, **keys) -> dict:
 @pytest.fixture(scope="module")
 def pressure_faulty(tmp_path_factory, engine):
     root = tmp_path_factory.mktemp("mrv2-faulty")
-    return engine(traced(root, PRESSURE, "log"), fault=FAULTS), replay(root / "ledger"), root / "ledger"
+    # The device path: plans gathered by the probe's Triton kernel (in the interpreter here).
+    run = engine(traced(root, PRESSURE, "log"), fault=FAULTS, env=TRITON_GATHER)
+    assert TRITON_GATHER_SAID in run.log
+    return run, replay(root / "ledger"), root / "ledger"
 
 
 @pytest.mark.parallel
@@ -76,7 +85,8 @@ def test_mrv2_hybrid_four_groups_faults_in_a_window_group_and_the_full_group(tmp
     """Gemma-3's 3 sliding-window + 1 full-attention groups under pressure on MRV2: every group
     checked, a slot fault in a sliding-window group and one in the full-attention group each
     caught in its group, at its step, for its request, and nothing else."""
-    run = engine(traced(tmp_path, GEMMA_PRESSURE, "log"), fault="slot_shift@6:g1,slot_shift@10:g3")
+    run = engine(traced(tmp_path, GEMMA_PRESSURE, "log"), fault="slot_shift@6:g1,slot_shift@10:g3", env=TRITON_GATHER)
+    assert TRITON_GATHER_SAID in run.log
     ledger_root = tmp_path / "ledger"
     assert_runner(run.log, ledger_root, "v2")
     assert group_kinds(ledger_root) == [("SLIDING_WINDOW", 64)] * 3 + [("FULL_ATTENTION", None)]
@@ -95,3 +105,58 @@ def test_mrv2_hybrid_four_groups_faults_in_a_window_group_and_the_full_group(tmp
     checks = result.ledger.coverage.checks
     assert checks["position"] > 200 and checks["write"] == checks["read"] == 4 * checks["position"]
     assert not result.unchecked, result.unchecked
+
+
+@pytest.mark.parallel
+def test_mrv2_ngram_drafts_verified_every_request_checked_and_a_draft_slot_fault_caught_alone(tmp_path, engine):
+    """ngram drafts on MRV2 (its `spec_decode/`: verification steps, rejected drafts rolled back)
+    under preemption: every planned request checked; the last draft of one verifying request
+    moved one slot within its block, in the slot mapping MRV2's kernel computed, is the one
+    report."""
+    env = {"KVLEDGER_TEST_SPEC_FAULT": "draft_slot_shift", "KVLEDGER_TEST_SPEC_FAULT_STEP": str(spec_decode.FAULT_STEP)}
+    run = engine({**spec_decode.traced(tmp_path, "log"), **V2}, env=env)
+    ledger_root = tmp_path / "ledger"
+    assert_runner(run.log, ledger_root, "v2")
+    counters = spec_decode.spec_counters(run.log)  # vLLM's own: drafts accepted and rejected
+    drafted, accepted = counters["vllm:spec_decode_num_draft_tokens"], counters["vllm:spec_decode_num_accepted_tokens"]
+    assert accepted > 0 and drafted - accepted > 0, counters
+    assert any(inp["preempted_req_ids"] for inp in step_inputs(ledger_root)), "no preemption"
+    steps = spec_decode.plans(ledger_root)
+    assert sum(r.verifies_drafts for reqs in steps.values() for r in reqs) > 20
+
+    [injected] = run.faults
+    step, req = int(injected["step"]), injected["req"]
+    result = replay(ledger_root)
+    assert [(v.kind, v.step, v.req_id, v.group) for v in result.violations] == [
+        ("write_target_mismatch", step, req, 0)
+    ], result.violations
+    assert f"expected slot {injected['expected']}, actual slot {injected['actual']}" in result.violations[0].detail
+    [victim] = [r for r in steps[step] if r.req_id == req]
+    assert victim.verifies_drafts, victim
+    checks = result.ledger.coverage.checks
+    planned = sum(len(reqs) for reqs in steps.values())
+    assert checks["write"] == checks["read"] == checks["position"] == planned > 80, checks
+    assert not result.unchecked, result.unchecked
+
+
+@pytest.mark.parallel
+def test_mrv2_eagle_target_checked_silent_and_the_drafters_writes_declared_unchecked(tmp_path, engine):
+    """EAGLE on MRV2: the target model's writes and reads checked, silent in raise mode; the
+    drafter's own KV writes (MRV2's speculator builds their slot mappings itself) are not recorded
+    on this runner: declared by the rank, and counted unchecked once per step, never reported."""
+    run = engine({**eagle.traced(tmp_path, "raise"), **V2})
+    ledger_root = tmp_path / "ledger"
+    assert_runner(run.log, ledger_root, "v2")
+    counters = spec_decode.spec_counters(run.log)
+    assert counters["vllm:spec_decode_num_drafts"] > 20 and counters["vllm:spec_decode_num_draft_tokens"] > 60
+    [info, *_] = eagle.bodies(ledger_root, "kvledger.RankInfo")
+    caps = {c["name"]: (c["available"], c["reason"]) for c in info["capabilities"]}
+    available, why = caps["drafter_kv_writes"]
+    assert not available and "eagle drafter writes KV through slot mappings of its own" in why, caps
+    result = replay(ledger_root)
+    assert result.violations == []
+    planned = sum(len(reqs) for reqs in spec_decode.plans(ledger_root).values())
+    checks = result.ledger.coverage.checks
+    assert checks["write"] == checks["read"] == checks["position"] == planned > 80, checks
+    plan_steps = sum(1 for s in eagle.bodies(ledger_root, "kvledger.Step") if s["plan"] is not None)
+    assert dict(result.unchecked) == {"drafter_kv_writes": plan_steps}, result.unchecked

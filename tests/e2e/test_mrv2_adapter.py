@@ -1,5 +1,7 @@
-"""The Model Runner V2 adapter against MRV2's real classes (mrv2_adapter_run.py says which parts
-stand in for Triton kernels and a device this host lacks)."""
+"""The Model Runner V2 adapter against MRV2's real classes on a scripted schedule: a FULL CUDA
+graph's padding, snapshots compared with the scheduler's truth, a pause over exact steps
+(mrv2_adapter_run.py says which parts stand in; real MRV2 engines: test_mrv2.py and the tests run
+on both runners)."""
 
 from __future__ import annotations
 

@@ -34,6 +34,7 @@ from kvledger.schemas.events import event_of
 from kvledger.schemas.files import discover, end_marker_path, incarnation_of, read_end_marker, read_stream
 from kvledger.stream_app.core import Ledger
 from kvledger.stream_app.replay import replay
+from tests.e2e.conftest import RUNNERS, assert_runner
 from tests.e2e.server_run import Server, children, cmdline, serve
 from tests.stream_harness import BATCHES, read_all
 
@@ -161,9 +162,10 @@ def requests_in_ledger(ledger: Path) -> tuple[set[str], set[str]]:
     return new, finished
 
 
-def test_sigterm_right_after_the_last_response_leaves_a_complete_clean_ledger(tmp_path):
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_sigterm_right_after_the_last_response_leaves_a_complete_clean_ledger(tmp_path, runner):
     ledger = tmp_path / "ledger"
-    with serve(tmp_path, traced(ledger), args=["--max-num-seqs", "32"]) as server:
+    with serve(tmp_path, traced(ledger), args=["--max-num-seqs", "32"], runner=runner) as server:
         first = server.complete_all(PROMPTS, max_tokens=16)
         # What a SIGKILL right then would leave: the rank went idle, its sink wrote everything.
         idle_flush_s = confirmed_within(ledger, LOSS_BOUND_S + SLACK_S)
@@ -175,6 +177,7 @@ def test_sigterm_right_after_the_last_response_leaves_a_complete_clean_ledger(tm
     assert idle_flush_s is not None, "the idle rank's events were not in the file"
     assert "force killing remaining process" in server.log, "vLLM did not force-kill its engine core"
     assert all(len(c.tokens) == 16 for c in first + second)
+    assert_runner(server.log, ledger, runner)
     result = replay(ledger)
     assert_clean_and_checked(result, ranks=1)
     summary = result.summary()
@@ -292,12 +295,14 @@ def closed_within(ledger: Path, seconds: float) -> bool:
     return False
 
 
-def test_sigkill_of_the_worker_mid_run_loses_nothing_its_recorder_closes_the_ledger(tmp_path):
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_sigkill_of_the_worker_mid_run_loses_nothing_its_recorder_closes_the_ledger(tmp_path, runner):
     """A killed worker does nothing at all; its recorder, outside the engine's process tree,
     delivers everything the worker wrote into the ring and closes the ledger."""
     ledger = tmp_path / "ledger"
-    with serve(tmp_path, traced(ledger), args=["--max-num-seqs", "32"]) as server:
+    with serve(tmp_path, traced(ledger), args=["--max-num-seqs", "32"], runner=runner) as server:
         killed_at, errors = run_until_killed(server, "VLLM::Worker")
+    assert_runner(server.log, ledger, runner)
     assert len(errors) == 32 and server.completions == [], "the engine was not busy when killed"
     assert closed_within(ledger, 60), end_markers(ledger)
     lost_s = killed_at - newest(ledger)
@@ -325,19 +330,22 @@ def test_sigkill_of_the_engine_core_mid_run_lets_the_worker_close_its_ledger(tmp
     assert result.ledger.steps > 50
 
 
-def test_data_parallel_2_through_the_server_records_both_ranks_clean(tmp_path):
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_data_parallel_2_through_the_server_records_both_ranks_clean(tmp_path, runner):
     ledger = tmp_path / "ledger"
     with serve(
         tmp_path,
         traced(ledger),
         args=["--max-num-seqs", "32", "--data-parallel-size", "2"],
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        runner=runner,
     ) as server:
         assert len(server.processes("VLLM::EngineCore")) == 2
         server.complete_all(PROMPTS, max_tokens=16)
         server.complete_all(PROMPTS, max_tokens=16)
         counters = settled_counters(server)
         assert server.stop(signal.SIGTERM) == 0
+    assert_runner(server.log, ledger, runner)
     result = replay(ledger)
     assert_clean_and_checked(result, ranks=2)
     assert sorted((s.dp, s.tp, s.pp) for s in result.streams) == [(0, 0, 0), (1, 0, 0)]

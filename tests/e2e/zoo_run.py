@@ -6,12 +6,15 @@ SPEC_JSON: engine_run.py's spec (model, kv_trace, num_blocks, speculative_config
 "rounds": a list, each either {"prompts": [[token ids], ...], "max_tokens": N, "logprobs": bool}
 (one generate call: its prompts arrive together) or {"worker": "METHOD", "times": N} (N calls
 of a worker method through `LLM.collective_rpc` between generate calls, e.g.
-"execute_dummy_batch"). Prints `ROUND I OUTPUTS [[token ids], ...]` per generate round, with
+"execute_dummy_batch") or {"remove": GLOB} (the files it matches deleted between generate calls:
+stored KV a disk lost). Prints `ROUND I OUTPUTS [[token ids], ...]` per generate round, with
 "logprobs" also `ROUND I LOGPROBS [[...], ...]` (each sampled token's log-probability), then
 `METRICS {...}` with vLLM's speculative-decoding counters when the engine drafts.
 """
 
+import glob
 import json
+import os
 import sys
 
 from engine_run import start
@@ -23,6 +26,12 @@ def main() -> None:
     from vllm import SamplingParams
 
     for i, round_ in enumerate(spec["rounds"]):
+        if "remove" in round_:
+            removed = glob.glob(round_["remove"])
+            for path in removed:
+                os.remove(path)
+            print(f"ROUND {i} REMOVED {len(removed)}", flush=True)
+            continue
         if "worker" in round_:
             for _ in range(round_.get("times", 1)):
                 llm.collective_rpc(round_["worker"])

@@ -1,10 +1,11 @@
 """A device plan's gather (producer/staging.py `PlanGather`): what it reads back equals what the
 device held, its layout is the kernel's, and its host calls per step do not grow with the KV
-groups or the requests. CPU tensors, through the torch gather (the Triton kernel fills the same
-layout on CUDA: bench/gpu_check.py runs these checks there)."""
+groups or the requests. CPU tensors, through the torch gather and through the Triton kernel in
+Triton's interpreter (bench/gpu_check.py runs these checks on CUDA)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -89,8 +90,45 @@ print("ok", new[(4, 64)], old[(1, 64)], old[(4, 64)])
 """
 
 
-def run(script: str) -> str:
-    proc = subprocess.run([vllm_python(), "-c", script], capture_output=True, text=True, timeout=300)
+# The device path itself, on a CPU host: the Triton kernel in Triton's interpreter fills, byte for
+# byte, what the torch gather fills (plans of 1 to 8 groups, padding, empty tables, a snapshot's
+# rows); and the MRV2 probe over the device bench's engine, its plans and snapshots gathered by
+# the kernel (KVLEDGER_GATHER=triton), reads back every frame as the tensors held it.
+INTERPRETED = f"""
+import sys
+sys.path.insert(0, {str(ROOT / "bench")!r})
+import numpy as np, torch
+import device_staging as ds
+import kvledger.producer.staging as staging
+from kvledger.producer.staging import PlanGather, StagingPool
+
+torch.set_num_threads(1)
+rng = np.random.default_rng(3)
+cases = [(1, 3, [4], 40, 33), (4, 5, [2, 7, 1, 3], 300, 290), (2, 1, [0, 5], 8, 1), (8, 2, [1] * 8, 16, 9)]
+for groups, nrows, widths, padded, tokens in cases:
+    slots = torch.from_numpy(rng.integers(-1, 10**6, (groups, padded + 5)))
+    positions = torch.from_numpy(rng.integers(0, 4096, tokens + 3))
+    tables = [torch.from_numpy(rng.integers(0, 10**5, (nrows + 2, w + 3)).astype(np.int32)) for w in widths]
+    index = rng.permutation(nrows + 2)[:nrows]
+    found = []
+    for use_kernel in (True, False):
+        gather = PlanGather(StagingPool(), use_kernel=use_kernel)
+        got = gather.plan(slots, padded, positions, tokens, tables, nrows, widths)
+        rows = gather.rows(tables, index, widths)
+        found.append([s.numpy().tobytes() for s in (*got.slots, got.positions, *got.rows, *rows)])
+        assert gather.launches == (2 if use_kernel else 0), gather.launches
+    assert found[0] == found[1], (groups, widths)
+cpu = torch.device("cpu")
+for groups, requests, tokens in ((1, 1, 1), (4, 16, 1), (2, 8, 8)):
+    ds.run(ds.Engine(cpu, requests, groups, tokens), 12, 0, "gather", 4)  # asserts every frame
+assert staging._KERNEL and staging._KERNEL[0] is not None, "the kernel never ran"
+print("ok")
+"""
+
+
+def run(script: str, **env: str) -> str:
+    environ = {**os.environ, **env}
+    proc = subprocess.run([vllm_python(), "-c", script], capture_output=True, text=True, timeout=300, env=environ)
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), (proc.stdout + proc.stderr)[-3000:]
     return proc.stdout
 
@@ -101,3 +139,7 @@ def test_a_gathered_plan_reads_back_as_the_tensors_held_it_and_a_full_pool_lends
 
 def test_every_frame_equals_the_device_and_the_gathers_host_calls_do_not_grow_with_groups_or_requests():
     run(PROBE)
+
+
+def test_the_triton_gather_interpreted_fills_the_torch_gathers_bytes_and_the_probes_frames():
+    run(INTERPRETED, TRITON_INTERPRET="1", KVLEDGER_GATHER="triton")
