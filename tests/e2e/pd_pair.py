@@ -26,7 +26,8 @@ handed out again).
 
 Spec: {"prompts": [[token ids], ...], "max_tokens": 8, "ledger_root": "/abs" | null,
 "transfer_ids": [...] | null, "baseline": false, "transfer_digests": 0.0, "plain_prefill_prompts": [],
-"kv_load_failure_policy": null, "prefix_caching": false, "max_num_batched_tokens": 1024, "decode_transfer_ids": null}.
+"kv_load_failure_policy": null, "prefix_caching": false, "max_num_batched_tokens": 1024, "decode_transfer_ids": null,
+"runners": {"prefill": "v1" | "v2", "decode": ...} (default V1; "v2": Model Runner V2, infra/mrv2-cpu)}.
 With "decode_transfer_ids", the decode engine's requests name those transfers (in prompt order) instead of their own:
 a caller pairing a decode request with another request's prefill (vLLM issue 52234's class). With "baseline", the
 prefill engine first serves the prompts alone (no transfer parameters), before any transfer. With a ledger root, both
@@ -81,7 +82,11 @@ def launch_pair(python: str, script: str, spec: dict, env: dict[str, str], timeo
 
     here = Path(__file__).resolve().parent
     run_env = {**os.environ, **PAIR_ENV, **env}
-    run_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here / "plugins"), run_env.get("PYTHONPATH")) if p)
+    # Model Runner V2 on either side: its switch on the driver's path (the driver picks each
+    # engine's runner, `_engine`).
+    v2 = "v2" in (spec.get("runners") or {}).values()
+    first = [str(here.parents[1] / "infra" / "mrv2-cpu")] if v2 else []
+    run_env["PYTHONPATH"] = os.pathsep.join(p for p in (*first, str(here / "plugins"), run_env.get("PYTHONPATH")) if p)
     # Its own session, so a hung pair is ended whole: driver, engine cores and workers.
     proc = subprocess.Popen(
         [*LOOPBACK_ONLY, python, str(here / script), json.dumps(spec)],
@@ -157,6 +162,8 @@ def _engine(model: str, role: str, engine_id: str, spec: dict):
     from vllm.config import KVTransferConfig
 
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _cores()[role]  # read by the engine's own processes
+    v2 = (spec.get("runners") or {}).get(role) == "v2"  # this engine on Model Runner V2 (or V1)
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
     kv_transfer = KVTransferConfig(
         kv_connector="MooncakeConnector",
         kv_role="kv_producer" if role == "prefill" else "kv_consumer",

@@ -1,7 +1,8 @@
 """Content digests on real engines: a stray write into a sealed block's KV bytes, below every plan
 (the test plugin in plugins/kvledger_test_content_faults.py), caught with the right kind, block
-and step, in the V1 runner, on the TP rank it hit, and in a hybrid model's full-attention group;
-a block vLLM was to zero (a Mamba hybrid) left with stale bytes, caught at its step.
+and step, on either runner (V1's, Model Runner V2's), on the TP rank it hit, and in a hybrid
+model's full-attention group; a block vLLM was to zero (a Mamba hybrid) left with stale bytes,
+caught at its step.
 
 The clean runs with `content_digests: 1.0` (silent, with blocks sealed and verified) are the
 clean runs of test_vllm_trace.py (preemption, prefix-cache hits, TP=2) and test_hybrid.py: one
@@ -15,6 +16,7 @@ import pytest
 
 from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.replay import replay
+from tests.e2e.conftest import RUNNERS, assert_runner
 from tests.e2e.test_hybrid import GEMMA_PRESSURE, QWEN_PRESSURE
 from tests.e2e.test_hybrid import ledger_bodies as bodies_of
 from tests.e2e.test_vllm_trace import PRESSURE
@@ -84,9 +86,11 @@ def assert_caught(ledger_root, log: str, hit: dict) -> None:
 
 
 @pytest.mark.parallel
-def test_a_stray_write_into_a_sealed_block_is_caught_in_the_v1_runner(tmp_path, engine):
-    hit, log = stray(engine, digesting(tmp_path, PRESSURE, max_tokens=16, num_blocks=64), "8")
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_a_stray_write_into_a_sealed_block_is_caught_on_either_runner(tmp_path, engine, runner):
+    hit, log = stray(engine, digesting(tmp_path, PRESSURE, max_tokens=16, num_blocks=64, runner=runner), "8")
     assert hit["step"] == 8 and hit["tp"] == 0
+    assert_runner(log, tmp_path / "ledger", runner)
     assert_caught(tmp_path / "ledger", log, hit)
 
 

@@ -17,7 +17,7 @@ from kvledger.stream_app.replay import replay
 from tests.e2e import test_eagle as eagle
 from tests.e2e import test_spec_decode as spec_decode
 from tests.e2e.conftest import assert_runner, step_inputs
-from tests.e2e.test_hybrid import GEMMA_PRESSURE, group_kinds, reused_while_in_a_row
+from tests.e2e.test_hybrid import GEMMA_PRESSURE, QWEN_PRESSURE, group_kinds, ledger_bodies, reused_while_in_a_row
 from tests.e2e.test_vllm_trace import PRESSURE
 
 pytestmark = pytest.mark.e2e
@@ -160,3 +160,31 @@ def test_mrv2_eagle_target_checked_silent_and_the_drafters_writes_declared_unche
     assert checks["write"] == checks["read"] == checks["position"] == planned > 80, checks
     plan_steps = sum(1 for s in eagle.bodies(ledger_root, "kvledger.Step") if s["plan"] is not None)
     assert dict(result.unchecked) == {"drafter_kv_writes": plan_steps}, result.unchecked
+
+
+@pytest.mark.parallel
+def test_mrv2_state_groups_owned_and_rows_checked_faults_in_attention_and_a_state_row_caught(tmp_path, engine):
+    """Qwen3-Next's 3 gated-delta-net state groups beside one attention group on MRV2: attention
+    checked in full, state groups for ownership and rows (what their kernels do with them counted
+    `mamba_group`); a slot shift in the attention group and a swapped entry of a gathered state
+    row, each caught alone."""
+    run = engine(traced(tmp_path, QWEN_PRESSURE, "log"), fault="slot_shift@6:g3,block_swap@10:g0", env=TRITON_GATHER)
+    ledger_root = tmp_path / "ledger"
+    assert_runner(run.log, ledger_root, "v2")
+    assert group_kinds(ledger_root) == [("MAMBA", None)] * 3 + [("FULL_ATTENTION", None)]
+    inputs = list(step_inputs(ledger_root))
+    assert sum(r["num_computed_tokens"] > 0 for inp in inputs for r in inp["new_reqs"]) >= 2, "no prefix hits"
+    assert any(inp["preempted_req_ids"] for inp in inputs), "no preemption"
+
+    result = replay(ledger_root)
+    injected = {(int(f["step"]), int(f["group"])): f["req"] for f in run.faults}
+    assert set(injected) == {(6, 3), (10, 0)}, run.faults
+    assert {(v.kind, v.step, v.group, v.req_id) for v in result.violations} == {
+        ("write_target_mismatch", 6, 3, injected[6, 3]),
+        ("read_target_mismatch", 10, 0, injected[10, 0]),
+    }, result.violations
+    coverage = result.ledger.coverage
+    plan_steps = sum(1 for s in ledger_bodies(ledger_root, "kvledger.Step") if s["plan"] is not None)
+    assert coverage.checks["write"] == coverage.checks["read"] == coverage.checks["position"] > 200
+    assert coverage.checks["state_rows"] == 3 * coverage.checks["position"] and coverage.checks["exclusivity"] > 20
+    assert dict(result.unchecked) == {"mamba_group": 3 * plan_steps}, result.unchecked

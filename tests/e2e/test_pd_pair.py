@@ -79,14 +79,29 @@ def _pair_ready() -> str:
     return python
 
 
-@pytest.fixture(scope="module")
-def clean_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pd-pair")
+# The clean pair on each engine's model runner: V1's, Model Runner V2's (infra/mrv2-cpu), and a V1
+# prefill engine sending to an MRV2 decode engine.
+PAIR_RUNNERS = {"v1": ("v1", "v1"), "v2": ("v2", "v2"), "v1-to-v2": ("v1", "v2")}
+
+
+@pytest.fixture(scope="module", params=list(PAIR_RUNNERS))
+def clean_pair(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"pd-pair-{request.param}")
+    prefill, decode = PAIR_RUNNERS[request.param]
     # Served by the prefill engine alone while the pair's sends wait: it reads the system
     # prompt's blocks, which those sends hold, from the prefix cache.
-    extra = {"baseline": True, "transfer_digests": 1.0, "plain_prefill_prompts": [SYSTEM_USER], **PAIR_SETTINGS}
+    extra = {
+        "baseline": True,
+        "transfer_digests": 1.0,
+        "plain_prefill_prompts": [SYSTEM_USER],
+        "runners": {"prefill": prefill, "decode": decode},
+        **PAIR_SETTINGS,
+    }
     run = run_pd_pair(_pair_ready(), PROMPTS, max_tokens=MAX_TOKENS, ledger_root=root, extra=extra)
     print("prefill/decode pair timings:", json.dumps({k: round(v, 1) for k, v in run.timings.items()}))
+    for ledger, runner in ((run.prefill_ledger, prefill), (run.decode_ledger, decode)):
+        assert {info["runner"] for info in bodies(ledger, RANK_INFO)} == {runner}, ledger
+    assert ("Using V2 Model Runner" in run.log) == ("v2" in (prefill, decode))
     return run
 
 

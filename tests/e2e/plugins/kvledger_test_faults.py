@@ -153,7 +153,8 @@ def register_mrv2(spec):
 
     @functools.wraps(execute_model)  # the probes check the parameters they read
     def counted_execute_model(self, scheduler_output, *args, **kwargs):
-        state["step"] += 1
+        if self.kv_caches:  # as the probes count: they attach once the KV cache exists (not a warm-up before)
+            state["step"] += 1
         state["runner"] = self
         if on_this_rank():
             state["staged"] = {g for kind, step, g in faults if kind == "staged_row" and step == state["step"]}

@@ -53,11 +53,12 @@ def register() -> None:
     cls._get_slot_mappings = faulty_get_slot_mappings
 
 
-def shift_last_draft(state: dict, req_ids, qsl, slots, block_size: int) -> bool:
-    """Move the first drafting request's last token (its last draft) one slot within its block."""
+def shift_last_draft(state: dict, req_ids, qsl, slots, block_size: int, placeholders: bool = False) -> bool:
+    """Move the first drafting request's last token (its last draft) one slot within its block.
+    `placeholders`: the scheduler lists each draft as -1, the worker holding the drafts (MRV2)."""
     for i, req_id in enumerate(req_ids):
         drafts = state["drafts"].get(req_id) or []
-        if not drafts or min(drafts) < 0:  # none, or padding placeholders rather than drafts
+        if not drafts or (min(drafts) < 0 and not placeholders):  # none, or padding rather than drafts
             continue
         token = int(qsl[i + 1]) - 1
         expected = int(slots[token])
@@ -86,7 +87,8 @@ def register_mrv2(state: dict, at_step: int) -> None:
 
     @functools.wraps(execute_model)  # the probes check the parameters they read
     def counted_execute_model(self, scheduler_output, *args, **kwargs):
-        state["step"] += 1
+        if self.kv_caches:  # as the probes count: they attach once the KV cache exists (not a warm-up before)
+            state["step"] += 1
         state["drafts"] = scheduler_output.scheduled_spec_decode_tokens
         return execute_model(self, scheduler_output, *args, **kwargs)
 
@@ -94,11 +96,9 @@ def register_mrv2(state: dict, at_step: int) -> None:
     def faulty_prepare_attn(self, input_batch, *args, **kwargs):
         block_tables, slot_mappings = prepare_attn(self, input_batch, *args, **kwargs)
         if not state["done"] and state["step"] >= at_step and input_batch.num_reqs:
-            req_ids = input_batch.req_ids[: input_batch.num_reqs]
+            req_ids, qsl = input_batch.req_ids[: input_batch.num_reqs], input_batch.query_start_loc_np
             block_size = self.block_tables.block_sizes[0]
-            state["done"] = shift_last_draft(
-                state, req_ids, input_batch.query_start_loc_np, slot_mappings[0], block_size
-            )
+            state["done"] = shift_last_draft(state, req_ids, qsl, slot_mappings[0], block_size, placeholders=True)
         return block_tables, slot_mappings
 
     cls.execute_model = counted_execute_model
