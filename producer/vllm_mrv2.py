@@ -17,7 +17,10 @@ by the gather), so the same adapter applies.
 step and its input, as in the V1 adapter. Snapshots read MRV2's own request
 state: `req_states` (request -> state index, computed tokens on the host) and
 the device rows of `BlockTables`, gathered and staged like the plan (one
-kernel for every group), every `snapshot_interval` steps only.
+kernel for every group), every `snapshot_interval` steps only. Content
+digests (`content_digests`) read a host copy of each row as MRV2 staged it
+(`HostRows`, kept from `BlockTables.append_block_ids`): its rows live on the
+device only, and reading them back every step would synchronise the stream.
 """
 
 from __future__ import annotations
