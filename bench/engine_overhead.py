@@ -15,14 +15,17 @@
   the counters), so both arms share the process, its memory and its core placement; paused
   probes still wrap the runner (a counter and a flag per step).
 
-* vLLM's own KV events publisher (`kv_events_config`, ZMQ), for comparison: it cannot be
-  paused, so one engine per run, on and off in turn (`--kv-events-pairs`).
+* beside its peer, vLLM's own KV events publisher (`kv_events_config`, ZMQ on loopback: the
+  block pool's stored/removed events, hash level): one engine, three arms in turn (tracing
+  paused; traced; tracing paused and vLLM's KV events published instead, its block pool's
+  events toggled in the engine core this process runs, `VLLM_ENABLE_V1_MULTIPROCESSING=0`), so
+  kvledger's cost and the peer's are read side by side in one process (`--peer-rounds`).
 
 * content digests of sealed blocks (`content_digests` 0, 0.01 and 0.1, `log` action, 64
   requests): one engine per fraction, paused and resumed in turn as above; the cost a fraction
   adds is its overhead over the 0 row's, with the digests per step and ledger bytes per step.
 
-    python bench/engine_overhead.py [--python .venv-vllm/bin/python] [--rounds 10] [--kv-events-pairs 6]
+    python bench/engine_overhead.py [--python .venv-vllm/bin/python] [--rounds 10] [--peer-rounds 9]
     python bench/engine_overhead.py --ab-only --requests 64 --rounds 60 [--runner v2]
     python bench/engine_overhead.py --content-only [--rounds 10]
 """
@@ -64,6 +67,7 @@ def engine_spec(
     ab_rounds: int = 0,
     action: str = "log",
     kv_events: str | None = None,
+    ab_peer: bool = False,
     prefix_caching: bool = False,
     content_digests: float = 0.0,
     sink: str | None = None,
@@ -78,6 +82,7 @@ def engine_spec(
         "prefix_caching": prefix_caching,
         "warmup": 1,
         "ab_rounds": ab_rounds,
+        "ab_peer": ab_peer,
         "kv_events": kv_events,
     }
     if ledger is not None:
@@ -140,7 +145,8 @@ def main() -> None:
     parser.add_argument("--python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--ab-only", action="store_true", help="only the tracing on/off pairs")
-    parser.add_argument("--kv-events-pairs", type=int, default=6, help="engine pairs for vLLM's KV events (0: none)")
+    parser.add_argument("--peer-rounds", type=int, default=9, help="rounds beside vLLM's KV events (0: none)")
+    parser.add_argument("--peer-only", action="store_true", help="only the table beside vLLM's KV events")
     parser.add_argument("--content-only", action="store_true", help="only the content digests' table")
     parser.add_argument(
         "--requests", type=int, nargs="+", default=[64, 256], help="running requests of the on/off pairs' rows"
@@ -161,6 +167,9 @@ def main() -> None:
     if args.content_only:
         content_table(args.python, args.rounds)
         return
+    if args.peer_only:
+        peer_table(args.python, args.peer_rounds)
+        return
     if not args.ab_only:
         probe_table(args.python)
     with tempfile.TemporaryDirectory(prefix="kvledger-bench-") as tmp, kafka_sink(args.sink, Path(tmp)) as sink:
@@ -168,8 +177,8 @@ def main() -> None:
     if args.ab_only:
         return
     content_table(args.python, args.rounds)
-    if args.kv_events_pairs:
-        kv_events_table(args.python, args.kv_events_pairs)
+    if args.peer_rounds:
+        peer_table(args.python, args.peer_rounds)
 
 
 def probe_table(python: str) -> None:
@@ -269,24 +278,30 @@ def content_figures(root: Path) -> tuple[float, float]:
     return digests / max(len(steps), 1), size / max(len(steps), 1)
 
 
-def kv_events_table(python: str, pairs: int, requests: int = 64) -> None:
-    """vLLM's own KV events publisher cannot be paused: one engine per run, on and off in turn
-    (prefix caching on in both, as the events need it; nothing subscribed to the ZMQ socket)."""
+def peer_table(python: str, rounds: int, requests: int = 64) -> None:
+    """kvledger and vLLM's KV events side by side: one engine (its engine core in this process, as
+    the peer's toggle needs), prefix caching on (the peer's events need it), nothing subscribed to
+    the ZMQ socket; the `log` action, file sink."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    rates: dict[str, list[float]] = {"off": [], "on": []}
-    for pair in range(pairs):
-        for arm in ("off", "on") if pair % 2 == 0 else ("on", "off"):
-            events = endpoint if arm == "on" else None
-            stdout = run(python, requests, 96, None, kv_events=events, prefix_caching=True)
-            seconds, tokens = re.search(r"^TIMING generate_s=(\S+) tokens=(\d+)$", stdout, re.M).groups()
-            rates[arm].append(int(tokens) / float(seconds))
-    overheads = [1 - on / off for off, on in zip(rates["off"], rates["on"], strict=True)]
-    print(f"\nvLLM's KV events (ZMQ publisher), one engine per run, {pairs} pairs, {requests} requests")
-    print(f"{'tokens/s off':>12} {'on':>7} {'overhead':>9} {'spread':>17}")
-    print(
-        f"{statistics.median(rates['off']):>12,.0f} {statistics.median(rates['on']):>7,.0f} "
-        f"{statistics.median(overheads):>+9.1%} {min(overheads):>+8.1%}..{max(overheads):>+6.1%}"
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        stdout = run(
+            python, requests, 96, Path(tmp), "single", ab_rounds=rounds, ab_peer=True, kv_events=endpoint,
+            prefix_caching=True,
+        )  # fmt: skip
+    arms = ab_arms(stdout)
+    assert all(len(arms[a]) == rounds for a in ("off", "on", "peer")), stdout[-2000:]
+    print(f"\nbeside vLLM's KV events: one engine, {rounds} rounds of three arms, {requests} requests, single layout")
+    print(f"{'arm':>9} {'tokens/s':>9} {'overhead':>9} {'spread':>17} {'CPU us/step added':>18} {'spread':>17}")
+    print(f"{'off':>9} {statistics.median(a.rate for a in arms['off']):>9,.0f}")
+    for name, arm in (("kvledger", "on"), ("kv events", "peer")):
+        pairs = list(zip(arms["off"], arms[arm], strict=True))
+        overheads = [1 - on.rate / off.rate for off, on in pairs]
+        added = [(on.cpu_per_step - off.cpu_per_step) * 1e6 for off, on in pairs]
+        print(
+            f"{name:>9} {statistics.median(a.rate for a in arms[arm]):>9,.0f} {statistics.median(overheads):>+9.1%} "
+            f"{min(overheads):>+8.1%}..{max(overheads):>+6.1%} {statistics.median(added):>18.1f} "
+            f"{min(added):>8.1f}..{max(added):>7.1f}"
+        )
 
 
 @contextlib.contextmanager
@@ -345,12 +360,19 @@ def ab_runs(
             content_digests=content_digests,
             sink=sink,
         )
-    arms: dict[str, list[Arm]] = {"off": [], "on": []}
+    arms = ab_arms(stdout)
+    assert len(arms["off"]) == len(arms["on"]) == rounds, stdout[-2000:]
+    return list(zip(arms["off"], arms["on"], strict=True))
+
+
+def ab_arms(stdout: str) -> dict[str, list[Arm]]:
+    """Each arm's runs, in order, from engine_run.py's `AB` lines."""
+    arms: dict[str, list[Arm]] = {}
     pattern = r"^AB arm=(\w+) generate_s=(\S+) tokens=(\d+) cpu_s=(\S+) steps=(\d+) probes_s=(\S+) recorder_s=(\S+)$"
     for arm, seconds, tokens, cpu, steps, probes, recorder in re.findall(pattern, stdout, re.M):
         per_step = max(int(steps), 1)
         rate = int(tokens) / float(seconds)
-        arms[arm].append(
+        arms.setdefault(arm, []).append(
             Arm(
                 rate,
                 float(cpu) / per_step,
@@ -359,8 +381,7 @@ def ab_runs(
                 float(seconds) / per_step,
             )
         )
-    assert len(arms["off"]) == len(arms["on"]) == rounds, stdout[-2000:]
-    return list(zip(arms["off"], arms["on"], strict=True))
+    return arms
 
 
 if __name__ == "__main__":

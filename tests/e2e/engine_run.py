@@ -8,6 +8,8 @@ SPEC_JSON: {"kv_trace": {...} | null, "tp": 1, "pp": 1, "prompts": [[token ids],
             "model": {config.json} | null (default TINY_LLAMA),
             "draft_model": {config.json} | null (a random-weight drafter, e.g. EAGLE's: speculative_config's model),
             "kv_events": ZMQ endpoint | null (vLLM's KV events publisher on, to compare its cost),
+            "ab_rounds": N, "ab_peer": false (tracing paused and resumed in turn N times; with
+            "ab_peer", vLLM's KV events the third arm: see `ab_rounds`),
             "kv_transfer_config": {...} | null (a KV connector, as LLM(kv_transfer_config=...) takes it),
             "stop_file": path | null (generate round after round until that file exists or "max_seconds" (600)
             pass, idle "round_pause_s" (0) between rounds; each round appends a JSON line to "rounds_file":
@@ -96,7 +98,8 @@ def main() -> None:
     for _ in range(spec.get("warmup", 0)):
         llm.generate(prompts, params, use_tqdm=False)
     if spec.get("ab_rounds"):  # tracing paused and resumed in turn, in this one engine
-        ab_rounds(llm, prompts, params, spec["ab_rounds"])
+        arms = ("off", "on", "peer") if spec.get("ab_peer") else ("off", "on")
+        ab_rounds(llm, prompts, params, spec["ab_rounds"], arms)
     started = time.perf_counter()
     if spec.get("stop_file"):  # a long run, stopped by the test mid-way
         outputs = rounds_until_stopped(llm, prompts, params, spec)
@@ -111,19 +114,22 @@ def main() -> None:
     print(f"TIMING generate_s={seconds:.6f} tokens={sum(len(o.outputs[0].token_ids) for o in outputs)}", flush=True)
 
 
-def ab_rounds(llm, prompts, params, rounds: int) -> None:
-    """Print `AB arm=off|on generate_s=S tokens=N cpu_s=C steps=K probes_s=P recorder_s=R` per
-    run, alternating which arm goes first, through the workers' `tracing_costs.TracingCosts`; C,
-    K, P and R (see tracing_costs.process_counters), summed over the workers: the worker processes' CPU
-    seconds (all threads), steps, the probes' time on the engine thread, the recorder
-    processes' CPU seconds."""
+def ab_rounds(llm, prompts, params, rounds: int, arms: tuple[str, ...] = ("off", "on")) -> None:
+    """Print `AB arm=A generate_s=S tokens=N cpu_s=C steps=K probes_s=P recorder_s=R` per run,
+    the arms in turn, each round starting with the next, through the workers'
+    `tracing_costs.TracingCosts`; C, K, P and R (see tracing_costs.process_counters), summed over
+    the workers: the worker processes' CPU seconds (all threads), steps, the probes' time on the
+    engine thread, the recorder processes' CPU seconds. Arms: `off` (tracing paused), `on`
+    (traced), `peer` (tracing paused, vLLM's own KV events published instead: `peer_events`)."""
 
     def counters() -> list[float]:
         return [sum(column) for column in zip(*llm.collective_rpc("kvledger_process_counters"), strict=True)]
 
     for r in range(rounds):
-        for arm in ("off", "on") if r % 2 == 0 else ("on", "off"):
-            assert all(llm.collective_rpc(f"kvledger_{'pause' if arm == 'off' else 'resume'}_tracing")), "no probes"
+        for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
+            assert all(llm.collective_rpc(f"kvledger_{'resume' if arm == 'on' else 'pause'}_tracing")), "no probes"
+            if "peer" in arms:
+                peer_events(llm, arm == "peer")
             before = counters()
             started = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -136,6 +142,17 @@ def ab_rounds(llm, prompts, params, rounds: int) -> None:
                 flush=True,
             )
     llm.collective_rpc("kvledger_resume_tracing")
+
+
+def peer_events(llm, on: bool) -> None:
+    """vLLM's KV events (the peer: its block pool's stored/removed events, published over ZMQ by
+    the scheduler) on or off, in the engine core this process runs (VLLM_ENABLE_V1_MULTIPROCESSING=0;
+    the engine started with `kv_events`): with the pool's flag off it records no event and the
+    scheduler publishes nothing."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # an in-process client's engine core
+    if core is None or not core.scheduler.enable_kv_cache_events:
+        raise SystemExit("the peer arm needs the engine core in this process and `kv_events` set")
+    core.scheduler.kv_cache_manager.block_pool.enable_kv_cache_events = on
 
 
 def rounds_until_stopped(llm, prompts, params, spec: dict) -> list:
