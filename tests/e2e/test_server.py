@@ -15,6 +15,7 @@ says when its end is unconfirmed (a truncated tail, counted as unchecked), never
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -119,6 +120,17 @@ def newest(ledger: Path, body: str | None = None) -> float:
         if body is None or e["body"][0] == body
     ]
     return max(times)
+
+
+def step_time(ledger: Path, last: int = 8) -> float:
+    """How long a step of the run took before it ended: the longest gap between its last steps."""
+    times = sorted(
+        e["emitted_at_us"] / 1e6
+        for s in discover(ledger)
+        for e in read_stream(s, [])
+        if e["body"][0] == "kvledger.Step"
+    )
+    return max((b - a for a, b in itertools.pairwise(times[-last - 1 :])), default=0.0)
 
 
 def end_markers(ledger: Path) -> list:
@@ -303,9 +315,11 @@ def test_sigkill_of_the_worker_mid_run_loses_nothing_its_recorder_closes_the_led
     assert_runner(server.log, ledger, runner)
     assert len(errors) == 32 and server.completions == [], "the engine was not busy when killed"
     assert closed_within(ledger, 60), end_markers(ledger)
-    lost_s = killed_at - newest(ledger)
+    lost_s, step_s = killed_at - newest(ledger), step_time(ledger)
     print(f"worker SIGKILL: the newest event in the file is {lost_s * 1000:.0f} ms older than the kill")
-    assert 0 <= lost_s <= LOSS_BOUND_S + SLACK_S  # at most the step under way when it was killed
+    # At most the step under way when it was killed (MRV2's interpreted kernels make a step of 32
+    # requests ~0.7 s here, V1's ~30 ms) and what the sink had not yet written.
+    assert 0 <= lost_s <= LOSS_BOUND_S + SLACK_S + step_s
     result = replay(ledger)
     assert result.problems == [] and not result.unchecked, (result.problems, result.unchecked)  # nothing cut
     assert result.violations == []
