@@ -152,7 +152,7 @@ def pytest_addoption(parser):
         "--shard",
         metavar="K/N",
         help="run the K-th of N parts of the selected tests: whole modules (their fixtures stay in one "
-        "process), the largest first, each to the part with the fewest tests so far",
+        "process), the largest first (by SHARD_WEIGHT, else tests), each to the lightest part so far",
     )
 
 
@@ -166,12 +166,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
     sizes, mine, deselected = [0] * n, set(), []
-    for _, tests in sorted(modules.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+    for _, tests in sorted(modules.items(), key=lambda kv: (-_weight(kv[1]), kv[0])):
         part = sizes.index(min(sizes))
-        sizes[part] += len(tests)
+        sizes[part] += _weight(tests)
         (mine.update if part == k - 1 else deselected.extend)(tests)
     config.hook.pytest_deselected(items=deselected)
     items[:] = [item for item in items if item in mine]
+
+
+def _weight(tests: list) -> int:
+    """A module's share of a part: its `SHARD_WEIGHT` (the engine runs its selected tests start,
+    where several tests share a run or one test starts several), else its count of tests."""
+    return getattr(tests[0].module, "SHARD_WEIGHT", len(tests))
 
 
 def _shard(value: str) -> tuple[int, int]:

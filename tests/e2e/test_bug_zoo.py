@@ -27,6 +27,7 @@ from tests.e2e.conftest import ROOT, assert_runner, plugins_path, vllm_python
 from tests.e2e.engine_run import TINY_LLAMA
 
 pytestmark = pytest.mark.e2e
+SHARD_WEIGHT = 5  # engine runs its `parallel` tests start: the shards' balance (tests/conftest.py)
 
 ZOO_SCRIPT = Path(__file__).with_name("zoo_run.py")
 BLOCK = 32  # every zoo engine's block size (engine_run.py)

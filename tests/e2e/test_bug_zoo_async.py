@@ -38,6 +38,7 @@ from tests.e2e.test_bug_zoo import (
 )
 
 pytestmark = pytest.mark.e2e
+SHARD_WEIGHT = 1  # engine runs its `parallel` tests start: the shards' balance (tests/conftest.py)
 
 ASYNC = {"KVLEDGER_ASYNC_SCHEDULING": "1"}
 # Four prompts at once on a pool of 12 blocks: two share a prefix (a hit), and their decodes outgrow

@@ -18,6 +18,7 @@ from tests.e2e.conftest import RUNNERS, assert_runner
 from tests.e2e.test_bug_zoo import BLOCK, RANK, Pair, admitted, blocks_of, rank_of, run_zoo, traced
 
 pytestmark = pytest.mark.e2e
+SHARD_WEIGHT = 4  # engine runs its `parallel` tests start: the shards' balance (tests/conftest.py)
 
 # Token ids (the tiny model has 512). U: a block and a bit, alone. V: two full blocks and a tail.
 # A: V's two blocks with every fourth token from position 1 raised by 1 and the next one lowered by

@@ -20,6 +20,7 @@ from kvledger.stream_app.replay import replay
 from tests.e2e.test_bug_zoo import HYBRID_LLAMA, RANK, Pair, admitted, blocks_of, rank_of, run_zoo, traced
 
 pytestmark = pytest.mark.e2e
+SHARD_WEIGHT = 2  # engine runs its `parallel` tests start: the shards' balance (tests/conftest.py)
 
 # Token ids (the tiny model has 512): a prompt of a block and a bit, and one of two blocks and a bit.
 FIRST, SECOND = list(range(10, 50)), list(range(100, 170))

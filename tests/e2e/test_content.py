@@ -22,6 +22,7 @@ from tests.e2e.test_hybrid import ledger_bodies as bodies_of
 from tests.e2e.test_vllm_trace import PRESSURE
 
 pytestmark = pytest.mark.e2e
+SHARD_WEIGHT = 4  # engine runs its `parallel` tests start: the shards' balance (tests/conftest.py)
 
 
 def digesting(root, spec: dict, **extra) -> dict:

@@ -27,6 +27,7 @@ from tests.e2e.engine_run import TINY_LLAMA
 from tests.e2e.test_spec_decode import spec_counters
 
 pytestmark = [pytest.mark.e2e, pytest.mark.parallel]
+SHARD_WEIGHT = 3  # engine runs its `parallel` tests start: the shards' balance (tests/conftest.py)
 
 K = 3  # draft tokens per step: drafter passes 0 .. K-1
 PROMPTS = [

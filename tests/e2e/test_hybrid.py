@@ -23,6 +23,7 @@ from kvledger.stream_app.replay import replay
 from tests.e2e.conftest import TEST_PLUGINS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.parallel]
+SHARD_WEIGHT = 4  # engine runs its `parallel` tests start: the shards' balance (tests/conftest.py)
 
 GEMMA3 = {
     "architectures": ["Gemma3ForCausalLM"],

@@ -21,6 +21,7 @@ from tests.e2e.test_hybrid import GEMMA_PRESSURE, QWEN_PRESSURE, group_kinds, le
 from tests.e2e.test_vllm_trace import PRESSURE
 
 pytestmark = pytest.mark.e2e
+SHARD_WEIGHT = 6  # engine runs its `parallel` tests start: the shards' balance (tests/conftest.py)
 
 V2 = {"runner": "v2"}
 # The probe's own device path (producer/staging.py: the plan gathered by its Triton kernel), run in

@@ -19,6 +19,7 @@ from kvledger.stream_app.replay import replay
 from tests.e2e.conftest import ROOT, vllm_python
 
 pytestmark = pytest.mark.parallel
+SHARD_WEIGHT = 1  # engine runs its `parallel` tests start: the shards' balance (tests/conftest.py)
 
 SCRIPT = ROOT / "tests" / "e2e" / "mrv2_adapter_run.py"
 STEP, SNAPSHOT = "kvledger.Step", "kvledger.Snapshot"

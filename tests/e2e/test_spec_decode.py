@@ -24,6 +24,7 @@ from kvledger.stream_app.replay import replay
 from tests.e2e.conftest import assert_preempted_resumed_and_hit, step_inputs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.parallel]
+SHARD_WEIGHT = 3  # engine runs its `parallel` tests start: the shards' balance (tests/conftest.py)
 
 # With random weights the greedy output soon cycles; prompts of repeated patterns and of
 # runs of distinct ids give ngram drafts that match (accepted) and drafts copied from the

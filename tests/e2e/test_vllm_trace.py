@@ -21,6 +21,7 @@ from kvledger.stream_app.replay import replay
 from tests.e2e.conftest import RUNNERS, assert_preempted_resumed_and_hit, assert_runner, step_inputs
 
 pytestmark = pytest.mark.e2e
+SHARD_WEIGHT = 8  # engine runs its `parallel` tests start: the shards' balance (tests/conftest.py)
 
 PREFIX = list(range(3, 3 + 70))  # shared by several prompts: prefix-cache hits
 PROMPTS = [
