@@ -23,8 +23,8 @@ costs a few per tensor, ~10-40 us each on some device hosts). The kernel is
 Triton's on CUDA; elsewhere (CPU tensors in tests, other backends) a fused
 torch gather fills the same layout in a constant number of torch calls.
 `KVLEDGER_GATHER=torch` takes the torch gather on CUDA too; `=triton` the kernel
-on any tensors Triton takes (CPU tensors in Triton's interpreter,
-`TRITON_INTERPRET=1`: how the tests run it on a CPU host).
+on any tensors Triton takes (CPU tensors in Triton's interpreter: how the tests
+run it on a CPU host, the switch theirs, never this package's).
 """
 
 from __future__ import annotations
