@@ -70,7 +70,7 @@ def test_the_page_says_none_of_violations_only_where_it_lists_none():
     With one listed and none plotted, the page said "none" above it."""
     node = shutil.which("node")
     if node is None:
-        pytest.skip("no node to run the page's script")
+        pytest.fail("no node to run the page's script: run infra/install-chromium (make test does)", pytrace=False)
     script = page_function("violationPlotsNote") + "\nconsole.log(JSON.stringify([0, 1, 3].map(violationPlotsNote)));"
     out = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=30, check=True).stdout
     none, one, three = json.loads(out)
