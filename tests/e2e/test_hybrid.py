@@ -116,6 +116,21 @@ QWEN_PRESSURE = {
 }
 
 
+# A slot shift in the attention group and a swapped state row: each caught alone.
+QWEN_FAULTS = "slot_shift@6:g3,block_swap@10:g0"
+
+
+def assert_qwen_faults_caught_alone(run, result) -> dict[tuple[int, int], str]:
+    """QWEN_FAULTS injected, and reported as the only violations: (step, group) -> request."""
+    injected = {(int(f["step"]), int(f["group"])): f["req"] for f in run.faults}
+    assert set(injected) == {(6, 3), (10, 0)}, run.faults
+    assert {(v.kind, v.step, v.group, v.req_id) for v in result.violations} == {
+        ("write_target_mismatch", 6, 3, injected[6, 3]),
+        ("read_target_mismatch", 10, 0, injected[10, 0]),
+    }, result.violations
+    return injected
+
+
 def traced(root, spec: dict, action: str, content_digests: float = 0.0) -> dict:
     kv_trace = {
         "enabled": True,
@@ -233,7 +248,7 @@ def test_qwen3_next_state_groups_owned_and_rows_checked_the_rest_counted_uncheck
     """Attention checked in full; state groups: grant ownership and the rows their kernels
     index, counted `mamba_group` unchecked per group-step for what the kernels do with them.
     One run: a slot shift in the attention group and a swapped state row, both caught alone."""
-    run = engine(traced(tmp_path, QWEN_PRESSURE, "log"), fault="slot_shift@6:g3,block_swap@10:g0")
+    run = engine(traced(tmp_path, QWEN_PRESSURE, "log"), fault=QWEN_FAULTS)
     ledger_root = tmp_path / "ledger"
     kinds = group_kinds(ledger_root)
     assert kinds == [("MAMBA", None)] * 3 + [("FULL_ATTENTION", None)]
@@ -244,12 +259,7 @@ def test_qwen3_next_state_groups_owned_and_rows_checked_the_rest_counted_uncheck
     assert sum(reused_while_in_a_row(ledger_root, 4).values()) > 0
 
     result = replay(ledger_root)
-    injected = {(int(f["step"]), int(f["group"])): f["req"] for f in run.faults}
-    assert set(injected) == {(6, 3), (10, 0)}, run.faults
-    assert {(v.kind, v.step, v.group, v.req_id) for v in result.violations} == {
-        ("write_target_mismatch", 6, 3, injected[6, 3]),
-        ("read_target_mismatch", 10, 0, injected[10, 0]),
-    }, result.violations
+    injected = assert_qwen_faults_caught_alone(run, result)
     for kind, (step, group) in (("write_target_mismatch", (6, 3)), ("read_target_mismatch", (10, 0))):
         assert f"kv_trace: {kind} at step {step}, req {injected[step, group]}, group {group}" in run.log
 

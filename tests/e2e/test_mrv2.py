@@ -17,7 +17,15 @@ from kvledger.stream_app.replay import replay
 from tests.e2e import test_eagle as eagle
 from tests.e2e import test_spec_decode as spec_decode
 from tests.e2e.conftest import assert_runner, step_inputs
-from tests.e2e.test_hybrid import GEMMA_PRESSURE, QWEN_PRESSURE, group_kinds, ledger_bodies, reused_while_in_a_row
+from tests.e2e.test_hybrid import (
+    GEMMA_PRESSURE,
+    QWEN_FAULTS,
+    QWEN_PRESSURE,
+    assert_qwen_faults_caught_alone,
+    group_kinds,
+    ledger_bodies,
+    reused_while_in_a_row,
+)
 from tests.e2e.test_vllm_trace import PRESSURE
 
 pytestmark = pytest.mark.e2e
@@ -169,7 +177,7 @@ def test_mrv2_state_groups_owned_and_rows_checked_faults_in_attention_and_a_stat
     checked in full, state groups for ownership and rows (what their kernels do with them counted
     `mamba_group`); a slot shift in the attention group and a swapped entry of a gathered state
     row, each caught alone."""
-    run = engine(traced(tmp_path, QWEN_PRESSURE, "log"), fault="slot_shift@6:g3,block_swap@10:g0", env=TRITON_GATHER)
+    run = engine(traced(tmp_path, QWEN_PRESSURE, "log"), fault=QWEN_FAULTS, env=TRITON_GATHER)
     ledger_root = tmp_path / "ledger"
     assert_runner(run.log, ledger_root, "v2")
     assert group_kinds(ledger_root) == [("MAMBA", None)] * 3 + [("FULL_ATTENTION", None)]
@@ -178,12 +186,7 @@ def test_mrv2_state_groups_owned_and_rows_checked_faults_in_attention_and_a_stat
     assert any(inp["preempted_req_ids"] for inp in inputs), "no preemption"
 
     result = replay(ledger_root)
-    injected = {(int(f["step"]), int(f["group"])): f["req"] for f in run.faults}
-    assert set(injected) == {(6, 3), (10, 0)}, run.faults
-    assert {(v.kind, v.step, v.group, v.req_id) for v in result.violations} == {
-        ("write_target_mismatch", 6, 3, injected[6, 3]),
-        ("read_target_mismatch", 10, 0, injected[10, 0]),
-    }, result.violations
+    assert_qwen_faults_caught_alone(run, result)
     coverage = result.ledger.coverage
     plan_steps = sum(1 for s in ledger_bodies(ledger_root, "kvledger.Step") if s["plan"] is not None)
     assert coverage.checks["write"] == coverage.checks["read"] == coverage.checks["position"] > 200

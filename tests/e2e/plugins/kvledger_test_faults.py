@@ -47,8 +47,13 @@ def register():
     spec = os.environ.get("KVLEDGER_TEST_FAULT")
     if not spec:
         return
+    faults = parse_faults(
+        spec,
+        int(os.environ.get("KVLEDGER_TEST_FAULT_STEP", "3")),
+        int(os.environ.get("KVLEDGER_TEST_FAULT_GROUP", "0")),
+    )
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":
-        register_mrv2(spec)
+        register_mrv2(faults)
         return
     from vllm.v1.worker import gpu_model_runner
 
@@ -56,11 +61,6 @@ def register():
     if getattr(cls, "_kvledger_test_faults", False):
         return
     cls._kvledger_test_faults = True
-    faults = parse_faults(
-        spec,
-        int(os.environ.get("KVLEDGER_TEST_FAULT_STEP", "3")),
-        int(os.environ.get("KVLEDGER_TEST_FAULT_GROUP", "0")),
-    )
     state = {"step": -1, "undo": []}
     execute_model, get_slot_mappings = cls.execute_model, cls._get_slot_mappings
 
@@ -135,7 +135,7 @@ def on_this_rank():
     return pp is None or parallel_state.get_pp_group().rank_in_group == int(pp)
 
 
-def register_mrv2(spec):
+def register_mrv2(faults):
     """The same faults in Model Runner V2 (vllm/v1/worker/gpu/model_runner.py), after its kernels."""
     from vllm.v1.worker.gpu import block_table, model_runner
 
@@ -143,11 +143,6 @@ def register_mrv2(spec):
     if getattr(cls, "_kvledger_test_faults", False):
         return
     cls._kvledger_test_faults = True
-    faults = parse_faults(
-        spec,
-        int(os.environ.get("KVLEDGER_TEST_FAULT_STEP", "3")),
-        int(os.environ.get("KVLEDGER_TEST_FAULT_GROUP", "0")),
-    )
     state = {"step": -1, "runner": None, "staged": set()}
     execute_model, prepare_attn, append_block_ids = cls.execute_model, cls.prepare_attn, tables.append_block_ids
 
