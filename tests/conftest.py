@@ -22,8 +22,18 @@ import pytest
 
 LOCAL_KAFKA = Path(__file__).resolve().parents[1] / "infra" / "local-kafka"
 SCHEMA_REGISTRY = Path(__file__).resolve().parents[1] / "infra" / "schema-registry"
+INSTALL_PROMETHEUS = Path(__file__).resolve().parents[1] / "infra" / "install-prometheus"
 # A cold first `up` downloads ~45 MB of jars (the broker), ~160 MB (the registry) through Maven.
 UP_TIMEOUT = 900
+
+
+def prometheus_tool(name: str) -> str:
+    """`prometheus` or `promtool`, where infra/install-prometheus put them (or found them on
+    PATH): that script alone knows where. Fails the test when they are nowhere."""
+    found = subprocess.run([INSTALL_PROMETHEUS, "--find"], capture_output=True, text=True)
+    if found.returncode != 0:
+        pytest.fail(f"no {name}: run infra/install-prometheus (make test does)", pytrace=False)
+    return str(Path(found.stdout.split("=", 1)[1].split()[0]).with_name(name))
 
 
 def _free_ports(n: int) -> list[int]:

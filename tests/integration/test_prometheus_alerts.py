@@ -11,7 +11,6 @@ one; a killed worker must raise the worker-down alert.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 import urllib.request
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import prometheus_tool
 from tests.stream_harness import Worker, events_done, free_port, online_violations, produce, start_worker, wait_for
 from tests.synthetic.engine import FaultSpec, SimConfig, simulate
 
@@ -28,7 +28,6 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "infra" / "compose" / "prometheus" / "alerts.yml"
-INSTALLED = (Path("/usr/local/bin/prometheus"), Path.home() / ".local" / "bin" / "prometheus")
 JOB = "kvledger-workers"  # the job the worker-down rule names
 STEPS = 80
 CONFIG = """\
@@ -82,9 +81,7 @@ def wait_until(what: str, condition: Callable[[], bool], prometheus: Prometheus,
 @pytest.fixture
 def prometheus(tmp_path) -> Iterator[Callable[[int], Prometheus]]:
     """`start(worker_port)`: a Prometheus with the shipped rules scraping that worker."""
-    binary = shutil.which("prometheus") or next((str(p) for p in INSTALLED if p.exists()), None)
-    if binary is None:
-        pytest.fail("no prometheus: run infra/install-prometheus (make test does)", pytrace=False)
+    binary = prometheus_tool("prometheus")
     started: list[Prometheus] = []
 
     def start(worker_port: int) -> Prometheus:

@@ -19,20 +19,17 @@ from pathlib import Path
 import pytest
 
 from kvledger.stream_app.worker.metrics import WorkerMetrics
+from tests.conftest import prometheus_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES_DIR = ROOT / "infra" / "compose" / "prometheus"
 RULES = RULES_DIR / "alerts.yml"
 RULE_TESTS = RULES_DIR / "alerts_test.yml"
-INSTALLED = (Path("/usr/local/bin/promtool"), Path.home() / ".local" / "bin" / "promtool")
 
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    found = shutil.which("promtool") or next((str(p) for p in INSTALLED if p.exists()), None)
-    if found is None:
-        pytest.fail("no promtool: run infra/install-prometheus (make test does)", pytrace=False)
-    return found
+    return prometheus_tool("promtool")
 
 
 def run(promtool: str, *args: str, cwd: Path = RULES_DIR) -> subprocess.CompletedProcess:
@@ -187,3 +184,21 @@ def test_a_wrong_command_is_found(monkeypatch):
     # An engine id left unquoted splits in two: the second part is an unexpected argument.
     unquoted = "`kvledger violations --bootstrap HOST:PORT --engine {{ $labels.engine }}`"
     assert usage_error(commands(f"    description: {unquoted}\n")[0])
+
+
+def test_prometheus_is_found_in_the_projects_cache_and_nowhere_else(tmp_path):
+    """infra/install-prometheus keeps both binaries in KVLEDGER_CACHE (as the broker's jars are),
+    never in a system directory; `--find` says where, or fails in one line."""
+    env = {"PATH": "/usr/bin:/bin", "KVLEDGER_CACHE": str(tmp_path), "HOME": str(tmp_path)}
+    script = ROOT / "infra" / "install-prometheus"
+    missing = subprocess.run([script, "--find"], env=env, capture_output=True, text=True)
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert f"in {tmp_path}/prometheus/bin: run infra/install-prometheus" in missing.stderr
+    cached = tmp_path / "prometheus" / "bin"
+    cached.mkdir(parents=True)
+    for tool in ("prometheus", "promtool"):  # stand-ins answering --version as Debian's do
+        (cached / tool).write_text(f"#!/bin/sh\necho '{tool}, version 2.42.0+ds (branch: debian/sid)'\n")
+        (cached / tool).chmod(0o755)
+    found = subprocess.run([script, "--find"], env=env, capture_output=True, text=True)
+    assert found.stdout == f"promtool={cached}/promtool 2.42.0+ds\n"
+    assert "/usr/local" not in script.read_text()
