@@ -204,21 +204,28 @@ def log_through_vllm() -> None:
     names), unless the application configured logging: `kvledger` has a handler or a level, or
     the root logger has handlers (then ours reach them as before). Without this, nothing below
     WARNING would be shown: vLLM configures its own logger only."""
-    ours, theirs = logging.getLogger("kvledger"), logging.getLogger("vllm")
-    if ours.handlers or ours.level != logging.NOTSET or logging.getLogger().handlers or not theirs.handlers:
+    ours = logging.getLogger("kvledger")
+    if ours.handlers or ours.level != logging.NOTSET or logging.getLogger().handlers:
         return
     ours.addHandler(ThroughVllm())
-    ours.setLevel(theirs.getEffectiveLevel())
+    ours.setLevel(logging.DEBUG)  # vLLM's level decides, record by record (ThroughVllm)
     ours.propagate = False
 
 
 class ThroughVllm(logging.Handler):
-    """Hands a record to the handlers vLLM's logger has when it is emitted (vLLM may configure
-    its logging again, `--logging-config`)."""
+    """Hands a record to vLLM's logger's handlers at vLLM's level, as they are when it is emitted:
+    vLLM configures its logging from its config after the plugins load (an engine core in the
+    driver's process logs before that) and may configure it again (`--logging-config`). Until
+    then, or with vLLM's logging off, a record goes where Python would have sent it."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        for handler in logging.getLogger("vllm").handlers:
-            if record.levelno >= handler.level:
+        theirs = logging.getLogger("vllm")
+        if not theirs.handlers:  # not configured (yet): the root's handlers, or Python's last resort
+            theirs = logging.getLogger()
+        if record.levelno < theirs.getEffectiveLevel():
+            return
+        for handler in theirs.handlers or [logging.lastResort]:
+            if handler is not None and record.levelno >= handler.level:
                 handler.handle(record)
 
 

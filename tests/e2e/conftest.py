@@ -59,6 +59,22 @@ def vllm_python() -> str:
     return python
 
 
+def engine_env(spec: dict, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of an engine process for `spec` (engine_run.py's), then `env` over it.
+
+    A one-rank engine runs its engine core in the driver's process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+    one interpreter importing vLLM instead of three (driver, engine core, worker), ~15 s to start
+    instead of ~40 s on a 2-core host. The probes, the recorder and the checks are the same in
+    either layout; a spec with "engine_process": true keeps vLLM's own processes (what a test of
+    that layout, e.g. its log prefixes, needs). Several ranks always run as vLLM's processes."""
+    base = {"PYTHONPATH": plugins_path(spec.get("runner", "v1")), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if spec.get("tp", 1) * spec.get("pp", 1) > 1:
+        base["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    elif not spec.get("engine_process"):
+        base["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return {**os.environ, **base, **(env or {})}
+
+
 @dataclass
 class EngineRun:
     outputs: list[list[int]]
@@ -79,10 +95,7 @@ def run_engine(
     expect_failure: bool = False,
     env: dict[str, str] | None = None,
 ) -> EngineRun:
-    path = plugins_path(spec.get("runner", "v1"))
-    env = {**os.environ, "PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    if spec.get("tp", 1) * spec.get("pp", 1) > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    env = engine_env(spec, env)
     if fault:
         env.update(KVLEDGER_TEST_FAULT=fault, KVLEDGER_TEST_FAULT_STEP=str(fault_step))
         if fault_tp_rank is not None:

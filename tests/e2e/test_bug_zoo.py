@@ -12,7 +12,6 @@ Entries that do not interact share an engine run.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import pytest
 from kvledger.schemas.files import discover, read_segment
 from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.replay import replay
-from tests.e2e.conftest import ROOT, assert_runner, plugins_path, vllm_python
+from tests.e2e.conftest import ROOT, assert_runner, engine_env, vllm_python
 from tests.e2e.engine_run import TINY_LLAMA
 
 pytestmark = pytest.mark.e2e
@@ -46,11 +45,9 @@ class ZooRun:
 def run_zoo(spec: dict, env: dict[str, str] | None = None, timeout: float = 600) -> ZooRun:
     """Run zoo_run.py's rounds on a real engine (the plugins here on its path, before any
     PYTHONPATH the tests were given)."""
-    path = plugins_path(spec.get("runner", "v1"))
-    run_env = {**os.environ, "PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     proc = subprocess.run(
         [vllm_python(), str(ZOO_SCRIPT), json.dumps(spec)],
-        env=run_env,
+        env=engine_env(spec, env),
         capture_output=True,
         text=True,
         timeout=timeout,

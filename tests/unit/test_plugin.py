@@ -195,6 +195,18 @@ def test_the_plugins_lines_go_where_vllms_go_at_its_level(vllm_logger):
     assert [r.getMessage() for r in vllm_logger] == ["kv_trace: an info line"]
 
 
+def test_lines_logged_before_vllm_configures_its_logging_reach_it_once_it_has(vllm_logger):
+    """vLLM configures its logger from its config, after the plugins load: an engine core in the
+    driver's process (VLLM_ENABLE_V1_MULTIPROCESSING=0) starts its ranks after that."""
+    theirs = logging.getLogger("vllm")
+    configured, theirs.handlers[:] = theirs.handlers[:], []
+    with root_handlers():
+        plugin.log_through_vllm()
+    theirs.handlers[:] = configured
+    logging.getLogger("kvledger.producer").info("kv_trace: recording to ...")
+    assert [r.getMessage() for r in vllm_logger] == ["kv_trace: recording to ..."]
+
+
 def test_an_application_that_configured_logging_keeps_its_own(vllm_logger):
     with root_handlers(logging.NullHandler()):
         plugin.log_through_vllm()
