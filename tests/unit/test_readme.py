@@ -6,6 +6,8 @@
 * every relative link in README.md, docs/*.md and schemas/README.md resolves, anchors included;
 * the facts the docs state about the dev stack and the worker's pinned client libraries
   against infra/ and pyproject.toml;
+* docs/bugs.md's labels (how faithfully each entry re-creates its report) and their totals agree
+  with its rows;
 * the README stays a newcomer's page (at most ~400 lines);
 * the README's sample of `make demo`'s output shows every line infra/demo prints itself, in its
   order (tests/e2e/test_demo.py holds the whole sample to a real run; `demo_sample` and
@@ -292,3 +294,32 @@ def test_the_demo_normalization_keeps_each_lines_shape() -> None:
         for line in sample
     )
     assert normalized_demo_output("45 events\nno violations  \n") != normalized_demo_output("45 events\nno violation\n")
+
+
+def _table(text: str, header: str) -> list[list[str]]:
+    """The rows of the markdown table whose header line starts with `header`, as cells."""
+    lines = text[text.index(header) :].splitlines()
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split(" | ")])
+    return rows
+
+
+def test_the_bug_zoos_labels_and_totals_agree_with_its_rows():
+    """docs/bugs.md at a glance: every entry carries one label, and the totals table counts each
+    label's entries and verdicts as the rows say (caught, documented miss, not re-created)."""
+    text = (DOCS / "bugs.md").read_text()
+    entries = {int(r[0]): (r[1].strip("*"), r[-1]) for r in _table(text, "| # | label |")}
+    assert sorted(entries) == list(range(1, len(entries) + 1))
+    totals = {r[0].strip("*"): r for r in _table(text, "| label | what runs |")}
+    assert set(totals) == {label for label, _ in entries.values()} | {"all"}
+    for label, row in totals.items():
+        mine = {n: verdict for n, (lab, verdict) in entries.items() if label in (lab, "all")}
+        assert row[2] == (str(len(mine)) if label == "all" else ", ".join(map(str, sorted(mine)))), label
+        counts = [row[3], row[4], row[5]]
+        caught = sum("**caught**" in v for v in mine.values())
+        missed = sum(v.startswith("**documented miss**") for v in mine.values())
+        pending = sum("to be re-created" in v for v in mine.values())
+        assert [int(re.match(r"\d+|—", c)[0].replace("—", "0")) for c in counts] == [caught, missed, pending], label
