@@ -263,10 +263,8 @@ def attach(runner, config: TraceConfig):
     if recorder is not None:
         rank = recorder.identity
         log.info(
-            "kv_trace: rank dp%d-tp%d-pp%d of engine %s: recording to %s (action %s, ring %s, %s runner)",
-            rank.dp_rank,
-            rank.tp_rank,
-            rank.pp_rank,
+            "kv_trace: rank %s of engine %s: recording to %s (action %s, ring %s, %s runner)",
+            rank.label,
             rank.engine_id,
             sink_url(config.sink),
             config.action,

@@ -67,15 +67,7 @@ class ViolationLogger:
 
     def __call__(self, events: list[LedgerEvent]) -> None:
         for v in self.ledger.apply_many(events):
-            log.warning(
-                "kv_trace: %s on %s dp%d/tp%d/pp%d: %s",
-                v.where(),
-                v.engine_id,
-                v.dp_rank,
-                v.tp_rank,
-                v.pp_rank,
-                v.detail,
-            )
+            log.warning("kv_trace: %s on %s: %s", v.where(), v.rank, v.detail)
 
 
 class FrameReader:

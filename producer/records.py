@@ -37,6 +37,7 @@ from kvledger.schemas.events import (
 )
 from kvledger.schemas.kinds import ConnectorKind, Declaration, DigestReason, KvGroupKind, PdRole, Runner, StepKind
 from kvledger.schemas.packing import block_terms, length_term, length_terms, mix_blocks, pack_u64, position_weights
+from kvledger.schemas.ranks import rank_label
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class RankIdentity:
     tp_rank: int = 0
     pp_rank: int = 0
     incarnation: int = 0
+
+    @property
+    def label(self) -> str:
+        """The rank within its engine: dp0-tp1-pp0."""
+        return rank_label(self.dp_rank, self.tp_rank, self.pp_rank)
 
 
 def envelope(rank: RankIdentity, seq: int, emitted_at_us: int, body: Body) -> dict:

@@ -161,8 +161,7 @@ def request_stop_of(pids: list[int], directory: Path | None = None) -> int:
 def create_ring(identity: RankIdentity, size: int) -> Ring:
     """A new ring for this rank, as large as the shared memory allows down to `MIN_RING_BYTES`
     (the space is reserved up front: a tmpfs that runs out later would fault the engine)."""
-    rank = f"dp{identity.dp_rank}-tp{identity.tp_rank}-pp{identity.pp_rank}"
-    name = f"kvledger-{os.getpid()}-{rank}-{next(_RINGS)}.ring"  # a process may record a rank twice
+    name = f"kvledger-{os.getpid()}-{identity.label}-{next(_RINGS)}.ring"  # a process may record a rank twice
     path = ring_dir() / name
     sweep_stale_rings(path.parent)
     while True:

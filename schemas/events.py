@@ -31,6 +31,7 @@ from kvledger.schemas.kinds import (
     connector_kind,
     connector_wire,
 )
+from kvledger.schemas.ranks import rank_label
 
 Record = dict[str, Any]
 
@@ -49,8 +50,13 @@ class RankKey(NamedTuple):
     tp: int
     pp: int
 
+    @property
+    def label(self) -> str:
+        """The rank within its engine: dp0-tp1-pp0."""
+        return rank_label(self.dp, self.tp, self.pp)
+
     def __str__(self) -> str:
-        return f"{self.engine_id}/dp{self.dp}-tp{self.tp}-pp{self.pp}"
+        return f"{self.engine_id}/{self.label}"
 
 
 # -- RankInfo -------------------------------------------------------------------------------------
@@ -293,6 +299,11 @@ class Violation(Typed, frozen=True):
     def of(cls, record: Record) -> Violation:
         """A decoded `kvledger.Violation` record."""
         return typed(cls, record)
+
+    @property
+    def rank(self) -> str:
+        """Its engine and rank: `ENGINE dp0-tp1-pp0`."""
+        return f"{self.engine_id} {rank_label(self.dp_rank, self.tp_rank, self.pp_rank)}"
 
     def where(self) -> str:
         """Where it is, as a rank's `log` and `raise` actions report it."""

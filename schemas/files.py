@@ -43,13 +43,13 @@ from fastavro.schema import to_parsing_canonical_form
 from fastavro.write import Writer
 
 from kvledger.schemas.kinds import ReadFailure
+from kvledger.schemas.ranks import parse_rank_label, rank_label
 from kvledger.schemas.registry import LEDGER_EVENT, RANK_INFO, SNAPSHOT
 
 log = logging.getLogger("kvledger.producer")  # the writer runs in the producer
 
 SEGMENT_SUFFIX = ".avro"
 END_SUFFIX = ".end"
-_RANK_DIR = re.compile(r"^dp(\d+)-tp(\d+)-pp(\d+)$")
 _SEGMENT = re.compile(r"^(\d+)-(\d+)\.avro$")
 # With retention on, a segment waits for a snapshot to be cut, up to this many times its size:
 # past that it is cut anyway (the bound on disk matters more; readers count the gap unchecked).
@@ -70,7 +70,7 @@ def engine_dir_name(engine_id: str) -> str:
 
 
 def rank_dir(root: Path, engine_id: str, dp: int, tp: int, pp: int) -> Path:
-    return root / engine_dir_name(engine_id) / f"dp{dp}-tp{tp}-pp{pp}"
+    return root / engine_dir_name(engine_id) / rank_label(dp, tp, pp)
 
 
 def end_marker_path(directory: Path, incarnation: int) -> Path:
@@ -430,9 +430,9 @@ def _as_its_events_say(stream: RankStream) -> RankStream:
 def _stream_of_file(path: Path) -> RankStream:
     """A single segment's stream: its engine and rank from its first event, else from the layout
     above it (its rank directory and that one's engine directory)."""
-    match = _RANK_DIR.match(path.parent.name)
-    if match and path.parent.parent.name:
-        dp, tp, pp = (int(x) for x in match.groups())
+    rank = parse_rank_label(path.parent.name)
+    if rank is not None and path.parent.parent.name:
+        dp, tp, pp = rank
         return _as_its_events_say(RankStream(unquote(path.parent.parent.name), dp, tp, pp, [path]))
     event = _first_event(path)
     if event is None:
@@ -442,7 +442,7 @@ def _stream_of_file(path: Path) -> RankStream:
 
 def _rank_dirs(directory: Path, depth: int) -> Iterator[Path]:
     """Rank directories at `directory` or up to `depth` levels below it, in name order."""
-    if _RANK_DIR.match(directory.name):
+    if parse_rank_label(directory.name) is not None:
         yield directory
         return
     if depth == 0:
@@ -481,7 +481,7 @@ def discover(path: str | Path) -> list[RankStream]:
     for rdir in _rank_dirs(where, _RANK_DEPTH):
         segments = _segments_of(rdir)
         if segments:
-            dp, tp, pp = (int(x) for x in _RANK_DIR.match(rdir.name).groups())
+            dp, tp, pp = parse_rank_label(rdir.name)
             # The paths as given (relative stays relative): messages name what the user typed.
             shown = [given / p.relative_to(where) for p in segments]
             streams.append(_as_its_events_say(RankStream(unquote(rdir.parent.name), dp, tp, pp, _checked(shown))))
@@ -509,16 +509,16 @@ def unread_peers(streams: list[RankStream]) -> dict[tuple[str, int], list[tuple[
     engines: dict[Path, tuple[str, set[int]]] = {}
     for s in streams:
         rdir = Path(os.path.abspath(s.segments[0])).parent if s.segments else None
-        if rdir is not None and _RANK_DIR.match(rdir.name):
+        if rdir is not None and parse_rank_label(rdir.name) is not None:
             engines.setdefault(rdir.parent, (s.engine_id, set()))[1].add(s.dp)
     out: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for engine_dir, (engine_id, dps) in engines.items():
         with contextlib.suppress(LedgerPathError):  # an engine directory that cannot be listed: none known
             for rdir in _subdirs(engine_dir):
-                match = _RANK_DIR.match(rdir.name)
-                if match is None:
+                rank = parse_rank_label(rdir.name)
+                if rank is None:
                     continue
-                dp, tp, pp = (int(x) for x in match.groups())
+                dp, tp, pp = rank
                 if dp in dps and (engine_id, dp, tp, pp) not in read and _segments_of(rdir):
                     out.setdefault((engine_id, dp), []).append((tp, pp))
     return out

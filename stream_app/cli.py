@@ -25,6 +25,7 @@ from rich.table import Table
 
 from kvledger.schemas.files import RankStream, ReadProblem, unread_peers
 from kvledger.schemas.kinds import Check, ReadFailure
+from kvledger.schemas.ranks import rank_label
 from kvledger.stream_app.core import RankKey, Violation
 from kvledger.stream_app.replay import PlanWrites, Replay, RequestView, UnusableLedger, renamed, replay
 
@@ -86,7 +87,7 @@ def _violation_json(v: Violation) -> str:
 
 
 def _violation_text(v: Violation) -> str:
-    where = f"{escape(v.engine_id)} dp{v.dp_rank}/tp{v.tp_rank}/pp{v.pp_rank}"
+    where = escape(v.rank)
     at = " ".join(
         x
         for x in (
@@ -100,7 +101,7 @@ def _violation_text(v: Violation) -> str:
 
 
 def _rank_label(engine_id: str, dp: int, tp: int, pp: int) -> str:
-    return f"{engine_id} dp{dp}/tp{tp}/pp{pp}"
+    return f"{engine_id} {rank_label(dp, tp, pp)}"
 
 
 # What replaying a stream counts without checking the KV cache: its events' order, tables loaded.
@@ -126,7 +127,7 @@ def unchecked_ranks(result: Replay) -> list[dict]:
             lead = RankKey(key.engine_id, key.dp, *group.lead) if group is not None else None
             if lead is not None and (ledger.ranks.get(lead) is None or ledger.ranks[lead].info is None):
                 why = (
-                    f"its group's lead dp{lead.dp}-tp{lead.tp}-pp{lead.pp} was not read "
+                    f"its group's lead {lead.label} was not read "
                     "(a rank's steps are checked against its lead's tables: give the engine's directory)"
                 )
         if why is not None:
@@ -208,7 +209,7 @@ def _print_text_summary(console: Console, result: Replay, unchecked: list[dict],
     for line in [*map(_problem_line, result.problems), *_renamed_lines(result.streams, "checked")]:
         console.print(line, soft_wrap=True)  # a path whole
     for (engine_id, dp), peers in sorted(unread_peers(result.streams).items()):
-        names = ", ".join(f"dp{dp}-tp{tp}-pp{pp}" for tp, pp in peers)
+        names = ", ".join(rank_label(dp, tp, pp) for tp, pp in peers)
         console.print(
             f"[yellow]not read:[/] {escape(engine_id)} {names}, beside the rank(s) given "
             "(their steps are not compared with them)",
@@ -386,7 +387,7 @@ def _plan_lines(plan: PlanWrites, rows: list[list[int]] | None) -> tuple[list[st
 
 
 def _view_lines(v: RequestView, req_id: str, step: int | None, first_step: int | None) -> tuple[list[str], bool]:
-    where = f"dp{v.dp_rank}/tp{v.tp_rank}/pp{v.pp_rank} at step {v.step}"
+    where = f"{rank_label(v.dp_rank, v.tp_rank, v.pp_rank)} at step {v.step}"
     req = escape(req_id)
     if v.rows is None:
         if v.first_seen is not None:
@@ -427,7 +428,7 @@ def query_cmd(path: str, engine_id: str | None, req_id: str, step: int | None, r
     At a step whose plan wrote or read for the request, the plan is shown beside the ledger's row:
     a wrong slot or block next to the one the row gives.
     """
-    from kvledger.stream_app.inventory import discover_all, rank_name, travel
+    from kvledger.stream_app.inventory import discover_all, travel
 
     try:
         streams = discover_all([path])
@@ -439,7 +440,7 @@ def query_cmd(path: str, engine_id: str | None, req_id: str, step: int | None, r
         elif engine_id not in engines:
             _fail(f"no engine {engine_id!r} at {path}; it holds: {_listed(engines)}")
         ranks = sorted({(s.dp, s.tp, s.pp) for s in streams if s.engine_id == engine_id})
-        names = [rank_name(*r) for r in ranks]
+        names = [rank_label(*r) for r in ranks]
         if rank is not None and rank not in names:
             _fail(f"no rank {rank!r} of engine {engine_id!r} at {path}; its ranks: {_listed(names)}")
         found = travel([path], engine_id, req_id, step)
@@ -456,7 +457,7 @@ def query_cmd(path: str, engine_id: str | None, req_id: str, step: int | None, r
             f"no request {req_id!r} in the ledger of engine {engine_id!r}; it holds {len(ids)}: {_listed(ids)} "
             f"(`kvledger ls {path} --all-requests` lists them)"
         )
-    views = [v for v in found.views if rank is None or rank_name(v.dp_rank, v.tp_rank, v.pp_rank) == rank]
+    views = [v for v in found.views if rank is None or rank_label(v.dp_rank, v.tp_rank, v.pp_rank) == rank]
     broke = False
     if fmt == "json":
         for view in views:

@@ -17,12 +17,8 @@ from typing import Any
 
 from kvledger.schemas.events import Body, ConnectorEvent, Health, LedgerEvent, Snapshot, Step, event_of
 from kvledger.schemas.files import LedgerPathError, RankStream, ReadProblem, discover, read_stream
+from kvledger.schemas.ranks import rank_label
 from kvledger.stream_app.replay import RequestTrace, RequestView, StreamLost, UnusableLedger, iter_ledger, renamed
-
-
-def rank_name(dp: int, tp: int, pp: int) -> str:
-    """A rank as the file layout and the workers' metrics name it: dp0-tp1-pp0."""
-    return f"dp{dp}-tp{tp}-pp{pp}"
 
 
 def _span(lo: int | None, hi: int | None, value: int) -> tuple[int, int]:
@@ -64,7 +60,7 @@ class RankSeen:
 
     @property
     def name(self) -> str:
-        return rank_name(self.dp, self.tp, self.pp)
+        return rank_label(self.dp, self.tp, self.pp)
 
     @property
     def events(self) -> int:

@@ -482,7 +482,7 @@ class StreamWorker:
             while len(self.retired_travel) > RETIRED_TRAVEL:
                 del self.retired_travel[next(iter(self.retired_travel))]
         self.metrics.retired.labels(reason).inc()
-        self.metrics.forget_engine(engine_id, [f"dp{k.dp}-tp{k.tp}-pp{k.pp}" for k in ledger.ranks])
+        self.metrics.forget_engine(engine_id, [k.label for k in ledger.ranks])
         log.info("engine %s: retired (%s) after %d events", engine_id, reason, ledger.events)
 
     async def _seed_positions(self) -> None:

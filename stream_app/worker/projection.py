@@ -297,8 +297,7 @@ class EngineProjection:
                 out.transfers.append((body.transfer_id, event))
                 self.forwarded_transfers = True
             elif isinstance(body, Health):
-                rank = f"dp{event.rank.dp}-tp{event.rank.tp}-pp{event.rank.pp}"
-                out.health.append(ProducerHealth(self.engine_id, rank, body.events_dropped))
+                out.health.append(ProducerHealth(self.engine_id, event.rank.label, body.events_dropped))
         # What the join needs from this engine's tables (each side's prefix), after what revealed it.
         out.transfers += [(e.body.transfer_id, e) for e in self.ledger.transfer_use.take_derived()]
         out.unchecked += self._new_unchecked()

@@ -35,6 +35,7 @@ import aiohttp
 import faust
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvledger.schemas.ranks import rank_label
 from kvledger.stream_app.worker.history import History, read_registry
 from kvledger.stream_app.worker.travel import travel
 
@@ -53,7 +54,7 @@ def engines_view(worker: StreamWorker) -> list[dict]:
         ledger = projection.ledger
         ranks = [
             {
-                "rank": f"dp{key.dp}-tp{key.tp}-pp{key.pp}",
+                "rank": key.label,
                 "incarnation": slot.incarnation,
                 "last_step": slot.last_step,
                 "events_dropped": slot.events_dropped,
@@ -106,7 +107,7 @@ def block_table_view(worker: StreamWorker, engine_id: str, req_id: str) -> list[
     for key, slot in sorted(projection.ledger.ranks.items(), key=lambda kv: (kv[0].dp, kv[0].pp, kv[0].tp)):
         state = projection.ledger.tables_of(key)
         rows = state.request_rows(req_id) if state is not None else None
-        views.append({"rank": f"dp{key.dp}-tp{key.tp}-pp{key.pp}", "step": slot.last_step, "rows": rows})
+        views.append({"rank": key.label, "step": slot.last_step, "rows": rows})
     return views
 
 
@@ -134,7 +135,7 @@ async def travel_view(worker: StreamWorker, engine_id: str, req_id: str, step: i
         worker.settings.kafka,
         worker.decoder.codec,  # the worker's own framings: registry ids too
     )
-    ranks = [{"rank": f"dp{v.dp_rank}-tp{v.tp_rank}-pp{v.pp_rank}", **asdict(v)} for v in journey.views]
+    ranks = [{"rank": rank_label(v.dp_rank, v.tp_rank, v.pp_rank), **asdict(v)} for v in journey.views]
     return {"start_offset": journey.start_offset, "from_waypoint": journey.from_waypoint, "ranks": ranks}
 
 

@@ -60,6 +60,6 @@ def test_make_demo_prints_the_readmes_sample(tmp_path, runner):
     said = re.findall(r"^kv_trace: (\w+) at step (\d+), req (\S+), group (\d+) on ", printed, re.M)
     assert said == [("write_target_mismatch", step, req, group)], printed
     kinds = "|".join(kind.value for kind in ViolationKind)
-    found = re.findall(rf"^({kinds}) \S+ dp0/tp0/pp0 step (\d+) req (\S+) group (\d+): ", printed, re.M)
+    found = re.findall(rf"^({kinds}) \S+ dp0-tp0-pp0 step (\d+) req (\S+) group (\d+): ", printed, re.M)
     assert found == [("write_target_mismatch", step, req, group)], printed
     assert f"kvledger query demo-ledger/faulty --req {req} --step {step} " in printed

@@ -267,7 +267,7 @@ def test_text_report(clean, faulty, faulty_check):
     for kind in {v["kind"] for v in violations}:
         assert kind in out.stdout, kind
     # One line per violation, naming its rank.
-    assert sum(1 for line in out.stdout.splitlines() if re.search(r"dp0/tp\d/pp0", line)) == len(violations)
+    assert sum(1 for line in out.stdout.splitlines() if re.search(r"dp0-tp\d-pp0", line)) == len(violations)
 
 
 def test_progress_bar_only_on_a_terminal(faulty):
@@ -640,7 +640,7 @@ def test_one_rank_where_nothing_was_checked_is_not_clean(clean, tmp_path):
     text = run("check", root)
     assert text.returncode == 3
     assert "no violations" not in text.stdout.replace("no violations on the 1 rank(s) checked", "")
-    assert f"nothing checked on {ENGINE} dp0/tp1/pp0" in text.stdout
+    assert f"nothing checked on {ENGINE} dp0-tp1-pp0" in text.stdout
 
 
 # -- input lost: never clean ----------------------------------------------------------------------------
@@ -739,7 +739,7 @@ def test_a_zero_byte_rank_beside_a_checked_one_is_named_as_such(tmp_path):
     [problem] = summary["problems"]
     assert problem["reason"] == "empty"
     text = run("check", root).stdout
-    assert f"nothing checked on {ENGINE} dp0/tp1/pp0: no event of it could be read" in text
+    assert f"nothing checked on {ENGINE} dp0-tp1-pp0: no event of it could be read" in text
     assert "not clean: nothing checked on 1 rank(s); no violations on the 1 rank(s) checked" in text
     assert "no check of the KV cache ran" not in text  # the other rank's were run: said above
 
@@ -755,8 +755,8 @@ def test_a_renamed_engine_directory_is_checked_and_listed_as_its_events_engine(c
     text = run("check", renamed).stdout
     assert "nothing checked" not in text and "no violations" in text
     line = (
-        f"renamed: {renamed / 'dp0-tp0-pp0'} holds the events of engine {ENGINE} dp0/tp0/pp0 "
-        "(its path names renamed dp0/tp0/pp0): checked as that engine's"
+        f"renamed: {renamed / 'dp0-tp0-pp0'} holds the events of engine {ENGINE} dp0-tp0-pp0 "
+        "(its path names renamed dp0-tp0-pp0): checked as that engine's"
     )
     assert line in text.splitlines()
     listed = json.loads(run("ls", renamed, "--format", "json").stdout)
