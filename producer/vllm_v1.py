@@ -1,6 +1,6 @@
 """Probes for vLLM's V1 model runner (vllm/v1/worker/gpu_model_runner.py), the CPU default.
 
-Three attach points on one runner instance, nothing else touched:
+Four attach points on one runner instance, nothing else touched:
 
 * `execute_model(scheduler_output)`: the step's input, as the scheduler
   handed it to this worker, and the step counter (every call counts, so all
@@ -8,7 +8,11 @@ Three attach points on one runner instance, nothing else touched:
 * `_build_attention_metadata(..., slot_mappings=...)`: the plan attention
   used, read after the runner built it: the per-group slot mappings (the very
   tensors the KV write reads) and block-table rows. Never recomputed;
-* `_dummy_run(...)`: dummy, profile and warm-up runs, recorded as such.
+* `_dummy_run(...)`: dummy, profile and warm-up runs, recorded as such;
+* `_get_slot_mappings(...)`, inside a dummy run: the slot mappings its forward
+  context carries, read once the run is over (what its KV writes used), the
+  plan of a dummy run that builds no attention metadata (every one on a
+  runner without FULL CUDA graphs).
 
 A drafter that writes KV (EAGLE-style, `runner.drafter`) is probed too: its
 `propose` (each request's tokens in the first pass) and `_get_slot_mapping`
@@ -200,6 +204,9 @@ class V1RunnerProbe:
         self.fields_missing: set[str] = set()
         self.steps_missing_fields = 0
         self._dummy_kind: str | None = None
+        # Inside a dummy run: the slot mappings its forward context carries, by group (the tensors,
+        # read once the run is over: what its KV writes went through, fill included).
+        self._dummy_slots: dict[int, Any] | None = None
         self._broken = False
         # Set by kvledger.producer.plugin.pause_tracing: steps are counted, nothing recorded
         # (the ledger resyncs at the next snapshot after resume_tracing).
@@ -229,6 +236,7 @@ class V1RunnerProbe:
                 self._wrap_build_metadata,
             ),
             (AttachPoint("_dummy_run", "dummy_runs", ("num_tokens", "is_profile")), self._wrap_dummy_run),
+            (AttachPoint("_get_slot_mappings", "dummy_run_plans", ("num_tokens_padded",)), self._wrap_slot_mappings),
         ]
 
     def attach(self) -> None:
@@ -312,6 +320,28 @@ class V1RunnerProbe:
                 self._guard(self._after_dummy)
 
         return traced_dummy_run
+
+    def _wrap_slot_mappings(self, get_slot_mappings: Callable) -> Callable:
+        def traced_get_slot_mappings(*args, **kwargs):
+            result = get_slot_mappings(*args, **kwargs)
+            if self._dummy_kind is not None:
+                self._guard(self._hold_dummy_slots, result)
+            return result
+
+        return traced_get_slot_mappings
+
+    def _hold_dummy_slots(self, result: tuple) -> None:
+        """A dummy run's slot mappings where its forward context takes them (by layer: a group's
+        first layer), so that a run building no attention metadata (every dummy batch of a runner
+        without FULL graphs) still has its writes recorded."""
+        by_group, by_layer = result
+        if by_group is None:  # before the KV cache exists (the profile run): nothing is written
+            return
+        groups = self.runner.kv_cache_config.kv_cache_groups
+        if isinstance(by_layer, dict):
+            self._dummy_slots = {g: by_layer[s.layer_names[0]] for g, s in enumerate(groups) if s.layer_names}
+        else:  # micro-batches: per-layer slices of the same per-group tensors
+            self._dummy_slots = {g: by_group[g] for g in range(len(groups))}
 
     def _raise_found(self) -> None:
         """`raise`: fail the step, before its output is returned, with what the check found."""
@@ -459,12 +489,16 @@ class V1RunnerProbe:
 
     def _before_dummy(self, kind: str) -> None:
         self.step += 1
-        self._plan = None
+        self._plan, self._dummy_slots = None, None
         self._drafts, self._next_pass, self._drafts_lost = [], 0, False
         self._dummy_kind = kind
 
     def _after_dummy(self) -> None:
         kind, self._dummy_kind = self._dummy_kind, None
+        held, self._dummy_slots = self._dummy_slots, None
+        if self._plan is None and held and not self.paused:  # no attention metadata built: its forward context's
+            gids = sorted(held)
+            self._plan = PlanCapture.of_dummy_run(gids, self._copy(PlanCapture.dummy_parts([held[g] for g in gids])))
         if not self.paused:
             self._record_step(kind, None)
 

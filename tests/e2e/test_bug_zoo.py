@@ -232,12 +232,13 @@ def test_dummy_batch_through_stale_slots_is_caught_at_its_step(dummy_runs):
 
 
 @pytest.mark.parallel
-def test_dummy_batch_without_attention_metadata_is_a_documented_miss(dummy_runs):
-    """The same stale write from a dummy batch as the CPU runner runs it (no attention metadata,
-    so the probe, which reads the plan from `_build_attention_metadata`, records none), into Z's
-    first block, which the next request reads as a prefix hit; nothing is reported. Content
-    digests do not see it either: Z's blocks were filled by a request that ended in that step,
-    so no digest sealed them before the damage (the first one is taken at the read)."""
+def test_dummy_batch_without_attention_metadata_is_caught_at_its_step_too(dummy_runs):
+    """The same stale write from a dummy batch as the CPU runner runs it: no attention metadata is
+    built, so the probe reads the slot mappings where the forward context takes them
+    (`_get_slot_mappings`), after the run, as its KV writes used them. Z's first block, which the
+    next request reads as a prefix hit, is named at the dummy step. Content digests alone would
+    not see it: Z's blocks were filled by a request that ended in that step, so no digest sealed
+    them before the damage (the first one is taken at the read)."""
     faulty, clean, ledger = dummy_runs.faulty, dummy_runs.clean, dummy_runs.faulty_ledger
     record = faulty.records[1]
     assert (record["dummy"], record["stale"], record["attention"]) == ("1", "1", "0")
@@ -252,14 +253,17 @@ def test_dummy_batch_without_attention_metadata_is_a_documented_miss(dummy_runs)
         f"{record['nonfinite']} not finite; request 6 tokens {faulty.rounds[6]} (clean {clean.rounds[6]})"
     )
     first_dummy, dummy_at = dummy_steps(ledger)
-    assert steps(ledger)[dummy_at]["plan"] is None  # the write was never seen
-    # Nothing reported but the first dummy batch (the test above); no digest of Z's first block
-    # before the damage, so the first one, at the read, is its reference.
+    assert steps(ledger)[dummy_at]["plan"] is not None  # recorded without attention metadata
     result = replay(ledger)
-    assert [(v.kind, v.step) for v in result.violations] == [("unowned_write", first_dummy)]
-    assert min(digested(ledger, z_block)) == reader_at, digested(ledger, z_block)
-    assert result.ledger.coverage.checks["content_verified"] > 0
-    print(f"zoo 15492/39444 (no attention metadata): written at step {dummy_at}, read at {reader_at}: not reported")
+    found = [(v.kind, v.step, v.req_id, v.group, rank_of(v)) for v in result.violations]
+    assert found == [("unowned_write", at, None, 0, RANK) for at in (first_dummy, dummy_at)], found
+    assert f"first slot {z_block * BLOCK} (block {z_block})" in result.violations[1].detail
+    assert min(digested(ledger, z_block)) == reader_at, digested(ledger, z_block)  # digests: too late
+    assert f"kv_trace: unowned_write at step {dummy_at}, req None, group 0" in faulty.log
+    print(
+        f"zoo 15492/39444 (no attention metadata): written at step {dummy_at}, reported at step {dummy_at} "
+        f"(0 steps), read by request {reader['req_id']} at step {reader_at}"
+    )
 
 
 @pytest.mark.parallel

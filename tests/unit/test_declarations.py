@@ -63,7 +63,7 @@ def probe(cls, config, **runner_attrs):
 
 def test_both_runners_put_the_declarations_in_their_capabilities():
     names = [c[0] for c in probe(V1RunnerProbe, vllm_config(dcp=2)).capabilities()]
-    assert names == ["step_input", "step_plan", "dummy_runs", "connector", "decode_context_parallel"]
+    assert names == ["step_input", "step_plan", "dummy_runs", "dummy_run_plans", "connector", "decode_context_parallel"]
     mrv2 = probe(MRV2RunnerProbe, vllm_config(pcp=2), adaptive_verification=object()).capabilities()
     assert [(c[0], c[1]) for c in mrv2[4:]] == [("prefill_context_parallel", False), ("adaptive_verification", False)]
     assert [c[0] for c in probe(MRV2RunnerProbe, vllm_config(), adaptive_verification=None).capabilities()] == [

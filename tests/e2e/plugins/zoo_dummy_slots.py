@@ -34,7 +34,7 @@ What differs from the original, and why:
   the CPU runner has no graphs and builds none for a dummy batch, while its KV write still
   goes through the forward context's slot mapping (`unified_kv_cache_update`). The second
   variable makes chosen dummy batches build it (`force_attention=True`), standing in for the
-  FULL-graph replay; without it the dummy batch's plan is never seen.
+  FULL-graph replay; without it the probe reads the slot mappings the forward context takes.
 
 Each dummy batch prints one line on stderr, which the tests match:
 `ZOO dummy=I stale=0|1 attention=0|1 slots=S,... blocks=B,... changed=N nonfinite=M`: the
