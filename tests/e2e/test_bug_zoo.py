@@ -100,15 +100,18 @@ def rank_of(violation) -> tuple[int, int, int]:
 
 
 # -- dummy batches: stale slots (vllm-ascend 15492, vllm 39444); a same-step prefix hit (vllm 41838) ----
-# Token ids: the tiny model has 512. X, Y, Z: three 64-token prefixes (two full blocks each);
-# W: a 300-token prompt, longer than the 128-token budget, prefilled in three chunks.
-X, Y, Z = list(range(3, 67)), list(range(150, 214)), list(range(70, 134))
+# Token ids: the tiny model has 512. X, Z: two 64-token prefixes (two full blocks each); Y: X and a
+# third block; W: a 300-token prompt, longer than the 128-token budget, prefilled in three chunks.
+X, Z = list(range(3, 67)), list(range(70, 134))
+Y = X + list(range(150, 182))
 W = list(range(211, 511))
 DUMMY_ROUNDS = [
     # 0: W's chunks take the whole budget; X+a and X+b wait, then are admitted in one step:
     #    the second hits the first's blocks the step they are written (vllm 41838).
     {"prompts": [W, X + list(range(400, 410)), X + list(range(410, 420))], "max_tokens": 1},
-    # 1: Y+y alone; it ends at its prefill, so the slot buffer holds Y's first block, offset 0.
+    # 1: Y+y alone; it hits X's blocks and ends at its prefill, which computed positions 64 on:
+    #    the slot buffer holds Y's third block, offset 0, the token buffer the token there. A dummy
+    #    batch recomputes that token's KV without its context (layer 1's differs).
     {"prompts": [Y + list(range(420, 430))], "max_tokens": 1},
     # 2: a dummy batch that builds attention metadata (as a FULL-graph replay does).
     {"worker": "execute_dummy_batch"},
@@ -192,22 +195,23 @@ def dummy_steps(ledger: Path) -> list[int]:
 @pytest.mark.parallel
 def test_dummy_batch_through_stale_slots_is_caught_at_its_step(dummy_runs):
     """vllm-ascend 15492 / vllm 39444, the dummy batch building attention metadata as a
-    FULL-graph replay does: it writes Y's first block, which the prefix cache keeps, and the next
+    FULL-graph replay does: it writes Y's third block, which the prefix cache keeps, and the next
     request reads the damage as a prefix hit; the dummy step itself is reported."""
     faulty, clean, ledger = dummy_runs.faulty, dummy_runs.clean, dummy_runs.faulty_ledger
     record = faulty.records[0]
     assert (record["dummy"], record["stale"], record["attention"]) == ("0", "1", "1")
     # Fired: the dummy batch's one token went where the last real step (request 3, Y+y, which
-    # ended at its prefill) left the buffer: Y's first block, offset 0 ...
+    # hit X's blocks and ended at its prefill) left the buffer: Y's third block, offset 0 ...
     _, y = admitted(ledger, 3)
-    y_block = blocks_of(y)[0]
+    assert y["num_computed_tokens"] == len(X)
+    y_block = blocks_of(y)[len(X) // BLOCK]
     assert (record["slots"], record["blocks"]) == (str(y_block * BLOCK), str(y_block))
     # ... and changed its KV there: the forward computed that token with a context of its own
     # (attention metadata built for a made-up request of one token), not the prefix the real
     # write had seen. Request 4 (Y+c) then reads the block as a prefix hit.
     assert int(record["changed"]) > 0, record
     reader_at, reader = admitted(ledger, 4)
-    assert reader["num_computed_tokens"] == len(Y) and blocks_of(reader)[0] == y_block
+    assert reader["num_computed_tokens"] == len(Y) and blocks_of(reader)[len(X) // BLOCK] == y_block
     # The outputs: the clean run's until request 4 reads the block, then not.
     assert all(faulty.rounds[i] == clean.rounds[i] for i in (0, 1))
     assert faulty.rounds[3] != clean.rounds[3], (faulty.rounds[3], clean.rounds[3])
