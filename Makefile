@@ -69,9 +69,9 @@ lint: setup
 # installs (minutes: torch and its CUDA libraries come from PyPI) while the tests that need no
 # engine run; then the tests that do. Every test runs whatever fails first.
 # The engine tests marked `parallel` (one engine of one rank, no broker, no timing bound) run
-# in two processes at once, each engine's OpenMP threads on a core of its own: an engine's
-# start is ~40 s of three interpreters importing vLLM one after the other, on one core. Then
-# the rest, one at a time.
+# in two processes at once: a one-rank engine's core runs in its driver's process, on one
+# torch thread (tests/e2e/conftest.py `engine_env`); one started with vLLM's own processes
+# (the demo) binds its OpenMP threads to the shard's core. Then the rest, one at a time.
 VLLM_LOG := $(VLLM_VENV).install.log
 PYTEST := $(BIN)/python -m pytest -q --durations=15
 ENGINES := KVLEDGER_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python
