@@ -22,7 +22,7 @@ import pytest
 from kvledger.schemas.files import discover, read_segment
 from kvledger.schemas.packing import unpack_i32
 from kvledger.stream_app.replay import replay
-from tests.e2e.conftest import ROOT, assert_runner, engine_env, vllm_python
+from tests.e2e.conftest import ROOT, RUNNERS, assert_runner, engine_env, vllm_python
 from tests.e2e.engine_run import TINY_LLAMA
 
 pytestmark = pytest.mark.e2e
@@ -366,13 +366,16 @@ def connector_events(ledger: Path) -> list[dict]:
     ]
 
 
-def test_abort_freeing_blocks_under_an_in_flight_transfer_is_caught_at_the_victims_grant(tmp_path):
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_abort_freeing_blocks_under_an_in_flight_transfer_is_caught_at_the_victims_grant(tmp_path, runner):
     """SGLang 32564 on vLLM's Mooncake pair, vLLM's fix (PR 32255) reverted: the client aborts a
     decode request whose pull reached the prefill side; its blocks are freed at once and go to
     the next request (the victim), whose prefill fills them; then the transfer's write lands on
     them, and the victim decodes on the aborted request's KV. The decode ledger shows the victim
     granted, to write, the blocks of a receive still pending: a pending receive holds its blocks
-    as a pending send does, so the grant is a foreign_block_write at the victim's step."""
+    as a pending send does, so the grant is a foreign_block_write at the victim's step. The bug
+    lives in the scheduler, which both runners share: the decode engine runs either (the prefill
+    engine V1's)."""
     from tests.e2e.test_pd_pair import _pair_ready
     from tests.e2e.zoo_pair import TRANSFER, run_zoo_pair
 
@@ -384,9 +387,11 @@ def test_abort_freeing_blocks_under_an_in_flight_transfer_is_caught_at_the_victi
         "max_tokens": 8,
         "ledger_root": str(tmp_path / "ledger"),
         "markers": str(markers),
+        "runners": {"decode": runner},
     }
     env = {"ZOO_ABORT_VICTIM": "zoo-victim", "ZOO_ABORT_REVERT": "1", "ZOO_WEIGHT_SCALE": "100"}
     run = run_zoo_pair(_pair_ready(), spec, env)
+    assert_runner(run.log, tmp_path / "ledger" / "decode", runner)
     # Fired, in the report's order: the pull reached the prefill side, the abort freed the doomed
     # request's blocks, the victim got them and ran its prefill, the held write landed, and the
     # doomed request's receive completed afterwards.

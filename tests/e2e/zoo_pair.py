@@ -111,7 +111,7 @@ def _drive(spec: dict) -> dict:
 
     model = tempfile.mkdtemp(prefix="tiny-llama-")
     Path(model, "config.json").write_text(json.dumps(TINY_LLAMA))
-    settings = {"ledger_root": spec.get("ledger_root")}
+    settings = {"ledger_root": spec.get("ledger_root"), "runners": spec.get("runners")}
     prefill = _engine(model, "prefill", PREFILL_ENGINE_ID, settings)
     decode = _engine(model, "decode", "decode-0", settings)
     max_tokens = spec.get("max_tokens", 8)
