@@ -236,7 +236,7 @@ class V1RunnerProbe:
                 self._wrap_build_metadata,
             ),
             (AttachPoint("_dummy_run", "dummy_runs", ("num_tokens", "is_profile")), self._wrap_dummy_run),
-            (AttachPoint("_get_slot_mappings", "dummy_run_plans", ("num_tokens_padded",)), self._wrap_slot_mappings),
+            (AttachPoint("_get_slot_mappings", "dummy_run_plans"), self._wrap_slot_mappings),  # reads its result
         ]
 
     def attach(self) -> None:

@@ -116,7 +116,7 @@ DUMMY_ROUNDS = [
     # 2: a dummy batch that builds attention metadata (as a FULL-graph replay does).
     {"worker": "execute_dummy_batch"},
     # 3: Y+c hits Y's blocks.
-    {"prompts": [Y + list(range(430, 440))], "max_tokens": 8},
+    {"prompts": [Y + list(range(430, 440))], "max_tokens": 8, "logprobs": True},
     # 4: Z+z alone, as round 1.
     {"prompts": [Z + list(range(440, 450))], "max_tokens": 1},
     # 5: a dummy batch as the CPU runner runs it: no attention metadata.
@@ -212,12 +212,14 @@ def test_dummy_batch_through_stale_slots_is_caught_at_its_step(dummy_runs):
     assert int(record["changed"]) > 0, record
     reader_at, reader = admitted(ledger, 4)
     assert reader["num_computed_tokens"] == len(Y) and blocks_of(reader)[len(X) // BLOCK] == y_block
-    # The outputs: the clean run's until request 4 reads the block, then not.
+    # The outputs: the clean run's until request 4 reads the block, then its log-probabilities
+    # part from the clean run's (one token's KV in one layer: the greedy tokens may hold).
     assert all(faulty.rounds[i] == clean.rounds[i] for i in (0, 1))
-    assert faulty.rounds[3] != clean.rounds[3], (faulty.rounds[3], clean.rounds[3])
+    assert faulty.logprobs[3] != clean.logprobs[3], (faulty.logprobs[3], clean.logprobs[3])
     print(
         f"zoo 15492/39444 (attention metadata): {record['changed']} KV values changed, "
-        f"{record['nonfinite']} not finite; request 4 tokens {faulty.rounds[3]} (clean {clean.rounds[3]})"
+        f"{record['nonfinite']} not finite; request 4 log-probabilities {faulty.logprobs[3][0][:3]} "
+        f"(clean {clean.logprobs[3][0][:3]}), tokens {faulty.rounds[3]} (clean {clean.rounds[3]})"
     )
     # Caught: one unowned_write at the dummy step, group 0, no request, naming slot and block.
     dummy_at = dummy_steps(ledger)[0]

@@ -286,7 +286,7 @@ def test_the_demo_sample_shows_each_line_the_demo_script_echoes_in_order() -> No
 
 def test_the_demo_normalization_keeps_each_lines_shape() -> None:
     sample = normalized_demo_output(demo_sample())
-    assert "kv_trace: write_target_mismatch at step N, req REQ, group N on vllm-ENGINE dpN/tpN/ppN: " in "\n".join(
+    assert "kv_trace: write_target_mismatch at step N, req REQ, group N on vllm-ENGINE dpN-tpN-ppN: " in "\n".join(
         sample
     )
     assert any(
@@ -296,7 +296,7 @@ def test_the_demo_normalization_keeps_each_lines_shape() -> None:
     assert normalized_demo_output("45 events\nno violations  \n") != normalized_demo_output("45 events\nno violation\n")
 
 
-def _table(text: str, header: str) -> list[list[str]]:
+def _markdown_rows(text: str, header: str) -> list[list[str]]:
     """The rows of the markdown table whose header line starts with `header`, as cells."""
     lines = text[text.index(header) :].splitlines()
     rows = []
@@ -311,9 +311,9 @@ def test_the_bug_zoos_labels_and_totals_agree_with_its_rows():
     """docs/bugs.md at a glance: every entry carries one label, and the totals table counts each
     label's entries and verdicts as the rows say (caught, documented miss, not re-created)."""
     text = (DOCS / "bugs.md").read_text()
-    entries = {int(r[0]): (r[1].strip("*"), r[-1]) for r in _table(text, "| # | label |")}
+    entries = {int(r[0]): (r[1].strip("*"), r[-1]) for r in _markdown_rows(text, "| # | label |")}
     assert sorted(entries) == list(range(1, len(entries) + 1))
-    totals = {r[0].strip("*"): r for r in _table(text, "| label | what runs |")}
+    totals = {r[0].strip("*"): r for r in _markdown_rows(text, "| label | what runs |")}
     assert set(totals) == {label for label, _ in entries.values()} | {"all"}
     for label, row in totals.items():
         mine = {n: verdict for n, (lab, verdict) in entries.items() if label in (lab, "all")}
