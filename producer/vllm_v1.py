@@ -9,10 +9,11 @@ Four attach points on one runner instance, nothing else touched:
   used, read after the runner built it: the per-group slot mappings (the very
   tensors the KV write reads) and block-table rows. Never recomputed;
 * `_dummy_run(...)`: dummy, profile and warm-up runs, recorded as such;
-* `_get_slot_mappings(...)`, inside a dummy run: the slot mappings its forward
-  context carries, read once the run is over (what its KV writes used), the
-  plan of a dummy run that builds no attention metadata (every one on a
-  runner without FULL CUDA graphs).
+* `_get_slot_mappings(...)`, wrapped for the length of a dummy run only (a
+  real step calls vLLM's own): the per-group slot mappings its forward context
+  carries, read once the run is over (what its KV writes used), the plan of a
+  dummy run that builds no attention metadata (every one on a runner without
+  FULL CUDA graphs).
 
 A drafter that writes KV (EAGLE-style, `runner.drafter`) is probed too: its
 `propose` (each request's tokens in the first pass) and `_get_slot_mapping`
@@ -207,6 +208,8 @@ class V1RunnerProbe:
         # Inside a dummy run: the slot mappings its forward context carries, by group (the tensors,
         # read once the run is over: what its KV writes went through, fill included).
         self._dummy_slots: dict[int, Any] | None = None
+        # `_get_slot_mappings` as vLLM has it and as traced, swapped in for a dummy run only.
+        self._slot_mappings: tuple[Callable, Callable] | None = None
         self._broken = False
         # Set by kvledger.producer.plugin.pause_tracing: steps are counted, nothing recorded
         # (the ledger resyncs at the next snapshot after resume_tracing).
@@ -322,26 +325,24 @@ class V1RunnerProbe:
         return traced_dummy_run
 
     def _wrap_slot_mappings(self, get_slot_mappings: Callable) -> Callable:
+        """vLLM's own, left in place: the traced one is swapped in by `_before_dummy` (every real
+        step calls this method; only a dummy run's result is read)."""
+
         def traced_get_slot_mappings(*args, **kwargs):
             result = get_slot_mappings(*args, **kwargs)
-            if self._dummy_kind is not None:
-                self._guard(self._hold_dummy_slots, result)
+            self._guard(self._hold_dummy_slots, result)
             return result
 
-        return traced_get_slot_mappings
+        self._slot_mappings = (get_slot_mappings, traced_get_slot_mappings)
+        return get_slot_mappings
 
     def _hold_dummy_slots(self, result: tuple) -> None:
-        """A dummy run's slot mappings where its forward context takes them (by layer: a group's
-        first layer), so that a run building no attention metadata (every dummy batch of a runner
-        without FULL graphs) still has its writes recorded."""
-        by_group, by_layer = result
-        if by_group is None:  # before the KV cache exists (the profile run): nothing is written
-            return
-        groups = self.runner.kv_cache_config.kv_cache_groups
-        if isinstance(by_layer, dict):
-            self._dummy_slots = {g: by_layer[s.layer_names[0]] for g, s in enumerate(groups) if s.layer_names}
-        else:  # micro-batches: per-layer slices of the same per-group tensors
-            self._dummy_slots = {g: by_group[g] for g in range(len(groups))}
+        """A dummy run's per-group slot mappings, the tensors its forward context's per-layer
+        mapping points at, so that a run building no attention metadata (every dummy batch of a
+        runner without FULL graphs) still has its writes recorded."""
+        by_group, _ = result
+        if by_group is not None:  # None before the KV cache exists (the profile run): nothing written
+            self._dummy_slots = {g: by_group[g] for g in by_group}  # by key: the tensors themselves
 
     def _raise_found(self) -> None:
         """`raise`: fail the step, before its output is returned, with what the check found."""
@@ -492,15 +493,20 @@ class V1RunnerProbe:
         self._plan, self._dummy_slots = None, None
         self._drafts, self._next_pass, self._drafts_lost = [], 0, False
         self._dummy_kind = kind
+        if self._slot_mappings is not None:
+            self.runner._get_slot_mappings = self._slot_mappings[1]
 
     def _after_dummy(self) -> None:
         kind, self._dummy_kind = self._dummy_kind, None
         held, self._dummy_slots = self._dummy_slots, None
-        if self._plan is None and held and not self.paused:  # no attention metadata built: its forward context's
+        if self._slot_mappings is not None:
+            self.runner._get_slot_mappings = self._slot_mappings[0]
+        if self.paused:
+            return
+        if self._plan is None and held:  # no attention metadata built: the forward context's slots
             gids = sorted(held)
             self._plan = PlanCapture.of_dummy_run(gids, self._copy(PlanCapture.dummy_parts([held[g] for g in gids])))
-        if not self.paused:
-            self._record_step(kind, None)
+        self._record_step(kind, None)
 
     def _record_step(self, kind: str, scheduler: tuple | None) -> None:
         """Record this step with the plan captured during it: as a frame the recorder builds, or

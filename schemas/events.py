@@ -31,7 +31,7 @@ from kvledger.schemas.kinds import (
     connector_kind,
     connector_wire,
 )
-from kvledger.schemas.ranks import rank_label
+from kvledger.schemas.ranks import engine_rank_label, rank_label
 
 Record = dict[str, Any]
 
@@ -303,7 +303,7 @@ class Violation(Typed, frozen=True):
     @property
     def rank(self) -> str:
         """Its engine and rank: `ENGINE dp0-tp1-pp0`."""
-        return f"{self.engine_id} {rank_label(self.dp_rank, self.tp_rank, self.pp_rank)}"
+        return engine_rank_label(self.engine_id, self.dp_rank, self.tp_rank, self.pp_rank)
 
     def where(self) -> str:
         """Where it is, as a rank's `log` and `raise` actions report it."""

@@ -13,6 +13,11 @@ def rank_label(dp: int, tp: int, pp: int) -> str:
     return f"dp{dp}-tp{tp}-pp{pp}"
 
 
+def engine_rank_label(engine_id: str, dp: int, tp: int, pp: int) -> str:
+    """A rank with its engine, as reports name it: `ENGINE dp0-tp1-pp0`."""
+    return f"{engine_id} {rank_label(dp, tp, pp)}"
+
+
 def parse_rank_label(name: str) -> tuple[int, int, int] | None:
     """(dp, tp, pp) of a name `rank_label` wrote, else None."""
     match = _LABEL.match(name)

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from kvledger.schemas.files import RankStream, ReadProblem, unread_peers
 from kvledger.schemas.kinds import Check, ReadFailure
-from kvledger.schemas.ranks import rank_label
+from kvledger.schemas.ranks import engine_rank_label, rank_label
 from kvledger.stream_app.core import RankKey, Violation
 from kvledger.stream_app.replay import PlanWrites, Replay, RequestView, UnusableLedger, renamed, replay
 
@@ -98,10 +98,6 @@ def _violation_text(v: Violation) -> str:
         if x
     )
     return f"[bold red]{v.kind}[/] [cyan]{where}[/]{' ' + at if at else ''}: {escape(v.detail)}"
-
-
-def _rank_label(engine_id: str, dp: int, tp: int, pp: int) -> str:
-    return f"{engine_id} {rank_label(dp, tp, pp)}"
 
 
 # What replaying a stream counts without checking the KV cache: its events' order, tables loaded.
@@ -192,7 +188,7 @@ def _renamed_lines(streams: list[RankStream], done: str) -> list[str]:
 
 def _rank_of(r: dict) -> str:
     """The rank a JSON entry names (engine_id, dp_rank, tp_rank, pp_rank)."""
-    return _rank_label(r["engine_id"], r["dp_rank"], r["tp_rank"], r["pp_rank"])
+    return engine_rank_label(r["engine_id"], r["dp_rank"], r["tp_rank"], r["pp_rank"])
 
 
 def _print_text_summary(console: Console, result: Replay, unchecked: list[dict], status: CheckStatus) -> None:
